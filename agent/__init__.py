@@ -1,0 +1,1 @@
+"""Node-local sidecar agent: hook server, GPU sampler, pid watch, uplink."""

@@ -1,0 +1,1 @@
+"""Decisions: cost model, schedule simulator, detector, planner (pure) and the service around them."""

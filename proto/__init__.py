@@ -1,0 +1,1 @@
+"""gRPC protocol (package resihp.v1) and its generated code."""

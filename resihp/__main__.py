@@ -1,0 +1,5 @@
+import sys
+
+from resihp.cli import main
+
+sys.exit(main())

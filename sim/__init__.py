@@ -1,0 +1,1 @@
+"""Cluster-scale, event-driven simulation of resilience policies."""

@@ -1,0 +1,1 @@
+"""The two calls a training loop adds, and the runtime they reshape."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
-from resihp.coordinator.spec import SpecError
+from .spec import SpecError
 
 
 class Schedule(str, Enum):

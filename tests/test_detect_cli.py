@@ -1,0 +1,65 @@
+"""``resihp detect`` end to end, through the installed console script."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.spec import preset
+from resihp.sim.workload import Fault, Noise, WorkloadConfig, write_workload
+
+
+def _trace(tmp_path: Path) -> Path:
+    cfg = WorkloadConfig(preset("llama2-7b"), Plan.uniform(2, 2, 2, 32, 8), budget=8192, seed=4, iterations=20,
+                         noise=Noise.quiet(), faults=(Fault("compute", 6, 12, 2.0), Fault("stop", 1, 18)))
+    path = tmp_path / "trace.jsonl"
+    write_workload(cfg, str(path))
+    return path
+
+
+def test_detect_writes_findings_as_json_lines(tmp_path: Path, resihp_exe: str) -> None:
+    trace = _trace(tmp_path)
+    out = tmp_path / "findings.jsonl"
+    proc = subprocess.run([resihp_exe, "detect", "--trace", str(trace), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "findings" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["kind"], r["ranks"], r["cause"]) for r in rows] == [
+        ("fail-slow", [6], "compute"), ("fail-stop", [1], "process-exit"),
+    ]
+    slow = rows[0]
+    assert (slow["iteration"], slow["stage"], slow["replica"]) == (13, 1, 1)
+    assert 1.9 < slow["factor"] < 2.1 and "rank 6" in slow["reason"]
+    for key in ("iteration", "kind", "ranks", "stage", "replica", "factor", "reason"):
+        assert key in rows[1]
+
+
+def test_detect_to_stdout_with_config(tmp_path: Path, resihp_exe: str) -> None:
+    trace = _trace(tmp_path)
+    proc = subprocess.run([resihp_exe, "detect", "--trace", str(trace), "--config", '{"confirm_iters": 3}'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert rows[0]["iteration"] == 14  # one more iteration of persistence
+
+
+def test_malformed_trace_names_line_and_field(tmp_path: Path, resihp_exe: str) -> None:
+    lines = _trace(tmp_path).read_text().splitlines()
+    lines[3] = lines[3].replace('"time_s":', '"time_s":-', 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([resihp_exe, "detect", "--trace", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "line 4" in proc.stderr and "'time_s'" in proc.stderr
+
+
+def test_missing_trace_and_bad_config_exit_2(tmp_path: Path, resihp_exe: str) -> None:
+    proc = subprocess.run([resihp_exe, "detect", "--trace", str(tmp_path / "nope.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot read trace" in proc.stderr
+    trace = _trace(tmp_path)
+    proc = subprocess.run([resihp_exe, "detect", "--trace", str(trace), "--config", '{"slow_threshold": 0}'],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "slow_threshold" in proc.stderr

@@ -1,0 +1,198 @@
+"""The detector: states, workload awareness, localisation, fail-stop, configuration."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from resihp.coordinator.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.spec import preset
+from resihp.coordinator.trace import ExitEvent, HeartbeatEvent, IterationRecord, Record
+from resihp.sim.detect_baselines import ThresholdBaseline
+from resihp.sim.workload import Fault, Hardware, Noise, WorkloadConfig, make_header, records_list
+
+MODEL = preset("llama2-7b")
+PLAN = Plan.uniform(2, 2, 2, 32, 8)  # 8 ranks, one node
+
+
+def _cfg(faults: tuple[Fault, ...] = (), iterations: int = 24, plan: Plan = PLAN, **kw: object) -> WorkloadConfig:
+    opts: dict[str, object] = {"budget": 8192, "seed": 5, "noise": Noise.quiet(), "heartbeats": False}
+    opts.update(kw)
+    return WorkloadConfig(MODEL, plan, iterations=iterations, faults=faults, **opts)  # type: ignore[arg-type]
+
+
+def _replay(cfg: WorkloadConfig, det: Detector | None = None) -> tuple[Detector, list[Finding], list[dict[int, str]]]:
+    det = det or Detector(make_header(cfg), DetectorConfig())
+    found: list[Finding] = []
+    states: list[dict[int, str]] = []
+    for rec in records_list(cfg):
+        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        found += det.observe(rec, now) + det.tick(now)
+        if isinstance(rec, IterationRecord):
+            states.append(det.suspects())
+    return det, found, states
+
+
+def test_healthy_run_raises_nothing() -> None:
+    _, found, states = _replay(_cfg(noise=Noise()))
+    assert found == []
+    assert set(states[-1].values()) == {"healthy"}
+
+
+def test_suspect_then_confirmed_then_recovered() -> None:
+    cfg = _cfg((Fault("compute", 5, 12, 1.5, end_iter=17),), iterations=26)
+    _, found, states = _replay(cfg)
+    assert states[11][5] == "healthy"
+    assert states[12][5] == "suspect"  # one slow iteration is not a finding
+    assert states[13][5] == "slow"
+    slow = [f for f in found if f.kind == "fail-slow"]
+    assert len(slow) == 1
+    f = slow[0]
+    assert (f.iteration, f.ranks, f.stage, f.replica, f.cause) == (13, (5,), 0, 1, "compute")
+    assert f.tp_group == (4, 5)
+    assert f.factor == pytest.approx(1.5, rel=0.03)
+    assert re.search(r"rank 5 .*: F/B/W compute ran 1\.[45]\dx the time the calibrated cost model predicts", f.reason)
+    assert f.evidence["compute_ratio"] == pytest.approx(1.5, rel=0.03)
+    rec = [f for f in found if f.kind == "recovered"]
+    assert len(rec) == 1 and rec[0].ranks == (5,) and rec[0].iteration == 19
+    assert states[-1][5] == "healthy"
+
+
+def test_single_slow_iteration_is_not_a_finding() -> None:
+    cfg = _cfg((Fault("compute", 2, 12, 3.0, end_iter=13),))
+    _, found, states = _replay(cfg)
+    assert found == []
+    assert states[12][2] == "suspect" and states[13][2] == "healthy"
+
+
+def test_expensive_batches_raise_no_finding_but_fool_a_raw_threshold() -> None:
+    # whole 8K documents next to micro-batches of many short ones: attention cost (Σl²)
+    # swings the iteration time by tens of percent with every device healthy
+    docs = tuple([8192] * 40 + [256] * 1200)
+    cfg = _cfg(documents=docs, iterations=40, packing="greedy", noise=Noise(checkpoint_every=0, loader_prob=0.0))
+    _, found, _ = _replay(cfg)
+    assert found == []
+    times = [r.time_s for r in records_list(cfg) if isinstance(r, IterationRecord)]
+    assert max(times) / min(times) > 1.15
+    base = ThresholdBaseline(threshold=0.10)
+    assert sum(base.observe(i, t) for i, t in enumerate(times)) >= 1
+
+
+def test_link_fault_localised_to_the_rank_with_the_slow_nic() -> None:
+    plan = Plan.uniform(2, 4, 2, 32, 8)
+    cfg = WorkloadConfig(MODEL, plan, budget=8192, seed=3, iterations=22, noise=Noise.quiet(), heartbeats=False,
+                         hardware=Hardware(gpus_per_node=2), faults=(Fault("link", 3, 12, 2.0),))
+    _, found, _ = _replay(cfg)
+    assert [(f.kind, f.ranks, f.cause, f.stage, f.replica) for f in found] == [
+        ("fail-slow", (3,), "communication", 1, 0)
+    ]
+    assert found[0].factor == pytest.approx(2.0, rel=0.1)
+
+
+def test_coarse_rank_step_evidence_localises_rank_with_unknown_cause() -> None:
+    cfg = _cfg((Fault("compute", 6, 12, 1.4),), evidence="rank_step")
+    _, found, _ = _replay(cfg)
+    assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-slow", (6,), "unknown")]
+
+
+def test_iteration_time_only_gives_a_job_level_finding() -> None:
+    cfg = _cfg((Fault("compute", 6, 14, 2.0),), evidence="iteration", iterations=24)
+    _, found, _ = _replay(cfg)
+    assert len(found) == 1 and found[0].ranks == () and found[0].stage is None
+    assert "cannot be localised" in found[0].reason
+
+
+def test_exit_event_is_an_immediate_fail_stop() -> None:
+    cfg = _cfg()
+    det = Detector(make_header(cfg))
+    out = det.observe(ExitEvent(3, 12.5, -9), now=12.5)
+    assert len(out) == 1
+    f = out[0]
+    assert (f.kind, f.ranks, f.cause, f.stage, f.replica) == ("fail-stop", (3,), "process-exit", 1, 0)
+    assert "signal 9" in f.reason
+    assert det.observe(ExitEvent(3, 13.0, -9), now=13.0) == []  # reported once
+    assert det.suspects()[3] == "dead" and det.rank_speed()[3] == 0.0
+
+
+def test_heartbeat_timeout_uses_the_injected_clock() -> None:
+    cfg = _cfg()
+    det = Detector(make_header(cfg), DetectorConfig(heartbeat_timeout_s=10.0))
+    assert det.tick(1000.0) == []  # no heartbeats seen yet: nothing to time out
+    for r in PLAN.ranks():
+        det.observe(HeartbeatEvent(r, 0.0), now=0.0)
+    for r in PLAN.ranks():
+        if r != 7:
+            det.observe(HeartbeatEvent(r, 8.0), now=8.0)
+    assert det.tick(10.0) == []
+    out = det.tick(10.5)
+    assert [(f.kind, f.ranks, f.cause) for f in out] == [("fail-stop", (7,), "heartbeat")]
+    assert "10.5 s" in out[0].reason
+    assert det.tick(11.0) == []
+
+
+def test_silent_stop_in_a_generated_trace() -> None:
+    cfg = _cfg((Fault("stop", 4, 15, exit_event=False),), heartbeats=True)
+    _, found, _ = _replay(cfg)
+    assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-stop", (4,), "heartbeat")]
+
+
+def test_rank_speed_and_plan_change_keep_state() -> None:
+    cfg = _cfg((Fault("compute", 1, 12, 2.0),))
+    det, found, _ = _replay(cfg)
+    assert det.rank_speed()[1] == pytest.approx(0.5, rel=0.05)
+    det.set_plan(Plan.uniform(2, 2, 2, 32, 8, ranks=list(range(8))))
+    assert det.suspects()[1] == "slow"
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"slow_threshold": -0.1}, "slow_threshold must be a relative excess"),
+        ({"recover_threshold": 0.2}, "recover_threshold"),
+        ({"confirm_iters": 0}, "confirm_iters must be a positive integer"),
+        ({"heartbeat_timeout_s": 0.0}, "heartbeat_timeout_s must be > 0"),
+    ],
+)
+def test_config_validation_messages(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DetectorConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_config_from_dict_rejects_unknown_options() -> None:
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['slow'\]"):
+        DetectorConfig.from_dict({"slow": 0.1})
+    assert DetectorConfig.from_dict({"confirm_iters": 3}).confirm_iters == 3
+
+
+def test_finding_json_has_the_documented_keys() -> None:
+    cfg = _cfg((Fault("compute", 5, 12, 2.0),), iterations=16)
+    _, found, _ = _replay(cfg)
+    doc = found[0].to_json()
+    for key in ("iteration", "kind", "ranks", "stage", "replica", "factor", "reason", "cause", "tp_group", "evidence"):
+        assert key in doc
+    assert doc["kind"] == "fail-slow" and doc["ranks"] == [5]
+
+
+def test_observe_rejects_non_records() -> None:
+    det = Detector(make_header(_cfg()))
+    bad: Record = "iteration"  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="not a trace record"):
+        det.observe(bad, 0.0)
+
+
+def test_detection_continues_across_a_plan_change_record() -> None:
+    from dataclasses import replace as dc_replace
+
+    from resihp.coordinator.trace import PlanChange
+
+    cfg = _cfg((Fault("compute", 3, 16, 2.0),), iterations=22)
+    det = Detector(make_header(cfg))
+    found: list[Finding] = []
+    for rec in records_list(cfg):
+        if isinstance(rec, IterationRecord) and rec.iteration == 12:
+            found += det.observe(PlanChange(12, dc_replace(PLAN, epoch=1, reason="test")), rec.start_s)
+        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        found += det.observe(rec, now)
+    assert det.index.plan.epoch == 1
+    assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (3,), 17)]

@@ -1,0 +1,41 @@
+"""Resilience policies the simulator compares. ``make(name, ...)`` builds one by name."""
+from __future__ import annotations
+
+from typing import Callable
+
+from resihp.sim.perf import JobSpec, PerfModel
+from resihp.sim.policies.base import Policy, Settings
+from resihp.sim.policies.failslow import Adaptra, Greyhound
+from resihp.sim.policies.oobleck import Oobleck
+from resihp.sim.policies.recycle import ReCycle
+from resihp.sim.policies.restart import CheckpointRestart, Static
+
+Factory = Callable[[JobSpec, PerfModel, Settings], Policy]
+
+BASELINES: dict[str, Factory] = {
+    "static": lambda j, p, s: Static(j, p, s),
+    "ckpt-restart": lambda j, p, s: CheckpointRestart(j, p, s, spare=False),
+    "ckpt-restart+spare": lambda j, p, s: CheckpointRestart(j, p, s, spare=True),
+    "oobleck": lambda j, p, s: Oobleck(j, p, s),
+    "recycle": lambda j, p, s: ReCycle(j, p, s),
+    "greyhound": lambda j, p, s: Greyhound(j, p, s),
+    "adaptra": lambda j, p, s: Adaptra(j, p, s),
+}
+
+
+def names() -> list[str]:
+    return list(BASELINES) + ["resihp"]
+
+
+def make(name: str, job: JobSpec, perf: PerfModel, settings: Settings) -> Policy:
+    if name == "resihp":
+        from resihp.sim.policies.resihp import ResiHP
+
+        return ResiHP(job, perf, settings)
+    try:
+        return BASELINES[name](job, perf, settings)
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(names())}") from None
+
+
+__all__ = ["Policy", "Settings", "make", "names", "BASELINES"]

@@ -1,0 +1,229 @@
+"""resihp: the real detector and the real planner, driven by the simulated faults.
+
+Nothing of resihp's logic lives here; this adapter only does what the coordinator does in
+a real run:
+
+- **Detection.** Delays come from running ``resihp.coordinator.detector`` on realistic
+  simulated timings (sim/detection.py): a process exit is confirmed when it arrives, a
+  silent node after the heartbeat timeout, a fail-slow after the iterations the detector
+  needs on the slowed job (times the job's slowed iteration time), a recovery likewise.
+  Until then resihp does not know. A fail-slow the detector misses is never acted on.
+- **Knowledge.** As the coordinator does with ``Detector.rank_speed()``: a confirmed
+  fail-slow gives its ranks speed 1/estimated factor (a link-slow node: all its devices),
+  a fail-stop marks them failed; a recovery or a repair clears them.
+- **Decision.** ``resihp.coordinator.planner.decide(cluster, model, batch, current,
+  finding, now, config)`` on that view. If it acts, the job pauses for the decision's
+  ``move_s`` (state moved / link bandwidth) plus the regroup latency, then runs the new
+  plan. Throughput is always the simulator's own truth for that plan on the true world,
+  so a plan built on a wrong estimate pays for it.
+- A fail-stop stalls the job from the failure to the new plan (collectives hang) and loses
+  the iteration in flight; no checkpoint rollback (state is rebuilt from DP replicas).
+  If the planner finds no feasible plan the job waits for repairs.
+
+Source: the ResiHP paper (arXiv:2605.06374) and this repository's coordinator.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from resihp.coordinator.detector import Finding
+from resihp.coordinator.spec import SpecError
+from resihp.sim import detection
+from resihp.sim.detection import DetectionOracle
+from resihp.sim.engine import Phase, Reaction
+from resihp.sim.perf import JobSpec, PerfModel
+from resihp.sim.policies.base import Policy, Settings, node_ranks
+from resihp.sim.world import FailSlow, FailStop, WorldEvent
+
+_DECISIONS: dict[tuple[object, ...], Any] = {}
+
+
+def oracle_for(job: JobSpec) -> DetectionOracle:
+    """One detection oracle per (model, tp, tokens): its measurements are reused by every run."""
+    return detection.oracle_for(job.model, job.tp, job.tokens_per_microbatch)
+
+
+class ResiHP(Policy):
+    name = "resihp"
+    source = "ResiHP (arXiv:2605.06374); real resihp.coordinator.detector + resihp.coordinator.planner"
+
+    def __init__(self, job: JobSpec, perf: PerfModel, settings: Settings | None = None,
+                 oracle: DetectionOracle | None = None, planner_config: Any = None) -> None:
+        super().__init__(job, perf, settings)
+        from resihp.coordinator import planner
+
+        self._planner = planner
+        self.config = planner_config if planner_config is not None else self._default_config()
+        self.oracle = oracle or oracle_for(job)
+        self.known_dead: set[int] = set()
+        self.known_slow: dict[int, tuple[tuple[int, ...], float]] = {}  # fault id -> (ranks, speed)
+        self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
+        self.waiting = False  # no feasible plan: waiting for repairs
+        self.decisions = 0
+        self.cache_hits = 0
+        self.planner_s = 0.0
+        self._faults: dict[int, FailStop | FailSlow] = {}
+
+    def _default_config(self) -> Any:
+        cfg_cls = getattr(self._planner, "PlannerConfig", None)
+        if cfg_cls is None:
+            from resihp.coordinator.planner_cost import PlannerConfig
+
+            cfg_cls = PlannerConfig
+        return cfg_cls()
+
+    # --- resihp's view of the cluster ---------------------------------------------------------
+    def _cluster(self) -> Any:
+        speeds: dict[int, float] = {}
+        for ranks, speed in self.known_slow.values():
+            for r in ranks:
+                speeds[r] = min(speeds.get(r, 1.0), speed)
+        return self.job.cluster(speeds, sorted(self.known_dead))
+
+    def _decide(self, finding: Finding | None, now: float) -> Any:
+        """planner.decide, memoised on its inputs (it is a pure function; the simulated
+        findings carry time_s = now, so ``now`` does not change the answer)."""
+        import time
+
+        speeds: dict[int, float] = {}
+        for ranks, speed in self.known_slow.values():
+            for r in ranks:
+                speeds[r] = min(speeds.get(r, 1.0), speed)
+        fkey = None if finding is None else (finding.kind, finding.ranks, round(finding.factor, 6), finding.cause)
+        key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), self.plan, fkey)
+        hit = _DECISIONS.get(key)
+        if hit is not None:
+            self.cache_hits += 1
+            return hit
+        t0 = time.perf_counter()
+        try:
+            d = self._planner.decide(self._cluster(), self.job.model, self.job.batch(), self.plan, finding, now,
+                                     self.config)
+        finally:
+            self.planner_s += time.perf_counter() - t0
+            self.decisions += 1
+        if len(_DECISIONS) > 4096:
+            _DECISIONS.clear()
+        _DECISIONS[key] = d
+        return d
+
+    def _apply(self, finding: Finding | None, now: float, note: str, stalled_before: bool) -> Reaction:
+        try:
+            d = self._decide(finding, now)
+        except SpecError as exc:
+            self.waiting = True
+            return Reaction(0.0, "down", note=f"{note}: planner found no plan ({exc}); waiting for repairs")
+        if not d.act:
+            if stalled_before:  # a fail-stop always needs a plan without the lost devices
+                self.waiting = True
+                return Reaction(0.0, "down", note=f"{note}: planner did not act ({d.reason}); waiting")
+            return self.steady(f"{note}: planner keeps the plan ({d.reason})")
+        self.plan = d.plan
+        self.stalled = self.waiting = False
+        # the planner's own cost of the rung it chose: bytes moved / bandwidth + the rung's
+        # fixed latency; after a fail-stop the communicators are rebuilt whatever the rung
+        cost = next((c.cost_s for c in getattr(d, "candidates", ()) if c.level == d.level and c.plan.replicas == d.plan.replicas),
+                    float(d.move_s) + self.settings.regroup_s)
+        pause = max(cost, self.settings.regroup_s) if stalled_before else cost
+        tps = self.rate()
+        return Reaction(tps, self.label_for(tps), (Phase(pause, 0.0, "reconfig"),), reconfigurations=1,
+                        note=f"{note}: {d.level}: {d.reason} (pause {pause:.1f} s)")
+
+    def steady(self, note: str = "", **kw: object) -> Reaction:
+        if self.stalled or self.waiting or self.plan_uses_dead(self.plan):
+            return Reaction(0.0, "down", note=note, **kw)  # type: ignore[arg-type]
+        return super().steady(note, **kw)
+
+    # --- events -------------------------------------------------------------------------------
+    def on_world(self, ev: WorldEvent, now: float) -> Reaction:
+        f = ev.fault
+        self._faults[ev.fault_id] = f
+        if isinstance(f, FailStop):
+            if ev.start:
+                silent = f.scope == "node"
+                delay = self.oracle.failstop_delay_s(silent)
+                hit = any(self.plan.has_rank(r) for r in f.ranks) and not self.waiting
+                lost = self.inflight_tokens(now) if hit and not self.stalled else 0.0
+                if hit:
+                    self.stalled = True
+                timers = ((now + delay, f"stop:{ev.fault_id}"),) if math.isfinite(delay) else ()
+                if hit:
+                    return Reaction(0.0, "down", lost_tokens=lost, timers=timers, note=f"{ev.label}: job stalls")
+                return self.steady(timers=timers)
+            # repair: the agent reports the node back; the planner may re-admit it
+            back = [r for r in f.ranks if r in self.known_dead and self.world.alive(r)]
+            self.known_dead -= set(back)
+            if not back:
+                return self.steady()
+            return self._apply(None, now, f"{ev.label}: {len(back)} device(s) back", self.waiting)
+        assert isinstance(f, FailSlow)
+        kind = "compute" if f.slow_kind == "compute" else "communication"
+        det = self.oracle.failslow(kind, f.factor)
+        if ev.start:
+            if det.detect_iters is None:
+                return self.steady(f"{ev.label}: not detected")
+            t_iter = self.perf.iteration_s(self.plan, self.world)
+            if not math.isfinite(t_iter):
+                t_iter = self.perf.iteration_s(self.job.initial_plan(), self.world.__class__(self.world.world_size, self.world.gpus_per_node))
+            return self.steady(timers=((now + det.detect_iters * t_iter, f"slow:{ev.fault_id}"),))
+        if ev.fault_id not in self.known_slow:
+            return self.steady()
+        t_iter = self.perf.iteration_s(self.plan, self.world)
+        iters = det.recover_iters if det.recover_iters is not None else 10
+        wait = iters * (t_iter if math.isfinite(t_iter) else 60.0)
+        return self.steady(timers=((now + wait, f"recovered:{ev.fault_id}"),))
+
+    def on_timer(self, tag: str, now: float) -> Reaction:
+        kind, _, rest = tag.partition(":")
+        fid = int(rest)
+        ev = self._fault(fid)
+        if kind == "stop":
+            assert isinstance(ev, FailStop)
+            dead = [r for r in ev.ranks if not self.world.alive(r)]
+            if not dead:
+                self.stalled = False if not self.plan_uses_dead(self.plan) else self.stalled
+                return self.steady("fail-stop cleared before detection")
+            self.known_dead |= set(dead)
+            if not any(self.plan.has_rank(r) for r in dead) and not self.stalled:
+                return self.steady(f"fail-stop#{fid} of idle devices noted")
+            finding = self._finding("fail-stop", dead, 1.0, "process-exit" if ev.scope != "node" else "heartbeat", now)
+            return self._apply(finding, now, f"fail-stop#{fid} detected", True)
+        if kind == "slow":
+            assert isinstance(ev, FailSlow)
+            if not self._active(fid):
+                return self.steady()
+            det = self.oracle.failslow("compute" if ev.slow_kind == "compute" else "communication", ev.factor)
+            ranks = ev.ranks if ev.slow_kind == "compute" else tuple(
+                r for n in sorted({self.world.node_of(x) for x in ev.ranks}) for r in node_ranks(self.job, n))
+            speed = 1.0 / max(1.0, det.factor)
+            self.known_slow[fid] = (tuple(ranks), speed)
+            finding = self._finding("fail-slow", ranks, det.factor, det.cause, now)
+            return self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
+        if kind == "recovered":
+            entry = self.known_slow.pop(fid, None)
+            if entry is None:
+                return self.steady()
+            finding = self._finding("recovered", entry[0], 1.0, "compute", now)
+            return self._apply(finding, now, f"recovery#{fid} detected", False)
+        return self.steady()
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _fault(self, fid: int) -> FailStop | FailSlow:
+        return self._faults[fid]
+
+    def _active(self, fid: int) -> bool:
+        return any(fid in d for d in self.world.slow.values()) or any(fid in d for d in self.world.net.values())
+
+    def _finding(self, kind: str, ranks: Any, factor: float, cause: str, now: float) -> Finding:
+        ranks = tuple(sorted(ranks))
+        pos = self.plan.position(ranks[0]) if self.plan.has_rank(ranks[0]) else None
+        group = self.plan.replicas[pos.replica].stages[pos.stage] if pos else None
+        return Finding(
+            iteration=0, kind=kind, ranks=ranks, stage=pos.stage if pos else None,  # type: ignore[arg-type]
+            replica=pos.replica if pos else None, tp_group=group, factor=factor, cause=cause,
+            reason=f"simulated {kind} on ranks {list(ranks)[:8]}", evidence={}, time_s=now,
+        )
+
+
+__all__ = ["ResiHP", "oracle_for"]

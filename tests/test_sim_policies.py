@@ -1,0 +1,144 @@
+"""Each policy on hand-made fault schedules with known answers."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from resihp.coordinator.spec import preset
+from resihp.sim.engine import RunResult, Simulation
+from resihp.sim.perf import JobSpec, PerfModel
+from resihp.sim.policies import make
+from resihp.sim.policies.base import Settings
+from resihp.sim.policies.failslow import Greyhound
+from resihp.sim.policies.oobleck import Oobleck
+from resihp.sim.runner import failure_free_tps
+from resihp.sim.world import FailSlow, FailStop, Fault, World
+
+SETTINGS = Settings(checkpoint_interval_s=600.0, checkpoint_stall_s=0.0, restart_s=300.0, failstop_detect_s=30.0,
+                    regroup_s=10.0, failslow_detect_iters=10, failslow_validate_s=30.0, spare_nodes=1)
+# one GPU per node, fast network: rates follow compute only, so the answers are exact
+FAST = {"gpus_per_node": 1, "inter_node_bw_Bps": 1e15, "intra_node_bw_Bps": 1e15,
+        "inter_node_latency_s": 0.0, "intra_node_latency_s": 0.0}
+ONE = JobSpec(preset("llama2-7b"), tp=1, pp=1, dp=1, microbatches=8, **FAST)  # type: ignore[arg-type]
+TWO = JobSpec(preset("llama2-7b"), tp=1, pp=1, dp=2, microbatches=8, **FAST)  # type: ignore[arg-type]
+
+
+def run(name: str, job: JobSpec, faults: list[Fault], horizon: float, settings: Settings = SETTINGS) -> tuple[RunResult, float]:
+    perf = PerfModel(job)
+    r0 = failure_free_tps(job, perf)
+    pol = make(name, job, perf, settings)
+    return Simulation(pol, job.world_size, job.gpus_per_node, r0).run(faults, horizon), r0
+
+
+def test_static_under_a_2x_slow_device_runs_at_half_speed() -> None:
+    res, r0 = run("static", ONE, [FailSlow(1000.0, (0,), 2.0, 1000.0)], 3000.0)
+    assert res.tokens == pytest.approx(r0 * (2000 + 1000 / 2))
+    slow = [s for s in res.segments if s.start_s == 1000.0][0]
+    assert slow.tokens_per_s == pytest.approx(r0 / 2) and slow.end_s == 2000.0
+
+
+def test_static_waits_for_repair_and_loses_work_since_the_checkpoint() -> None:
+    res, r0 = run("static", ONE, [FailStop(1000.0, (0,), scope="process", repair_s=500.0)], 3600.0)
+    # checkpoint at 600; down 1000-1500 (repair), restart 300 s, runs 1800-3600
+    assert res.lost_tokens == pytest.approx(400 * r0)
+    assert res.tokens == pytest.approx(r0 * (1000 + 1800 - 400))
+    assert res.restarts == 1
+
+
+def test_ckpt_restart_shrinks_and_spare_keeps_full_size() -> None:
+    faults: list[Fault] = [FailStop(1000.0, (1,), scope="gpu")]
+    res, r0 = run("ckpt-restart", TWO, faults, 3600.0)
+    perf = PerfModel(TWO)
+    half = perf.tokens_per_s(replace(TWO, dp=1).initial_plan(), World(2, 1))  # one replica runs all 8 micro-batches
+    assert half == pytest.approx(r0 / 2, rel=1e-4)
+    # lose [600, 1000]; the exit is seen at once, 300 s restart; then one replica at half rate
+    assert res.tokens == pytest.approx(r0 * 1000 - r0 * 400 + half * (3600 - 1300))
+    # a silent node is noticed after the 30 s heartbeat timeout; the spare keeps full size
+    node = [FailStop(1000.0, (1,), scope="node")]
+    spare, _ = run("ckpt-restart+spare", TWO, node, 3600.0)
+    assert spare.tokens == pytest.approx(r0 * 1000 - r0 * 400 + r0 * (3600 - 1330))
+
+
+def test_oobleck_rebuilds_pipelines_from_whole_nodes_without_rollback() -> None:
+    job = JobSpec(preset("llama2-7b"), tp=1, pp=2, dp=2, microbatches=8, **FAST)  # type: ignore[arg-type]
+    perf = PerfModel(job)
+    pol = Oobleck(job, perf, SETTINGS)
+    assert pol.min_nodes == 2  # 7B's state (18 B/param) does not fit one 80 GiB device
+    res = Simulation(pol, job.world_size, 1, failure_free_tps(job, perf)).run([FailStop(100.0, (1,))], 1000.0)
+    # the broken pipeline's survivor is lent to the other: one pipeline of 3 nodes, all 8 micro-batches
+    assert pol.plan.dp == 1 and pol.plan.replicas[0].pp == 3 and pol.plan.global_microbatches == 8
+    assert res.restarts == 0 and res.reconfigurations == 1
+    assert res.lost_tokens < failure_free_tps(job, perf) * 1.0  # only the iteration in flight
+
+
+def test_recycle_reroutes_whole_microbatches_to_peers() -> None:
+    job = JobSpec(preset("llama2-7b"), tp=1, pp=1, dp=4, microbatches=32, **FAST)  # type: ignore[arg-type]
+    res, r0 = run("recycle", job, [FailStop(100.0, (0,))], 1000.0)
+    last = res.segments[-1]
+    # 8 rerouted micro-batches over 3 peers: the busiest does 8 + 3 = 11; no bubble at pp = 1
+    assert last.tokens_per_s == pytest.approx(r0 * 8 / 11, rel=1e-6)
+    assert res.restarts == 0
+
+
+def test_greyhound_tunes_microbatch_shares_after_detection() -> None:
+    job = JobSpec(preset("llama2-7b"), tp=1, pp=1, dp=2, microbatches=16, **FAST)  # type: ignore[arg-type]
+    perf = PerfModel(job)
+    pol = Greyhound(job, perf, SETTINGS)
+    pol.measure = False  # a fixed 10-iteration change-point delay, for an exact answer
+    r0 = failure_free_tps(job, perf)
+    t_slow = perf.iteration_s(job.initial_plan(), _slow_world(job, 1, 2.0))
+    res = Simulation(pol, 2, 1, r0).run([FailSlow(100.0, (1,), 2.0, 10_000.0)], 5000.0)
+    detected = 100.0 + 10 * t_slow + 30.0
+    seg = [s for s in res.segments if s.start_s <= detected + 1 < s.end_s][0]
+    # S2: the slow replica (2x) gets 5 micro-batches, the healthy one 11 -> 11/8 of the healthy iteration
+    assert seg.tokens_per_s == pytest.approx(r0 * 8 / 11, rel=1e-6)
+    # ski rental: S3 has nothing to swap; S4 (restart on the spare, 300 s) pays off once the
+    # loss at S2 reaches 300 s × r0, i.e. 300 / (1 - 8/11) = 1100 s after detection
+    restart = [s for s in res.segments if s.label == "restart"]
+    assert len(restart) == 1 and restart[0].start_s == pytest.approx(detected + 1100.0, rel=1e-6)
+    assert res.segments[-1].tokens_per_s == pytest.approx(r0, rel=1e-6)
+
+
+def test_adaptra_hides_slow_point_to_point_links() -> None:
+    job = JobSpec(preset("llama2-7b"), tp=1, pp=4, dp=1, microbatches=16, gpus_per_node=1,
+                  inter_node_bw_Bps=2e9)  # slow network so that p2p matters
+    fault = [FailSlow(100.0, (2,), 8.0, 50_000.0, "communication")]
+    static, _ = run("static", job, fault, 20_000.0)
+    adaptra, _ = run("adaptra", job, fault, 20_000.0)
+    assert adaptra.tokens > static.tokens * 1.01
+    assert adaptra.reconfigurations == 1
+
+
+def test_resihp_replans_around_a_failed_gpu_without_restart() -> None:
+    job = JobSpec(preset("llama2-7b"), tp=2, pp=1, dp=4, microbatches=16, gpus_per_node=8)
+    res, r0 = run("resihp", job, [FailStop(1000.0, (3,), scope="gpu")], 4000.0)
+    assert res.restarts == 0 and res.reconfigurations >= 1
+    assert 0 < res.down_s < 120.0  # the process exit is seen at once; regroup + move take seconds
+    assert res.segments[-1].tokens_per_s > 0.5 * r0
+    static, _ = run("static", job, [FailStop(1000.0, (3,), scope="gpu")], 4000.0)
+    assert res.tokens > static.tokens
+
+
+def test_resihp_acts_on_a_detected_compute_slowdown() -> None:
+    job = JobSpec(preset("llama2-7b"), tp=2, pp=1, dp=4, microbatches=16, gpus_per_node=8)
+    fault = [FailSlow(500.0, (5,), 3.0, 20_000.0)]
+    res, r0 = run("resihp", job, fault, 6000.0)
+    static, _ = run("static", job, fault, 6000.0)
+    assert res.reconfigurations >= 1
+    assert res.tokens > static.tokens * 1.1
+    assert res.segments[-1].tokens_per_s > static.segments[-1].tokens_per_s
+
+
+def test_unknown_policy_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'bamboo'"):
+        make("bamboo", ONE, PerfModel(ONE), SETTINGS)
+
+
+def _slow_world(job: JobSpec, rank: int, factor: float) -> World:
+    from resihp.sim.world import WorldEvent
+
+    w = World(job.world_size, job.gpus_per_node)
+    w.apply(WorldEvent(0.0, FailSlow(0.0, (rank,), factor, math.inf), 0, True))
+    return w

@@ -24,13 +24,18 @@ demo: venv
 	$(VENV)/bin/resihp demo
 
 # mypy cannot follow the editable install's package_dir mapping, so it checks a symlink
-# tree that mirrors the installed resihp.* namespace.
-PURE_MODULES ?= spec plan trace costmodel schedule schedule_orders
+# tree that mirrors the installed resihp.* namespace. PURE lists the decision modules that
+# promise to stay clean under --strict.
+PURE := $(addprefix resihp.coordinator.,spec plan trace costmodel schedule schedule_orders \
+	detector detector_evidence detector_model detector_program detect_cli \
+	cluster memory planner statemachine joiner) \
+	resihp.trainer_hooks.layout resihp.trainer_hooks.reshard \
+	$(addprefix resihp.sim.,engine runner perf world failures scenarios detection workload workload_truth policies)
 typecheck: venv
 	rm -rf .mypyroot && mkdir -p .mypyroot/resihp
-	ln -s ../../coordinator .mypyroot/resihp/coordinator
+	for d in coordinator trainer_hooks sim agent proto; do ln -s ../../$$d .mypyroot/resihp/$$d; done
 	cp resihp/__init__.py .mypyroot/resihp/__init__.py
-	cd .mypyroot && ../$(VENV)/bin/mypy --strict $(foreach m,$(PURE_MODULES),-p resihp.coordinator.$(m))
+	cd .mypyroot && ../$(VENV)/bin/mypy --strict --follow-imports=silent $(foreach m,$(PURE),-p $(m))
 
 proto: venv
 	$(PY) -m resihp.proto.regen

@@ -1,0 +1,229 @@
+"""Planner benchmark: optimality vs exhaustive search, search time at scale, throughput kept
+around a slow device, and the TP / PP / DP / joint ablation.
+
+    python bench/plan.py [--clusters 200] [--seed 0]
+
+Prints readable tables, then ONE final JSON line:
+  optimality_gap_max        1 − searched / exhaustive throughput, worst of ≥ 200 random small clusters
+  search_s_{256,4096,16384} CPU seconds (one core, process time) of one full search, best of 5/3/2 runs
+  retained_vs_bound_single_slow_256   mean over slowdowns 1.5–4× of joint throughput /
+                            (failure-free throughput × healthy compute / total compute)
+  ablation_{tp,pp,dp,joint} mean of the same ratio per policy; joint_ge_all: joint ≥ each on every scenario
+Every throughput is scored by the same function, planner_cost.evaluate (closed form).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Callable
+
+from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.plan import PipelinePlan, Plan
+from resihp.coordinator.planner import PlannerConfig, decide, evaluate
+from resihp.coordinator.planner_cost import Costs, device_layers, pipe_sig
+from resihp.coordinator.planner_exhaustive import Exhaustive
+from resihp.coordinator.planner_levels import _best_subgroup, reshare
+from resihp.coordinator.planner_search import Searcher
+from resihp.coordinator.planner_split import profile
+from resihp.coordinator.spec import ModelSpec, preset
+
+GiB = 2**30
+
+
+def tput(plan: Plan | None, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, cfg: PlannerConfig) -> float:
+    if plan is None:
+        return 0.0
+    return evaluate(plan, cluster, spec, batch, cfg).tokens_per_s
+
+
+# --- 1. optimality on small clusters ----------------------------------------------------------
+def random_case(rng: random.Random) -> tuple[Cluster, ModelSpec, GlobalBatch]:
+    nodes, per = rng.choice([(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (8, 2), (3, 4), (1, 2)])
+    mem = rng.choice([80, 80, 24, 16]) * GiB
+    n = nodes * per
+    devs = []
+    # up to two slow and two failed devices (one each on the largest clusters, where the
+    # exhaustive reference would otherwise take minutes per case)
+    most = 1 if n >= 12 else 2
+    slow = set(rng.sample(range(n), rng.randint(0, min(most, n - 1))))
+    dead = set(rng.sample(sorted(set(range(n)) - slow), rng.randint(0, min(most, n - len(slow) - 1))))
+    for r in range(n):
+        speed = rng.choice([0.25, 0.4, 0.5, 0.67, 0.8]) if r in slow else 1.0
+        devs.append(DeviceState(r, r // per, speed, r in dead, mem))
+    cluster = Cluster(tuple(devs))
+    layers = rng.choice([4, 6, 8])
+    spec = ModelSpec("bench-small", layers, 2048, 16, 5504, 32000, gated_mlp=True)
+    batch = GlobalBatch(rng.choice([4, 6, 8, 12]), rng.choice([2048, 4096]))
+    return cluster, spec, batch
+
+
+def optimality(count: int, seed: int) -> tuple[float, list[str]]:
+    rng = random.Random(seed)
+    cfg = PlannerConfig(equal_speed_tolerance=0.0)
+    gaps: list[float] = []
+    rows: list[str] = []
+    t_ex = t_se = 0.0
+    done = 0
+    while done < count:
+        cluster, spec, batch = random_case(rng)
+        t0 = time.process_time()
+        try:
+            searched = Searcher(cluster, spec, batch, None, cfg).search().plan
+        except ValueError:
+            searched = None
+        t1 = time.process_time()
+        costs = Costs(cluster, spec, batch, cfg)
+        ex = Exhaustive(cluster, spec, batch, cfg, costs).run()
+        t2 = time.process_time()
+        t_se += t1 - t0
+        t_ex += t2 - t1
+        if ex is None:
+            if searched is None:
+                continue  # nothing fits: both agree
+            raise AssertionError("search found a plan the exhaustive search did not")
+        best = tput(ex[1], cluster, spec, batch, cfg)
+        got = tput(searched, cluster, spec, batch, cfg)
+        gap = max(0.0, 1.0 - got / best)
+        gaps.append(gap)
+        done += 1
+        if gap > 0.005 or done <= 5:
+            healthy = len(cluster.healthy())
+            rows.append(f"  case {done:3d}: {len(cluster.devices):2d} devices ({healthy} healthy) L={spec.num_layers} "
+                        f"M={batch.microbatches}  searched {got:12.0f}  exhaustive {best:12.0f} tok/s  gap {gap:.4f}")
+    rows.append(f"  {done} clusters; mean gap {statistics.mean(gaps):.5f}, max {max(gaps):.5f}; "
+                f"CPU: search {t_se:.1f} s, exhaustive {t_ex:.1f} s")
+    return max(gaps), rows
+
+
+# --- 2. search time at scale ------------------------------------------------------------------
+def search_time(devices: int, repeats: int) -> tuple[float, str]:
+    spec = preset("llama2-13b")
+    nodes = devices // 8
+    dp = devices // 32
+    cluster = Cluster.uniform(nodes, 8).with_speeds({5: 0.4, devices // 2 + 3: 0.6}).with_failed([devices - 1])
+    current = Plan.uniform(4, 8, dp, 40, dp * 16)
+    batch = GlobalBatch(dp * 16, 4096)
+    cpu = float("inf")
+    for _ in range(repeats):  # best of a few runs, as timeit does: the box is shared
+        t0 = time.process_time()
+        res = Searcher(cluster, spec, batch, current, PlannerConfig()).search()
+        cpu = min(cpu, time.process_time() - t0)
+    line = (f"  {devices:6d} devices: {cpu:6.3f} s CPU, {res.shapes_evaluated} of {res.shapes_bounded} shapes evaluated "
+            f"-> TP{res.plan.tp} PP{res.plan.pp} DP{res.plan.dp}, {res.iteration_s:.3f} s/iteration")
+    return cpu, line
+
+
+# --- 3 + 4. one slow device in a 256-GPU job; ablation ----------------------------------------
+def tp_only(costs: Costs, current: Plan) -> Plan | None:
+    speed = {d.rank: d.speed for d in costs.cluster.devices}
+    dead = set(costs.cluster.failed_ranks())
+    reps = []
+    for rep in current.replicas:
+        stages = tuple(_best_subgroup(g, speed, dead) for g in rep.stages)
+        reps.append(PipelinePlan(stages, rep.layers, rep.microbatches))
+    kept = {r for rep in reps for r in rep.ranks()}
+    spares = tuple(sorted(set(current.ranks()) - kept))
+    return Plan(tuple(reps), current.schedule, current.virtual_chunks, current.epoch + 1, spares, "tp-only")
+
+
+def pp_only(costs: Costs, current: Plan, searcher: Searcher) -> Plan | None:
+    speed = {d.rank: d.speed for d in costs.cluster.devices}
+    mem = {d.rank: float(d.memory_bytes) for d in costs.cluster.devices}
+    reps = []
+    for rep in current.replicas:
+        res = profile(costs, pipe_sig(speed, mem, rep.stages)).best(rep.microbatches)
+        if res is None:
+            return None
+        reps.append(PipelinePlan(rep.stages, searcher._virtual(res[1]), rep.microbatches))
+    return Plan(tuple(reps), current.schedule, current.virtual_chunks, current.epoch + 1, current.spares, "pp-only")
+
+
+def scenarios_256() -> tuple[dict[str, float], bool, list[str], float]:
+    spec = preset("llama2-13b")
+    cfg = PlannerConfig()
+    base = Cluster.uniform(32, 8)
+    current = Plan.uniform(4, 8, 8, 40, 128)
+    batch = GlobalBatch(128, 4096)
+    healthy_best = max(tput(current, base, spec, batch, cfg),
+                       tput(Searcher(base, spec, batch, current, cfg).search().plan, base, spec, batch, cfg))
+    total = base.total_compute()
+    sums: dict[str, list[float]] = {"tp": [], "pp": [], "dp": [], "joint": []}
+    single: list[float] = []
+    joint_ok = True
+    rows = []
+    cases: list[tuple[str, dict[int, float]]] = []
+    for factor in (1.5, 2.0, 2.5, 3.0, 4.0):
+        for rank in (0, 37, 255):
+            cases.append((f"rank {rank} ×{factor}", {rank: 1.0 / factor}))
+    cases.append(("ranks 5,200 ×2", {5: 0.5, 200: 0.5}))
+    cases.append(("ranks 8-11 ×3 (one TP group)", {8: 1 / 3, 9: 1 / 3, 10: 1 / 3, 11: 1 / 3}))
+    for name, speeds in cases:
+        cluster = base.with_speeds(speeds)
+        bound = healthy_best * cluster.total_compute() / total
+        costs = Costs(cluster, spec, batch, cfg, current.schedule, current.virtual_chunks)
+        searcher = Searcher(cluster, spec, batch, current, cfg)
+        d = decide(cluster, spec, batch, current, None, 0.0, cfg)
+        joint = max([tput(c.plan, cluster, spec, batch, cfg) for c in d.candidates] + [tput(current, cluster, spec, batch, cfg)])
+        policies: dict[str, Callable[[], Plan | None]] = {
+            "tp": lambda: tp_only(costs, current),
+            "pp": lambda: pp_only(costs, current, searcher),
+            "dp": lambda: reshare(costs, current),
+        }
+        vals = {k: max(tput(f(), cluster, spec, batch, cfg), tput(current, cluster, spec, batch, cfg))
+                for k, f in policies.items()}
+        vals["joint"] = joint
+        for k, v in vals.items():
+            sums[k].append(v / bound)
+        if any(joint < v * (1 - 1e-9) for v in vals.values()):
+            joint_ok = False
+        if len(speeds) == 1:
+            single.append(joint / bound)
+        rows.append(f"  {name:30s} " + "  ".join(f"{k} {vals[k] / bound:6.3f}" for k in ("tp", "pp", "dp", "joint"))
+                    + f"   (chosen: {d.level})")
+    means = {k: statistics.mean(v) for k, v in sums.items()}
+    return means, joint_ok, rows, statistics.mean(single)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--clusters", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    wall = time.perf_counter()
+    print("== optimality: searched vs exhaustive (same evaluation function) ==")
+    gap, rows = optimality(args.clusters, args.seed)
+    print("\n".join(rows))
+    print("== search time (LLaMA2-13B, 2 slow + 1 failed device) ==")
+    times = {}
+    for n in (256, 4096, 16384):
+        cpu, line = search_time(n, {256: 5, 4096: 3, 16384: 2}[n])
+        times[n] = cpu
+        print(line)
+    print("== 256 GPUs, LLaMA2-13B TP4 PP8 DP8: throughput / compute-proportional bound ==")
+    means, joint_ok, rows, retained = scenarios_256()
+    print("\n".join(rows))
+    print(f"  mean: " + "  ".join(f"{k} {v:.3f}" for k, v in means.items()) + f"; joint >= each everywhere: {joint_ok}")
+    print(f"== total wall time {time.perf_counter() - wall:.1f} s ==")
+    out = {
+        "optimality_gap_max": round(gap, 6),
+        "optimality_clusters": args.clusters,
+        "search_s_256": round(times[256], 4),
+        "search_s_4096": round(times[4096], 4),
+        "search_s_16384": round(times[16384], 4),
+        "retained_vs_bound_single_slow_256": round(retained, 4),
+        "ablation_tp": round(means["tp"], 4),
+        "ablation_pp": round(means["pp"], 4),
+        "ablation_dp": round(means["dp"], 4),
+        "ablation_joint": round(means["joint"], 4),
+        "joint_ge_all": joint_ok,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The planner's public face: joint TP / PP / DP re-planning around failed and slow devices.
+
+    search_plan(cluster, model, batch, current, config) -> Plan        best layout (planner_search)
+    search(cluster, model, batch, current, config) -> SearchResult     the same with its numbers
+    decide(cluster, model, batch, current, finding, now, config) -> Decision   ski rental (planner_decision)
+    evaluate(plan, cluster, model, batch, config) -> Evaluation        closed-form score (planner_cost)
+    simulate_plan(plan, cluster, model, batch, config) -> IterationResult  schedule-simulator check
+
+The closed form drives the search (microseconds per candidate); the chosen plan is then
+replayed through the schedule simulator (coordinator/schedule.py) and that number is what
+``resihp plan`` reports. Pure: no torch, grpc or MPI.
+"""
+from __future__ import annotations
+
+from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.memory import MemoryModel
+from resihp.coordinator.plan import Plan, Schedule
+from resihp.coordinator.planner_cost import (
+    Costs,
+    Evaluation,
+    PlannerConfig,
+    device_layers,
+    evaluate,
+    pipe_sig,
+    plan_problems,
+)
+from resihp.coordinator.planner_decision import Candidate, Decision, apply_finding, decide
+from resihp.coordinator.planner_move import Move, plan_move
+from resihp.coordinator.planner_search import Searcher, SearchResult, search_plan
+from resihp.coordinator.schedule import IterationResult, ReplicaWork, simulate_iteration
+from resihp.coordinator.spec import ModelSpec, SpecError
+
+__all__ = [
+    "Candidate", "Cluster", "Decision", "DeviceState", "Evaluation", "GlobalBatch", "MemoryModel", "Move",
+    "PlannerConfig", "SearchResult", "apply_finding", "decide", "evaluate", "plan_move", "search",
+    "search_plan", "simulate_plan",
+]
+
+
+def search(
+    cluster: Cluster, model: ModelSpec, batch: GlobalBatch, current: Plan | None = None,
+    config: PlannerConfig | None = None,
+) -> SearchResult:
+    return Searcher(cluster, model, batch, current, config or PlannerConfig()).search()
+
+
+def simulate_plan(
+    plan: Plan, cluster: Cluster, model: ModelSpec, batch: GlobalBatch, config: PlannerConfig | None = None
+) -> IterationResult:
+    """Replay ``plan`` through the schedule simulator: per-stage F and B durations from the
+    cost model at each stage's (slowest member's) speed, every stage edge an inter-node hop,
+    the DP all-reduce and optimizer step after the slowest replica. Identical replicas are
+    simulated once."""
+    cfg = config or PlannerConfig()
+    problems = plan_problems(plan, cluster, model, batch, cfg)
+    if problems:
+        raise SpecError("plan cannot run: " + "; ".join(problems))
+    costs = Costs(cluster, model, batch, cfg, plan.schedule, plan.virtual_chunks)
+    devs = cluster.by_rank()
+    speed = {r: d.speed for r, d in devs.items()}
+    mem = {r: float(d.memory_bytes) for r, d in devs.items()}
+    hop = costs.hops_s(2) / 2.0
+    works: list[ReplicaWork] = []
+    seen: dict[tuple[object, ...], int] = {}
+    shards: list[tuple[int, int, bool, bool, float]] = []
+    order: list[int] = []
+    for rep in plan.replicas:
+        sig = pipe_sig(speed, mem, rep.stages)
+        per_dev = device_layers(rep.layers, rep.pp)
+        for s, (k, sp, _) in enumerate(sig.stages):
+            shards.append((k, per_dev[s], s == 0, s == rep.pp - 1, sp))
+        key = (sig.stages, rep.layers, rep.microbatches)
+        if key in seen:
+            order.append(seen[key])
+            continue
+        f_rows: list[list[float]] = []
+        b_rows: list[list[float]] = []
+        w_rows: list[list[float]] = []
+        split_w = plan.schedule is Schedule.ZB_H1
+        n_virtual = len(rep.layers)
+        for j, layers in enumerate(rep.layers):
+            s = j % rep.pp
+            k, sp, _ = sig.stages[s]
+            first, last = j == 0, j == n_virtual - 1
+            compute = (layers * costs.layer_flops + (costs.first_flops if first else 0.0)
+                       + (costs.last_flops if last else 0.0)) / (k * sp * costs.flops)
+            comm = layers * costs.tp_comm_s(k)
+            fwd = compute * costs.fwd_fraction + comm / 2.0
+            f_rows.append([fwd] * rep.microbatches)
+            if split_w:
+                bwd = compute * costs.bwd_input_fraction + comm / 2.0
+                b_rows.append([bwd] * rep.microbatches)
+                w_rows.append([compute + comm - fwd - bwd] * rep.microbatches)
+            else:
+                b_rows.append([compute + comm - fwd] * rep.microbatches)
+        seen[key] = len(works)
+        order.append(len(works))
+        works.append(ReplicaWork(f=f_rows, b=b_rows, w=w_rows if split_w else None, pp=rep.pp))
+    sync = costs.sync_s(plan.dp, shards)
+    active = [w for w in works if len(w.f[0]) > 0] or works[:1]
+    return simulate_iteration(plan.schedule, active, dp_sync_s=sync, p2p_s=hop, virtual_chunks=plan.virtual_chunks)

@@ -1,0 +1,124 @@
+"""Local repairs of the current plan, cheapest first (the escalation ladder).
+
+- ``reshare``: same groups, same layer splits; only the micro-batch shares change
+  (DP migration, no state moves).
+- ``resplit``: same groups; every pipeline gets its own min-max layer split, then shares
+  (PP repartition; moves the layers that change stage).
+- ``regroup``: every TP group holding a failed or slow device is cut to the power-of-two
+  subset of its members maximising ``k · min pᵢ`` (ResiHP's TP exclusion); replicas that
+  lose every member of a stage are dropped; then resplit.
+The full re-plan lives in planner_search. Each function returns a Plan or None when the
+repair cannot run (a failed rank stays in it, or memory does not fit). Pure.
+"""
+from __future__ import annotations
+
+from resihp.coordinator.plan import PipelinePlan, Plan
+from resihp.coordinator.planner_cost import Costs, PipeSig, device_layers, pipe_sig
+from resihp.coordinator.planner_shares import Monotone, TimeModel, allocate_shares
+from resihp.coordinator.planner_split import profile
+from resihp.coordinator.planner_search import Searcher
+
+
+def _tables(costs: Costs) -> tuple[dict[int, float], dict[int, float], set[int]]:
+    devs = costs.cluster.by_rank()
+    speed = {r: d.speed for r, d in devs.items()}
+    mem = {r: float(d.memory_bytes) for r, d in devs.items()}
+    dead = {r for r, d in devs.items() if d.failed}
+    return speed, mem, dead
+
+
+def _fixed_model(costs: Costs, sig: PipeSig, layers: tuple[int, ...]) -> TimeModel:
+    return Monotone(lambda m: costs.pipeline_time(sig, layers, m))
+
+
+def _with_shares(plan: Plan, replicas: list[PipelinePlan], shares: list[int], reason: str,
+                 spares: tuple[int, ...] | None = None) -> Plan:
+    reps = tuple(PipelinePlan(rep.stages, rep.layers, m) for rep, m in zip(replicas, shares))
+    return Plan(reps, plan.schedule, plan.virtual_chunks, plan.epoch + 1,
+                plan.spares if spares is None else spares, reason)
+
+
+def _share(costs: Costs, models: list[TimeModel], plan: Plan) -> list[int] | None:
+    unit = plan.pp if costs.v > 1 else 1
+    if costs.v > 1 and any(rep.pp != unit for rep in plan.replicas):
+        return None
+    got = allocate_shares(models, [1] * len(models), costs.batch.microbatches, unit)
+    if got is None or got[0] == float("inf"):
+        return None
+    return [row[0] for row in got[1]]
+
+
+def reshare(costs: Costs, plan: Plan) -> Plan | None:
+    speed, mem, dead = _tables(costs)
+    if dead & set(plan.ranks()):
+        return None
+    models: list[TimeModel] = []
+    cache: dict[tuple[object, ...], TimeModel] = {}
+    for rep in plan.replicas:
+        sig = pipe_sig(speed, mem, rep.stages)
+        layers = tuple(device_layers(rep.layers, rep.pp))
+        key = (sig.stages, layers)
+        if key not in cache:
+            cache[key] = _fixed_model(costs, sig, layers)
+        models.append(cache[key])
+    shares = _share(costs, models, plan)
+    if shares is None:
+        return None
+    return _with_shares(plan, list(plan.replicas), shares, "dp-shares")
+
+
+def resplit(costs: Costs, plan: Plan, searcher: Searcher, spares: tuple[int, ...] | None = None) -> Plan | None:
+    speed, mem, dead = _tables(costs)
+    if dead & set(plan.ranks()):
+        return None
+    sigs = [pipe_sig(speed, mem, rep.stages) for rep in plan.replicas]
+    models: list[TimeModel] = [profile(costs, sig) for sig in sigs]
+    shares = _share(costs, models, plan)
+    if shares is None:
+        return None
+    replicas = []
+    for rep, sig, m in zip(plan.replicas, sigs, shares):
+        res = profile(costs, sig).best(max(m, 1))
+        if res is None:
+            return None
+        replicas.append(PipelinePlan(rep.stages, searcher._virtual(res[1]), m))
+    return _with_shares(plan, replicas, shares, "layer-split", spares)
+
+
+def _best_subgroup(group: tuple[int, ...], speed: dict[int, float], dead: set[int]) -> tuple[int, ...]:
+    alive = sorted((r for r in group if r not in dead), key=lambda r: (-speed[r], group.index(r)))
+    best: tuple[int, ...] = ()
+    best_v = 0.0
+    k = 1
+    while k <= len(alive):
+        value = k * speed[alive[k - 1]]
+        if value > best_v + 1e-12:  # ties keep the smaller group: exclude the sick device
+            best, best_v = tuple(sorted(alive[:k], key=group.index)), value
+        k *= 2
+    return best
+
+
+def regroup(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
+    speed, _, dead = _tables(costs)
+    replicas: list[PipelinePlan] = []
+    dropped: list[int] = []
+    for rep in plan.replicas:
+        stages = []
+        for group in rep.stages:
+            fastest = max(speed[r] for r in group)
+            if any(r in dead or speed[r] < fastest for r in group):
+                group = _best_subgroup(group, speed, dead)
+            stages.append(group)
+        if any(not g for g in stages):
+            dropped.extend(r for r in rep.ranks() if r not in dead)
+            continue
+        replicas.append(PipelinePlan(tuple(stages), rep.layers, rep.microbatches))
+    if not replicas:
+        return None
+    kept = {r for rep in replicas for r in rep.ranks()}
+    spares = tuple(sorted((set(plan.spares) | set(plan.ranks())) - kept - dead))
+    trial = Plan(tuple(replicas), plan.schedule, plan.virtual_chunks, plan.epoch, spares, "")
+    out = resplit(costs, trial, searcher, spares)
+    if out is None:
+        return None
+    return Plan(out.replicas, out.schedule, out.virtual_chunks, plan.epoch + 1, spares, "tp-regroup")

@@ -1,0 +1,543 @@
+"""Joint TP / PP / DP search over the healthy devices.
+
+1. TP groups, per node and per candidate TP size: healthy devices sorted by speed (then by
+   their current TP group, so healthy groups survive unchanged) are cut into groups of the
+   TP size; a group holding a slow device may shrink to the power-of-two prefix maximising
+   ``k · min pᵢ`` (ResiHP's TP exclusion), the excluded members forming smaller groups.
+   Variants: keep every group whole, shrink on ties, keep on ties; the remainder of a node
+   whose device count is not a multiple of the TP size forms smaller groups from its
+   slowest or ("-lead") its fastest devices. On small clusters (≤ 8 nodes) the weakest
+   r nodes may also use half the TP size (mixed-TP layouts).
+2. Symmetry: a group is reduced to its type (k, min speed, min memory); identical healthy
+   nodes give identical types, so a pool of 16,384 devices is a handful of (type, count).
+3. Shapes (variant, tp, pp, dp) are ranked by a lower bound — the layer work spread over the
+   chosen groups plus the bubble of the fastest one plus the DP all-reduce of the smallest
+   possible shard — and evaluated best-bound first until the bound exceeds the best time.
+4. A shape takes the dp·pp fastest groups and arranges them into pipelines concentrated
+   (slow groups share pipelines), spread (one per pipeline) or, on small clusters, snaked
+   (the fastest paired with the slowest); identical
+   pipelines form classes. Each class gets its stage order (which type runs the embedding
+   and the LM head), its exact min-max layer split, and the classes share the global batch
+   by exact water-filling (planner_shares).
+5. The best shapes are materialised into concrete Plans (groups popped in current-plan
+   order, so unaffected replicas keep their ranks and state); among plans within
+   ``equal_speed_tolerance`` the one moving the least state wins.
+Pure and deterministic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.plan import PipelinePlan, Plan, Schedule, even_split
+from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey, evaluate_with
+from resihp.coordinator.planner_move import plan_move
+from resihp.coordinator.planner_shares import allocate_shares
+from resihp.coordinator.planner_split import profile
+from resihp.coordinator.spec import ModelSpec, SpecError
+
+VARIANTS = ("keep", "exclude", "kmin", "keep-lead", "exclude-lead")
+ARRANGEMENTS = ("concentrate", "spread", "snake")
+
+
+def pow2_pieces(n: int) -> list[int]:
+    out = []
+    bit = 1 << max(0, n.bit_length() - 1)
+    while n > 0:
+        if bit <= n:
+            out.append(bit)
+            n -= bit
+        bit >>= 1
+    return out
+
+
+def legal_tp_sizes(spec: ModelSpec, cluster: Cluster, config: PlannerConfig) -> list[int]:
+    per_node = max(len([d for d in devs if not d.failed]) for devs in cluster.nodes().values())
+    limit = per_node if config.max_tp == 0 else min(per_node, config.max_tp)
+    out = []
+    k = 1
+    while k <= limit:
+        if spec.num_heads % k == 0:
+            out.append(k)
+        k *= 2
+    return out
+
+
+def _form(speeds: Sequence[float], lo: int, hi: int, variant: str) -> list[tuple[int, int]]:
+    """Groups (as [start, end) index ranges into the speed-sorted devices) for the chunk
+    [lo, hi) whose length is a power of two."""
+    size = hi - lo
+    if variant == "keep" or size == 1 or speeds[hi - 1] >= speeds[lo]:
+        return [(lo, hi)]
+    best_k, best_v = size, size * speeds[hi - 1]
+    k = size // 2
+    while k >= 1:
+        value = k * speeds[lo + k - 1]
+        if value > best_v + 1e-12 or (variant == "exclude" and value >= best_v - 1e-12):
+            best_k, best_v = k, value
+        k //= 2
+    if best_k == size:
+        return [(lo, hi)]
+    out = [(lo, lo + best_k)]
+    start = lo + best_k
+    for piece in pow2_pieces(hi - start):
+        out.extend(_form(speeds, start, start + piece, variant))
+        start += piece
+    return out
+
+
+def node_ranges(speeds: Sequence[float], tp: int, variant: str) -> list[tuple[int, int]]:
+    """Groups of a node's speed-sorted devices. When the count is not a multiple of tp the
+    remainder forms smaller power-of-two groups, from the slowest devices or — variants
+    ending in "-lead" — from the fastest (then the slow devices pair up among themselves)."""
+    base, _, lead = variant.partition("-")
+    n = len(speeds)
+    full, rest = divmod(n, tp)
+    pieces = [tp] * full + pow2_pieces(rest)
+    if lead and rest:
+        pieces = pow2_pieces(rest) + [tp] * full
+    out: list[tuple[int, int]] = []
+    start = 0
+    for piece in pieces:
+        out.extend(_form(speeds, start, start + piece, base))
+        start += piece
+    return out
+
+
+@dataclass
+class Pool:
+    """The TP groups of one (tp, variant), as types with counts."""
+
+    tp: int
+    variant: str
+    types: list[tuple[StageKey, int]]  # sorted fastest (highest layer rate) first
+    rate: dict[StageKey, float]
+    split: int = 0  # this many nodes (the weakest) form groups of tp >> depth instead: mixed-TP layouts
+    depth: int = 1
+    prefix: list[tuple[int, float, int, float, int, int]] | None = None  # see Searcher._prefix
+
+
+@dataclass
+class ShapeResult:
+    time_s: float
+    pool: Pool
+    pp: int
+    dp: int
+    arrangement: str
+    classes: list[tuple[PipeSig, int]]
+    shares: list[list[int]]
+    lower_bound: float
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    iteration_s: float
+    tokens_per_s: float
+    shapes_bounded: int
+    shapes_evaluated: int
+    move_bytes: int = 0
+    alternatives: list[tuple[float, int]] = field(default_factory=list)  # (iteration_s, move bytes) considered
+
+
+class Searcher:
+    MIXED_TP_MAX_NODES = 8  # up to this many nodes: mixed-TP pools and the snake arrangement
+    def __init__(
+        self, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, current: Plan | None, config: PlannerConfig,
+        schedule: Schedule | None = None, virtual_chunks: int | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.spec = spec
+        self.batch = batch
+        self.config = config
+        self.current = current
+        sched = schedule or (current.schedule if current is not None else Schedule.ONE_F_ONE_B)
+        v = virtual_chunks or (current.virtual_chunks if current is not None else 1)
+        self.costs = Costs(cluster, spec, batch, config, sched, v if sched is Schedule.INTERLEAVED else 1)
+        self.v = self.costs.v
+        # healthy devices per node, sorted by speed, memory, then current position
+        pos: dict[int, tuple[int, int, int]] = {}
+        if current is not None:
+            for r in current.ranks():
+                p = current.position(r)
+                pos[r] = (p.replica, p.stage, p.tp_index)
+        far = (1 << 30, 0, 0)
+        self.node_devs: list[list[DeviceState]] = []
+        for devs in cluster.nodes().values():
+            alive = [d for d in devs if not d.failed]
+            if alive:
+                alive.sort(key=lambda d: (-d.speed, -d.memory_bytes, pos.get(d.rank, far), d.rank))
+                self.node_devs.append(alive)
+        self.node_sigs = [tuple((d.speed, float(d.memory_bytes)) for d in devs) for devs in self.node_devs]
+        self._concrete: dict[tuple[int, str, int, int], dict[StageKey, list[tuple[int, ...]]]] = {}
+        if not self.node_devs:
+            raise SpecError("planner: no healthy device left in the cluster; nothing can run")
+        self._pos = pos
+
+    # --- pools --------------------------------------------------------------------------
+    def _node_tp(self, tp: int, split: int, depth: int = 1) -> list[int]:
+        """TP size per node: the ``split`` weakest nodes (least total speed, later first) use
+        tp >> depth."""
+        sizes = [tp] * len(self.node_devs)
+        if split and tp >> depth >= 1:
+            weakest = sorted(range(len(self.node_devs)),
+                             key=lambda i: (sum(d.speed for d in self.node_devs[i]), -i))[:split]
+            for i in weakest:
+                sizes[i] = tp >> depth
+        return sizes
+
+    def pool(self, tp: int, variant: str, split: int = 0, depth: int = 1) -> Pool:
+        counts: dict[StageKey, int] = {}
+        memo: dict[tuple[object, int], list[StageKey]] = {}
+        for devs, sig, size in zip(self.node_devs, self.node_sigs, self._node_tp(tp, split, depth)):
+            keys = memo.get((sig, size))
+            if keys is None:
+                speeds = [d.speed for d in devs]
+                keys = [
+                    (b - a, min(speeds[a:b]), min(float(devs[i].memory_bytes) for i in range(a, b)))
+                    for a, b in node_ranges(speeds, size, variant)
+                ]
+                memo[(sig, size)] = keys
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+        rate = {key: 1.0 / self.costs.per_layer_s(key[0], key[1]) for key in counts}
+        types = sorted(counts.items(), key=lambda kv: (-rate[kv[0]], -kv[0][0], -kv[0][2]))
+        return Pool(tp, variant, types, rate, split, depth)
+
+    def concrete_groups(self, pool: Pool) -> dict[StageKey, list[tuple[int, ...]]]:
+        """Concrete rank tuples per type, in current-plan order (so popping them in order
+        rebuilds unaffected pipelines exactly)."""
+        hit = self._concrete.get((pool.tp, pool.variant, pool.split, pool.depth))
+        if hit is not None:
+            return hit
+        out: dict[StageKey, list[tuple[int, ...]]] = {}
+        for devs, size in zip(self.node_devs, self._node_tp(pool.tp, pool.split, pool.depth)):
+            speeds = [d.speed for d in devs]
+            for a, b in node_ranges(speeds, size, pool.variant):
+                members = devs[a:b]
+                key = (b - a, min(speeds[a:b]), min(float(d.memory_bytes) for d in members))
+                group = tuple(d.rank for d in sorted(members, key=lambda d: (self._pos.get(d.rank, (1 << 30, 0, 0)), d.rank)))
+                out.setdefault(key, []).append(group)
+        far = (1 << 30, 0, 0)
+        for key in out:
+            out[key].sort(key=lambda g: (self._pos.get(g[0], far), g))
+        self._concrete[(pool.tp, pool.variant, pool.split, pool.depth)] = out
+        return out
+
+    # --- shapes -------------------------------------------------------------------------
+    def _selected(self, pool: Pool, n: int) -> list[tuple[StageKey, int]]:
+        out = []
+        for key, count in pool.types:
+            if n <= 0:
+                break
+            take = min(n, count)
+            out.append((key, take))
+            n -= take
+        return out
+
+    def _prefix(self, pool: Pool) -> list[tuple[int, float, int, float, int, int]]:
+        """Per type i, over types[0..i]: (groups, Σ rate, max k, max speed, min cap, max cap),
+        so a shape's bound and memory check cost a bisection instead of a walk."""
+        if pool.prefix is None:
+            out = []
+            n, rate, max_k, max_sp, min_cap, max_cap = 0, 0.0, 0, 0.0, 1 << 30, -(1 << 30)
+            for key, count in pool.types:
+                cap = self.costs.layer_cap(key, False, False, 1.0)
+                n += count
+                rate += pool.rate[key] * count
+                max_k, max_sp = max(max_k, key[0]), max(max_sp, key[1])
+                min_cap, max_cap = min(min_cap, cap), max(max_cap, cap)
+                out.append((n, rate, max_k, max_sp, min_cap, max_cap))
+            pool.prefix = out
+        return pool.prefix
+
+    def _upto(self, pool: Pool, n: int) -> tuple[int, float]:
+        """(index of the last type used by the n fastest groups, their Σ rate)."""
+        pre = self._prefix(pool)
+        i = next(j for j, row in enumerate(pre) if row[0] >= n)  # a handful of types
+        before_n, before_rate = (pre[i - 1][0], pre[i - 1][1]) if i else (0, 0.0)
+        return i, before_rate + pool.rate[pool.types[i][0]] * (n - before_n)
+
+    def lower_bound(self, pool: Pool, pp: int, dp: int) -> float:
+        i, total_rate = self._upto(pool, pp * dp)
+        _, _, max_k, max_speed, _, _ = self._prefix(pool)[i]
+        best_key = pool.types[0][0]
+        best_rate = pool.rate[best_key]
+        c = self.costs
+        n_layers = self.spec.num_layers
+        m = self.batch.microbatches
+        spread = max(m - dp, 0) * n_layers / total_rate
+        # the busiest replica runs ⌈M/dp⌉ micro-batches through at least ⌈L/pp⌉ layers of
+        # its bottleneck stage, no stage being faster than the fastest group
+        busiest = (math.ceil(m / dp) - 1) * math.ceil(n_layers / pp) / best_rate
+        head = c.extra_s(best_key[0], best_key[1], pp == 1, True)  # the LM head runs somewhere
+        busiest = max(busiest, (math.ceil(m / dp) - 1) * (n_layers / best_rate + head) / pp)
+        bound = max(spread, busiest) + c.beta * (n_layers / best_rate + head) + c.hops_s(pp)
+        shard = n_layers * c.layer_params / (pp * max_k)
+        bound += shard * self.config.memory.state_bytes_per_param * 2.0 / self.config.hbm_bw_Bps / max_speed
+        if dp > 1:
+            cl = self.cluster
+            bound += 2.0 * (dp - 1) / dp * shard * self.config.grad_reduce_bytes / cl.inter_node_bw_Bps
+            bound += 2.0 * (dp - 1) * cl.inter_node_latency_s
+        return bound
+
+    def fits(self, pool: Pool, pp: int, dp: int) -> bool:
+        """Necessary memory condition: with every stage at its loosest cap (a middle stage,
+        one micro-batch in flight) each selected group must still take its share of layers."""
+        i, _ = self._upto(pool, pp * dp)
+        _, _, _, _, min_cap, max_cap = self._prefix(pool)[i]
+        return min_cap >= max(self.v, self.spec.num_layers - (pp - 1) * max_cap)
+
+    def dp_candidates(self, pool: Pool, pp: int) -> list[int]:
+        n = sum(c for _, c in pool.types)
+        top = min(n // pp, self.batch.microbatches)
+        if top < 1:
+            return []
+        if top <= 16:
+            return list(range(1, top + 1))
+        best_rate = pool.rate[pool.types[0][0]]
+        clean = sum(c for key, c in pool.types if pool.rate[key] >= best_rate * (1 - 1e-12)) // pp
+        cands = {top, top - 1, top - 2, clean, clean - 1}
+        m = self.batch.microbatches
+        for d in range(top, 0, -1):
+            if m % d == 0:
+                cands.add(d)
+                break
+        return sorted(d for d in cands if 1 <= d <= top)
+
+    def arrange(self, pool: Pool, pp: int, dp: int, arrangement: str) -> list[tuple[list[StageKey], int]]:
+        sel = self._selected(pool, pp * dp)
+        out: list[tuple[list[StageKey], int]] = []
+        if arrangement == "concentrate":
+            partial: list[StageKey] = []
+            for key, count in sel:
+                if partial:
+                    take = min(count, pp - len(partial))
+                    partial.extend([key] * take)
+                    count -= take
+                    if len(partial) == pp:
+                        out.append((partial, 1))
+                        partial = []
+                full, rest = divmod(count, pp)
+                if full:
+                    out.append(([key] * pp, full))
+                partial = [key] * rest
+            return out
+        if arrangement == "snake":
+            # row i of the dp × pp grid runs left-to-right on even i, right-to-left on odd i:
+            # the fastest groups pair with the slowest ones
+            flat = [key for key, count in sel for _ in range(count)]
+            pipes: dict[tuple[StageKey, ...], int] = {}
+            for j in range(dp):
+                keys_j = tuple(flat[i * dp + (j if i % 2 == 0 else dp - 1 - j)] for i in range(pp))
+                pipes[keys_j] = pipes.get(keys_j, 0) + 1
+            return [(list(k), c) for k, c in pipes.items()]
+        # spread: pipeline j gets the j-th, (j+dp)-th, ... fastest groups
+        flat_bounds: list[tuple[int, StageKey]] = []
+        start = 0
+        for key, count in sel:
+            flat_bounds.append((start, key))
+            start += count
+        cuts = {0, dp}
+        for i in range(pp):
+            for b, _ in flat_bounds:
+                j = b - i * dp
+                if 0 < j < dp:
+                    cuts.add(j)
+        edges = sorted(cuts)
+        starts = [b for b, _ in flat_bounds]
+        for lo, hi in zip(edges, edges[1:]):
+            keys = []
+            for i in range(pp):
+                idx = i * dp + lo
+                t = max(x for x in range(len(starts)) if starts[x] <= idx)
+                keys.append(flat_bounds[t][1])
+            out.append((keys, hi - lo))
+        return out
+
+    def _orders(self, keys: list[StageKey], rate: dict[StageKey, float]) -> list[PipeSig]:
+        distinct = sorted(set(keys), key=lambda k: (-rate[k], k))
+        if len(distinct) == 1:
+            return [PipeSig(tuple(keys))]
+        out: list[PipeSig] = []
+        seen: set[tuple[StageKey, ...]] = set()
+        for first in distinct[:4]:
+            for last in distinct[:4]:
+                rest = list(keys)
+                rest.remove(first)
+                if last not in rest:
+                    continue
+                rest.remove(last)
+                for middle in (sorted(rest, key=lambda k: (-rate[k], k)), sorted(rest, key=lambda k: (rate[k], k))):
+                    seq = tuple([first] + middle + [last])
+                    if seq not in seen:
+                        seen.add(seq)
+                        out.append(PipeSig(seq))
+        return out
+
+    def _shard(self, sig: PipeSig, layers: Sequence[int]) -> float:
+        c = self.costs
+        p = len(sig.stages)
+        return max(
+            (layers[s] * c.layer_params + (c.emb_params if s == 0 else 0) + (c.emb_params if s == p - 1 else 0))
+            / (key[0] * key[1])
+            for s, key in enumerate(sig.stages)
+        )
+
+    def evaluate_shape(self, pool: Pool, pp: int, dp: int, arrangement: str, bound: float) -> ShapeResult | None:
+        groups = self.arrange(pool, pp, dp, arrangement)
+        costs = self.costs
+        m_total = self.batch.microbatches
+        typical = max(1, math.ceil(m_total / dp))
+        sigs: list[PipeSig] = []
+        for keys, _ in groups:
+            best: tuple[float, float, PipeSig] | None = None
+            for sig in self._orders(keys, pool.rate):
+                res = profile(costs, sig).best(typical)
+                if res is None:
+                    continue
+                shard = self._shard(sig, res[1])  # ties: the smaller largest shard syncs faster
+                if best is None or res[0] < best[0] * (1 - 1e-12) or (
+                        res[0] <= best[0] * (1 + 1e-12) and shard < best[1]):
+                    best = (res[0], shard, sig)
+            sigs.append(best[2] if best is not None else self._orders(keys, pool.rate)[0])
+
+        alloc = allocate_shares([profile(costs, s) for s in sigs], [c for _, c in groups], m_total, pp if self.v > 1 else 1)
+        if alloc is None:
+            return None
+        makespan, shares = alloc
+        shards: list[tuple[int, int, bool, bool, float]] = []
+        for sig, row in zip(sigs, shares):
+            for m in sorted(set(row)):
+                res = profile(costs, sig).best(max(m, 1))
+                if res is None:
+                    return None
+                for s, (key, layers) in enumerate(zip(sig.stages, res[1])):
+                    shards.append((key[0], layers, s == 0, s == pp - 1, key[1]))
+        total = makespan + costs.sync_s(dp, shards)
+        classes = [(sig, c) for sig, (_, c) in zip(sigs, groups)]
+        return ShapeResult(total, pool, pp, dp, arrangement, classes, shares, bound)
+
+    # --- materialisation ------------------------------------------------------------------
+    def materialise(self, shape: ShapeResult, reason: str) -> Plan:
+        queues = self.concrete_groups(shape.pool)
+        cursor = {key: 0 for key in queues}
+        replicas: list[PipelinePlan] = []
+        used: set[int] = set()
+        for (sig, count), row in zip(shape.classes, shape.shares):
+            for i in range(count):
+                stages = []
+                for key in sig.stages:
+                    group = queues[key][cursor[key]]
+                    cursor[key] += 1
+                    stages.append(group)
+                    used.update(group)
+                m = row[i]
+                res = profile(self.costs, sig).best(max(m, 1))
+                assert res is not None
+                replicas.append(PipelinePlan(tuple(stages), self._virtual(res[1]), m))
+        # keep replicas in current order where possible (stable, deterministic)
+        far = (1 << 30, 0, 0)
+        replicas.sort(key=lambda rep: (self._pos.get(rep.stages[0][0], far), rep.stages[0]))
+        spares = tuple(sorted(d.rank for devs in self.node_devs for d in devs if d.rank not in used))
+        epoch = self.current.epoch + 1 if self.current is not None else 0
+        return Plan(tuple(replicas), self.costs.schedule, self.v, epoch, spares, reason)
+
+    def _virtual(self, per_device: Sequence[int]) -> tuple[int, ...]:
+        if self.v == 1:
+            return tuple(per_device)
+        p = len(per_device)
+        chunks = [even_split(n, self.v) for n in per_device]
+        return tuple(chunks[j % p][j // p] for j in range(p * self.v))
+
+    # --- the search -----------------------------------------------------------------------
+    def search(self, keep: int = 3) -> SearchResult:
+        n_layers = self.spec.num_layers
+        pools: list[Pool] = []
+        seen: set[object] = set()
+        # mixed TP sizes (some nodes at tp/2) are explored on small clusters only, where
+        # batch and layer granularity make them pay; large clusters have enough groups
+        n_nodes = len(self.node_devs)
+        mixes = [(0, 1)]
+        if n_nodes <= self.MIXED_TP_MAX_NODES:
+            mixes += [(r, 1) for r in range(1, n_nodes + 1)] + [(r, d) for r in (1, 2) for d in (2, 3)]
+        for tp in legal_tp_sizes(self.spec, self.cluster, self.config):
+            for variant in VARIANTS:
+                for split, depth in mixes:
+                    if split and tp >> depth < 1:
+                        continue
+                    pool = self.pool(tp, variant, split, depth)
+                    ident = tuple(pool.types)
+                    if ident not in seen:
+                        seen.add(ident)
+                        pools.append(pool)
+        shapes: list[tuple[float, int, int, int, int]] = []
+        for pi, pool in enumerate(pools):
+            for pp in range(1, n_layers // self.v + 1):
+                for dp in self.dp_candidates(pool, pp):
+                    if self.fits(pool, pp, dp):
+                        shapes.append((self.lower_bound(pool, pp, dp), pi, pp, dp, len(shapes)))
+        shapes.sort()
+        results: list[ShapeResult] = []
+        best = INF
+        evaluated = 0
+        for bound, pi, pp, dp, _ in shapes:
+            if bound >= best * (1 + self.config.equal_speed_tolerance):
+                break
+            uniform = len(self._selected(pools[pi], pp * dp)) == 1  # one group type: arrangements coincide
+            arrangements: tuple[str, ...] = ARRANGEMENTS[:1] if uniform else ARRANGEMENTS
+            if len(self.node_devs) > self.MIXED_TP_MAX_NODES:
+                arrangements = arrangements[:2]  # snake pairs matter only with few, uneven groups
+            for arrangement in arrangements:
+                res = self.evaluate_shape(pools[pi], pp, dp, arrangement, bound)
+                evaluated += 1
+                if res is not None and res.time_s < INF:
+                    results.append(res)
+                    best = min(best, res.time_s)
+        if not results:
+            raise SpecError(
+                f"planner: no layout of {self.spec.name} fits the healthy devices "
+                f"({sum(len(d) for d in self.node_devs)} devices): the model does not fit in memory at any "
+                "TP × PP; add devices or memory, or use activation recomputation"
+            )
+        results.sort(key=lambda r: r.time_s)
+        close: list[ShapeResult] = []
+        idents: set[object] = set()
+        for res in results:
+            if res.time_s > best * (1 + self.config.equal_speed_tolerance) or len(close) >= keep:
+                break
+            shape_id: object = (res.pool.tp, res.pp, res.dp, tuple(res.classes), tuple(tuple(r) for r in res.shares))
+            if shape_id not in idents:
+                idents.add(shape_id)
+                close.append(res)
+        chosen: tuple[int, float, Plan] | None = None
+        alternatives: list[tuple[float, int]] = []
+        for res in close:
+            plan = self.materialise(res, "")
+            moved = 0
+            if self.current is not None and len(close) > 1:
+                moved = plan_move(self.current, plan, self.spec, self.config.memory,
+                                  self.cluster.inter_node_bw_Bps).bytes_total
+            alternatives.append((res.time_s, moved))
+            if chosen is None or (moved, res.time_s) < (chosen[0], chosen[1]):
+                chosen = (moved, res.time_s, plan)
+        assert chosen is not None
+        _, _, plan = chosen
+        ev = evaluate_with(self.costs, plan)
+        it = ev.iteration_s
+        moved = 0
+        if self.current is not None:
+            moved = plan_move(self.current, plan, self.spec, self.config.memory,
+                              self.cluster.inter_node_bw_Bps).bytes_total
+        tps = self.batch.microbatches * self.costs.tokens / it
+        return SearchResult(plan, it, tps, len(shapes), evaluated, moved, alternatives)
+
+
+def search_plan(
+    cluster: Cluster, model: ModelSpec, batch: GlobalBatch, current: Plan | None = None,
+    config: PlannerConfig | None = None,
+) -> Plan:
+    """The best plan over the healthy devices (ties: the one moving the least state)."""
+    return Searcher(cluster, model, batch, current, config or PlannerConfig()).search().plan

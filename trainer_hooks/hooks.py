@@ -1,0 +1,231 @@
+"""The two calls a training loop adds: ``init`` at start-up and ``Job.step`` every iteration.
+
+    job = resihp.trainer_hooks.init("gpt-tiny", plan)         # MPI → torch.distributed, agent,
+    for it in range(steps):                                   # groups, model + AdamW placed
+        result = job.runtime.train_step(it)                   # the runtime's 1F1B step
+        job.step(result)                                      # report; apply commands
+
+A loop that keeps its own model (e.g. torch DDP) passes no plan and reports what it knows:
+``job.step(iteration=it, seqlens=[...])``. ``step`` never blocks on the network: reports go
+to a bounded queue drained by a background thread (the agent client), the trace to a
+non-blocking MPI send. It is the one place where commands take effect, at the step
+boundary of their ``apply_at`` iteration: a ThrottleCommand (fault injection) now; a
+ReconfigCommand is handed to ``Job.on_reconfigure`` where one is installed (live
+reconfiguration) and otherwise refused with a reason in the acknowledgement.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Sequence
+
+from resihp.coordinator import messages as m
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.trace import ChunkTiming
+from resihp.trainer_hooks.bootstrap import Bootstrap
+from resihp.trainer_hooks.reporter import Transport, connect
+from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig
+from resihp.trainer_hooks.throttle import Throttle
+from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
+
+log = logging.getLogger(__name__)
+THROTTLE_ENV = "RESIHP_THROTTLE"  # "RANK:FACTOR[@ITER][,…]": inject a fail-slow without an agent
+TRACE_ENV = "RESIHP_TRACE"
+
+
+def parse_throttle_env(text: str, rank: int) -> tuple[float, int] | None:
+    """This rank's (factor, from_iteration) in a RESIHP_THROTTLE value, or None."""
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            who, rest = item.split(":", 1)
+            factor_s, _, at_s = rest.partition("@")
+            if int(who) == rank:
+                return float(factor_s), int(at_s or 0)
+        except ValueError:
+            raise SpecError(f"{THROTTLE_ENV}={text!r}: expected RANK:FACTOR[@ITER], e.g. 3:2.0@10") from None
+    return None
+
+
+@dataclass
+class StepOutcome:
+    iteration: int
+    applied: tuple[str, ...] = ()  # kinds of the commands applied at this boundary
+    stop: bool = False  # a DrainCommand asked the loop to end
+
+
+@dataclass
+class Job:
+    """A rank's handle on the resilient job (returned by ``init``)."""
+
+    boot: Bootstrap
+    model: ModelSpec
+    plan: Plan
+    config: TrainConfig
+    transport: Transport
+    throttle: Throttle
+    runtime: Runtime | None = None
+    trace: TraceCollector | None = None
+    on_reconfigure: Callable[[Job, m.ReconfigCommand], None] | None = None
+    dropped_reports: int = 0
+    _pending: list[m.Command] = field(default_factory=list)
+    _last_step_end: float = field(default_factory=time.perf_counter)
+    _iteration: int = -1
+    _trace_file: IO[str] | None = None
+    _closed: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.boot.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.boot.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    def step(
+        self, result: StepResult | None = None, *, iteration: int | None = None,
+        seqlens: Sequence[Sequence[int]] | None = None,
+        chunks: Sequence[tuple[str, int, int, float, float]] = (), time_s: float | None = None,
+    ) -> StepOutcome:
+        """Report the iteration that just finished and apply the commands due at this boundary."""
+        now = time.perf_counter()
+        if result is None:
+            # a loop without the runtime: the step is the time since the previous boundary;
+            # a throttle stretches the whole step (the hooks do not see its compute chunks)
+            it = self._iteration + 1 if iteration is None else iteration
+            took = (now - self._last_step_end) if time_s is None else time_s
+            took += self.throttle.stall_for(took)
+            wall_start = time.time() - took
+            lens = tuple(tuple(s) for s in (seqlens or ()))
+            parts = tuple(chunks)
+        else:
+            it, took, wall_start, lens, parts = (
+                result.iteration, result.time_s, result.wall_start_s, result.seqlens, tuple(result.chunks)
+            )
+        self._iteration = it
+        start_rel = wall_start - self.boot.job_start_s
+        # chunk times from this rank's own iteration start (the joiner aligns ranks by start_s)
+        timings = tuple(ChunkTiming(self.rank, k, mb, c, max(0.0, s), max(0.0, e)) for k, mb, c, s, e in parts)
+        if not self.transport.report(it, took, wall_start, lens, timings, self.epoch):
+            self.dropped_reports += 1
+        if self.trace is not None:
+            replica = self.plan.position(self.rank).replica if self.plan.has_rank(self.rank) else -1
+            self.trace.record(RankIteration(self.rank, it, replica, start_rel, took, lens, parts))
+        outcome = self._apply_commands(it)
+        self._last_step_end = time.perf_counter()
+        return outcome
+
+    def _apply_commands(self, iteration: int) -> StepOutcome:
+        self._pending.extend(self.transport.poll_commands())
+        next_it = iteration + 1
+        due = [c for c in self._pending if c.apply_at <= next_it]
+        self._pending = [c for c in self._pending if c.apply_at > next_it]
+        applied: list[str] = []
+        stop = False
+        for cmd in sorted(due, key=lambda c: c.seq):
+            kind = m.command_kind(cmd)
+            if not m.command_targets(cmd, self.rank):
+                continue
+            try:
+                if isinstance(cmd, m.ThrottleCommand):
+                    self.throttle.set_factor(cmd.factor)
+                    log.warning("resihp: rank %d compute throttled to 1/%.2f speed from iteration %d (%s)",
+                                self.rank, cmd.factor, next_it, cmd.reason or "injected")
+                elif isinstance(cmd, m.DrainCommand):
+                    stop = True
+                elif self.on_reconfigure is not None:
+                    self.on_reconfigure(self, cmd)
+                else:
+                    raise RuntimeError(
+                        f"live reconfiguration is not installed in this runtime; staying on plan epoch {self.epoch}"
+                    )
+            except Exception as exc:  # the command failed here; say why in the acknowledgement
+                log.error("resihp: rank %d could not apply %s command %d: %s", self.rank, kind, cmd.seq, exc)
+                self.transport.ack(cmd, next_it, ok=False, error=str(exc))
+                continue
+            self.transport.ack(cmd, next_it)
+            applied.append(kind)
+        return StepOutcome(iteration, tuple(applied), stop)
+
+    def close(self) -> None:
+        """Flush the trace (collective over all ranks), say goodbye to the agent, leave the world."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.trace is not None:
+            self.trace.close()
+        if self._trace_file is not None:
+            self._trace_file.close()
+        self.transport.close()
+        self.boot.close()
+
+
+def init(
+    model: ModelSpec | str, plan: Plan | None = None, *, config: TrainConfig | None = None,
+    agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
+    job: str = "", backend: str | None = None, microbatches_per_rank: int = 1, timeout_s: float = 120.0,
+    comm: Any = None,
+) -> Job:
+    """Start-up: MPI bootstrap into torch.distributed, connect to the node's agent, and — given a
+    plan — build the groups and place the model and AdamW. Without a plan the loop keeps its own
+    model (e.g. DDP) and the job only reports (as a DP layout of one micro-batch share per rank).
+
+    model: a ModelSpec or preset name. agent: the agent's address (default: from the environment
+    ``resihp launch`` sets; none reachable → one warning, training goes on). trace: a path for
+    the trace file (default: $RESIHP_TRACE, else $RESIHP_RUN_DIR/trace.jsonl under ``resihp
+    launch``; none = no trace), written by global rank 0. job: the job's name; $RESIHP_JOB (set by
+    ``resihp launch``, and the name the node agent checks) takes precedence.
+    """
+    spec = preset(model) if isinstance(model, str) else model
+    cfg = config or TrainConfig()
+    boot = Bootstrap(comm=comm, backend=backend, timeout_s=timeout_s)
+    info = boot.init_epoch(plan.epoch if plan is not None else 0)
+    throttle = Throttle()
+    env_throttle = parse_throttle_env(os.environ.get(THROTTLE_ENV, ""), boot.rank)
+    runtime = None
+    if plan is not None:
+        missing = sorted(set(range(boot.world_size)) - set(plan.ranks()) - set(plan.spares))
+        if max(plan.ranks()) >= boot.world_size or missing:
+            raise SpecError(
+                f"init: the plan covers ranks {list(plan.ranks())} (spares {list(plan.spares)}) but the world has "
+                f"{boot.world_size} ranks; every rank must be in the plan or a spare"
+            )
+        runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch)
+    else:
+        plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * microbatches_per_rank)
+    job = os.environ.get("RESIHP_JOB") or job  # under `resihp launch` the agent knows the job by its name
+    tx = transport or connect(boot.rank, boot.local_rank, job, agent)
+    path = trace if trace is not None else os.environ.get(TRACE_ENV) or None
+    if path is None and os.environ.get("RESIHP_RUN_DIR"):  # under `resihp launch`: the run directory
+        path = str(Path(os.environ["RESIHP_RUN_DIR"]) / "trace.jsonl")
+    collector = None
+    out = None
+    if path:
+        header = None
+        if boot.rank == 0:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            out = open(path, "w", encoding="utf-8")
+            header = make_header(spec, plan, boot.nodes, job, cfg.budget,
+                                 {"source": "resihp.trainer_hooks", "backend": boot.backend, "seed": cfg.seed})
+        collector = TraceCollector(boot.comm, boot.rank, 0, plan, every=trace_every, out=out, header=header)
+    job_obj = Job(boot=boot, model=spec, plan=plan, config=cfg, transport=tx, throttle=throttle, runtime=runtime,
+                  trace=collector, _trace_file=out)
+    if env_throttle is not None:
+        factor, at = env_throttle
+        job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,
+                                                  ranks=(boot.rank,)))
+        if at <= 0:
+            job_obj._apply_commands(-1)
+    return job_obj
+
+
+def step(job: Job, result: StepResult | None = None, **kwargs: Any) -> StepOutcome:
+    """Module-level spelling of ``job.step(...)``."""
+    return job.step(result, **kwargs)

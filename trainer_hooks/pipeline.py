@@ -1,0 +1,145 @@
+"""The 1F1B pipeline schedule with real point-to-point sends between stages.
+
+Stage s of p runs ``min(p − s − 1, M)`` warm-up forwards, then alternates one forward and
+one backward, then drains the remaining backwards (PipeDream-flush / Megatron 1F1B). Sends
+are non-blocking (``isend``; completed at the end of the step), receives block, so two
+neighbours sending to each other at once cannot deadlock. Every forward (F), backward (B),
+receive wait (P2P) is recorded with its micro-batch index; with 1F1B B covers both the
+input and the weight gradient (no separate W).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from resihp.trainer_hooks.data import ReplicaBatch
+from resihp.trainer_hooks.groups import StagePlace
+from resihp.trainer_hooks.model import GPTStage, PackedMeta, loss_sum
+from resihp.trainer_hooks.throttle import Throttle
+
+
+@dataclass
+class ChunkLog:
+    """Timed chunks of one rank in one iteration: (kind, microbatch, chunk, start_s, end_s),
+    times in seconds from the rank's iteration start (perf_counter based)."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    chunks: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+
+    def add(self, kind: str, microbatch: int, start: float, end: float, chunk: int = 0) -> None:
+        self.chunks.append((kind, microbatch, chunk, start - self.t0, end - self.t0))
+
+    def total(self, kind: str) -> float:
+        return sum(e - s for k, _, _, s, e in self.chunks if k == kind)
+
+
+def schedule_1f1b(num_stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order of ("F", i) / ("B", i) steps stage ``stage`` runs."""
+    warmup = min(num_stages - stage - 1, microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(microbatches - warmup, microbatches)]
+    return order
+
+
+class PipelineStep:
+    """Runs one iteration's micro-batches through this rank's stage."""
+
+    def __init__(self, stage: GPTStage, place: StagePlace, device: torch.device, throttle: Throttle,
+                 compute_clock: str = "wall") -> None:
+        if compute_clock not in ("wall", "cpu"):
+            raise ValueError(f"compute_clock must be 'wall' or 'cpu', got {compute_clock!r}")
+        self.stage = stage
+        self.place = place
+        self.device = device
+        self.throttle = throttle
+        self.compute_clock = compute_clock
+        self._pending: list[Any] = []  # outstanding isend works (and the tensors they read)
+
+    def _recv(self, src: int, shape: tuple[int, ...], tag: int, log: ChunkLog, mb: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        start = time.perf_counter()
+        dist.recv(buf, src=src, tag=tag)
+        log.add("P2P", mb, start, time.perf_counter())
+        return buf
+
+    def _send(self, tensor: torch.Tensor, dsts: tuple[int, ...], tag: int) -> None:
+        payload = tensor.detach().contiguous()
+        for dst in dsts:
+            self._pending.append((dist.isend(payload, dst=dst, tag=tag), payload))
+
+    def _compute(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
+        if self.compute_clock == "cpu":
+            # CPU-time durations (placed at the chunk's wall start): on CPUs shared with other
+            # jobs, a chunk's CPU time barely moves when co-tenants take the core, its wall
+            # time does. Only for CPU runs; pair it with a spinning throttle on thread_time.
+            start, cpu0 = time.perf_counter(), time.thread_time()
+            out = fn()
+            self.throttle.stall_for(time.thread_time() - cpu0)
+            log.add(kind, mb, start, start + (time.thread_time() - cpu0))
+            return out
+        start = time.perf_counter()
+        out = fn()
+        self.throttle.stall_for(time.perf_counter() - start)
+        log.add(kind, mb, start, time.perf_counter())
+        return out
+
+    def run(self, batch: ReplicaBatch, log: ChunkLog) -> torch.Tensor | None:
+        """Forward and backward every micro-batch; returns this replica's summed loss on the last stage."""
+        place = self.place
+        mbs = batch.microbatches
+        hidden = self.stage.spec.hidden
+        norm = float(batch.global_tokens)
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_total = torch.zeros((), dtype=torch.float32, device=self.device) if place.last else None
+        for kind, i in schedule_1f1b(place.num_stages, place.stage, len(mbs)):
+            mb = mbs[i]
+            if kind == "F":
+                meta = PackedMeta.from_seqlens(mb.seqlens, self.device)
+                if place.first:
+                    x_in: torch.Tensor | None = None
+                    x = mb.tokens.to(self.device)
+                else:
+                    assert place.recv_fwd_from is not None
+                    x_in = self._recv(place.recv_fwd_from, (mb.num_tokens, hidden), 2 * i, log, i)
+                    x_in.requires_grad_(True)
+                    x = x_in
+
+                def forward(x: torch.Tensor = x, meta: PackedMeta = meta) -> torch.Tensor:
+                    out = self.stage(x, meta)
+                    if place.last:
+                        return loss_sum(out, mb.targets.to(self.device)) / norm
+                    return out
+
+                out = self._compute(forward, "F", i, log)
+                if place.last:
+                    assert loss_total is not None
+                    loss_total += out.detach()
+                else:
+                    self._send(out, place.send_fwd_to, 2 * i)
+                saved[i] = (x_in, out)
+            else:
+                x_in, out = saved.pop(i)
+                if place.last:
+                    grad = None
+                else:
+                    assert place.recv_bwd_from is not None
+                    grad = self._recv(place.recv_bwd_from, tuple(out.shape), 2 * i + 1, log, i)
+                self._compute(lambda: torch.autograd.backward(out, grad), "B", i, log)
+                if x_in is not None:
+                    assert x_in.grad is not None
+                    self._send(x_in.grad, place.send_bwd_to, 2 * i + 1)
+        return loss_total
+
+    def finish_sends(self, log: ChunkLog) -> None:
+        start = time.perf_counter()
+        for work, _ in self._pending:
+            work.wait()
+        if self._pending:
+            log.add("P2P", -1, start, time.perf_counter())
+        self._pending.clear()

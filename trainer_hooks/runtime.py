@@ -1,0 +1,174 @@
+"""The hybrid-parallel runtime: places the model and AdamW from a plan and trains a step.
+
+Per iteration: this rank's replica takes its share of the global batch, runs it through
+the 1F1B pipeline, sums gradients over the ranks holding the same shards (DP), and steps
+AdamW. Every micro-batch's loss is its summed token cross-entropy divided by the token
+count of the WHOLE global batch, so the summed gradients are the global-batch gradient
+whatever the replicas' shares are (even a share of zero). AdamW is element-wise, so
+sharding it by TP changes nothing. The reported loss is the global batch's mean token
+loss, known on the last-stage ranks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.data import GlobalBatches, PackedStream
+from resihp.trainer_hooks.groups import EpochGroups, build_groups
+from resihp.trainer_hooks.model import GPTStage
+from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
+from resihp.trainer_hooks.throttle import Throttle
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    max_seq_len: int = 64  # position table size; also the packing budget unless tokens_per_microbatch is set
+    tokens_per_microbatch: int = 0  # 0 = max_seq_len
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    data_seed: int = -1  # -1 = seed
+    data_root: str = ""  # "" = the Python standard library
+    # "wall" (default): chunk timings in wall time. "cpu": compute chunks (F, B) timed in the
+    # thread's CPU time — for CPU runs on machines shared with other jobs; see pipeline.py
+    compute_clock: str = "wall"
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise SpecError(f"train: max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.tokens_per_microbatch > self.max_seq_len:
+            raise SpecError(
+                f"train: tokens_per_microbatch ({self.tokens_per_microbatch}) exceeds max_seq_len "
+                f"({self.max_seq_len}); a packed document could not be given positions"
+            )
+        if self.lr <= 0:
+            raise SpecError(f"train: lr must be > 0, got {self.lr}")
+        if self.compute_clock not in ("wall", "cpu"):
+            raise SpecError(f"train: compute_clock must be 'wall' or 'cpu', got {self.compute_clock!r}")
+
+    @property
+    def budget(self) -> int:
+        return self.tokens_per_microbatch or self.max_seq_len
+
+
+@dataclass
+class StepResult:
+    """What one iteration did on this rank (what the step hook reports)."""
+
+    iteration: int
+    replica: int
+    loss: float | None  # global mean token loss (last-stage ranks), else None
+    tokens: int  # tokens this rank's replica trained on
+    global_tokens: int
+    seqlens: tuple[tuple[int, ...], ...]  # this replica's micro-batches
+    sample_ids: tuple[int, ...]
+    wall_start_s: float  # time.time() when the iteration started on this rank
+    time_s: float  # this rank's step time
+    chunks: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+
+
+def _default_device() -> torch.device:
+    """CUDA under NCCL (one device per local rank, set by the bootstrap), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Runtime:
+    """One rank's share of the model under the current plan, and its optimizer."""
+
+    def __init__(
+        self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
+        throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
+    ) -> None:
+        plan.validate_for(spec.num_layers, spec.num_heads)
+        self.spec = spec
+        self.config = config
+        self.rank = rank
+        self.device = device or _default_device()
+        self.throttle = throttle or Throttle()
+        stream = PackedStream(
+            config.budget, seed=config.seed if config.data_seed < 0 else config.data_seed,
+            root=Path(config.data_root) if config.data_root else None,
+        )
+        self.data = GlobalBatches(stream, plan.global_microbatches)
+        self.plan = plan
+        self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants)
+        place = self.groups.place
+        self.model = GPTStage(spec, config.max_seq_len, place.layer_range, place.first, place.last, self.groups.tp)
+        self.model.init_from_seed(config.seed)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+        self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, config.compute_clock)
+        self._params = dict(self.model.named_parameters())
+
+    @property
+    def epoch(self) -> int:
+        return self.groups.epoch
+
+    def _sync_gradients(self, log: ChunkLog) -> None:
+        start = time.perf_counter()
+        for _, group, names in self.groups.grad_buckets:
+            params = [self._params[n] for n in names]
+            for p in params:
+                if p.grad is None:  # a replica with no micro-batches still joins the sum
+                    p.grad = torch.zeros_like(p)
+            if group is None:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+        log.add("DP", -1, start, time.perf_counter())
+
+    def _global_loss(self, local: torch.Tensor | None) -> float | None:
+        if local is None:
+            return None
+        # only TP rank 0 of each last stage contributes, so the sum is exact (x + 0 = x)
+        value = local.clone() if self.groups.place.tp_index == 0 else torch.zeros_like(local)
+        if self.groups.loss_group is not None:
+            dist.all_reduce(value, group=self.groups.loss_group)
+        return float(value)
+
+    def train_step(self, step: int) -> StepResult:
+        wall = time.time()
+        log = ChunkLog()
+        place = self.groups.place
+        batch = self.data.for_replica(step, self.plan, place.replica)
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = self.pipeline.run(batch, log)
+        self.pipeline.finish_sends(log)
+        self._sync_gradients(log)
+        loss = self._global_loss(local_loss)
+        start = time.perf_counter()
+        self.optimizer.step()
+        log.add("OPT", -1, start, time.perf_counter())
+        return StepResult(
+            iteration=step, replica=place.replica, loss=loss,
+            tokens=sum(mb.num_tokens for mb in batch.microbatches), global_tokens=batch.global_tokens,
+            seqlens=batch.seqlens, sample_ids=batch.sample_ids, wall_start_s=wall,
+            time_s=time.perf_counter() - log.t0, chunks=log.chunks,
+        )
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards by layout name (the reshard planner's names)."""
+        return {n: p.detach() for n, p in self._params.items()}
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """AdamW state (exp_avg, exp_avg_sq, step) by parameter name."""
+        return {n: dict(self.optimizer.state.get(p, {})) for n, p in self._params.items()}

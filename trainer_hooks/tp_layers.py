@@ -1,0 +1,113 @@
+"""Megatron-style tensor-parallel linear layers.
+
+A column-parallel linear holds rows ``[t·n/k, (t+1)·n/k)`` of the weight (its output is
+split across the TP group); a row-parallel linear holds the matching columns (its input is
+split) and all-reduces its partial products. The two conjugate autograd functions make
+the pair exact: ``f`` is the identity forward and an all-reduce backward (in front of a
+column-parallel layer, whose input gradient is partial on every rank), ``g`` is an
+all-reduce forward and the identity backward (after a row-parallel layer). With a TP group
+of one both are the identity and no collective runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """A rank's place in its tensor-parallel group (group None = a group of one)."""
+
+    group: Any  # torch.distributed.ProcessGroup | None
+    index: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.size:
+            raise ValueError(f"TP index {self.index} outside a group of {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a TP group of size {self.size} needs a process group")
+
+
+SINGLE = TPContext(group=None)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp.group)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp.group)
+
+
+def _split(n: int, tp: TPContext, what: str) -> int:
+    if n % tp.size:
+        raise ValueError(f"{what} ({n}) is not divisible by the TP size ({tp.size})")
+    return n // tp.size
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_t = x · W_tᵀ + b_t, W_t = rows of W for TP rank t (output split)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = True) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        local = _split(out_features, tp, "output features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_t x_t · W_tᵀ + b, W_t = columns of W for TP rank t (input split); b added once."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = True) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        local = _split(in_features, tp, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias

@@ -29,7 +29,7 @@ def test_scripted_slowdown_becomes_a_finding_and_one_epoch_reaches_every_hook(tm
         # every hook applied the same command at the same iteration: one epoch
         assert {(e["rank"], e["epoch"], e["seq"], e["iteration"]) for e in applied} == {
             (r, 1, commands[0]["command_seq"], commands[0]["apply_at"]) for r in range(4)}
-        st = wait_until(lambda: (s := c.status()).state != "RECONFIGURING" and s.epoch == 1 and s, 10, "acks")
+        st = wait_until(lambda: (s := c.status()).state != "RECONFIGURING" and s.epoch == 1 and s, 60, "acks")
         assert st.engine.startswith("detector"), st.engine  # the real detector runs in the service
         states = [e["to"] for e in c.events("state")]
         assert "PLANNING" in states and "RECONFIGURING" in states and states[states.index("RECONFIGURING") + 1] == "RUNNING"
@@ -49,13 +49,13 @@ def test_sigkill_is_fail_stop_within_1s_and_a_hung_rank_within_the_heartbeat_tim
         c.start_trainer("a", [0, 1], "n0")
         c.start_trainer("b", [2], "n0")
         c.start_trainer("c", [3], "n0", "--hang-at", "150")
-        wait_until(lambda: c.status().iteration >= 10, 30, "iterations joined")
+        wait_until(lambda: c.status().iteration >= 10, 60, "iterations joined")
         t_kill = c.kill("b")
-        stop = wait_until(lambda: [f for f in c.events("finding") if f["ranks"] == [2]], 10, "fail-stop of rank 2")[0]
+        stop = wait_until(lambda: [f for f in c.events("finding") if f["ranks"] == [2]], 60, "fail-stop of rank 2")[0]
         assert stop["kind"] == "fail-stop" and stop["cause"] == "process-exit"
         assert stop["time"] - t_kill < 1.0, f"fail-stop reported {stop['time'] - t_kill:.3f} s after SIGKILL"
-        hang = wait_until(lambda: [e for e in c.trainer_log("c") if e["event"] == "hang"], 30, "rank 3 hanging")[0]
-        hung = wait_until(lambda: [f for f in c.events("finding") if f["ranks"] == [3]], 10, "rank 3 declared dead")[0]
+        hang = wait_until(lambda: [e for e in c.trainer_log("c") if e["event"] == "hang"], 60, "rank 3 hanging")[0]
+        hung = wait_until(lambda: [f for f in c.events("finding") if f["ranks"] == [3]], 60, "rank 3 declared dead")[0]
         assert hung["kind"] == "fail-stop" and hung["cause"] == "heartbeat", hung
         # silent since its last heartbeat (≤ one hook heartbeat before the hang) → timeout + scan slack
         assert hung["time"] - hang["time"] < 1.5 + 1.0 + 0.6, hung["time"] - hang["time"]
@@ -73,19 +73,19 @@ def test_restarted_coordinator_resumes_its_epoch_while_trainers_keep_stepping(tm
         addr = c.start_coordinator()
         c.start_agent("n0")
         c.start_trainer("t", [0, 1], "n0")
-        wait_until(lambda: c.status().iteration >= 5, 30, "iterations")
+        wait_until(lambda: c.status().iteration >= 5, 60, "iterations")
         reply = c.admin().Exclude(pb.RankRequest(rank=1, reason="test"), metadata=c.md(), timeout=5)
         assert reply.ok and reply.epoch == 1, reply
-        wait_until(lambda: (s := c.status()).state == "RUNNING" and s.epoch == 1, 15, "epoch 1 acknowledged")
+        wait_until(lambda: (s := c.status()).state == "RUNNING" and s.epoch == 1, 60, "epoch 1 acknowledged")
         before = c.status().iteration
         c.kill("coordinator")
         c.procs["coordinator"].wait(10)
         trainer_alive_during_outage = c.procs["t"].poll() is None
         c.start_coordinator(port=int(addr.rsplit(":", 1)[1]))
-        st = wait_until(lambda: c.status(), 15, "restarted coordinator")
+        st = wait_until(lambda: c.status(), 60, "restarted coordinator")
         assert st.epoch == 1 and st.state == "RUNNING", (st.epoch, st.state)
         assert c.events("coordinator-resumed")
-        after = wait_until(lambda: (it := c.status().iteration) > before + 5 and it, 30, "iterations after restart")
+        after = wait_until(lambda: (it := c.status().iteration) > before + 5 and it, 60, "iterations after restart")
         assert trainer_alive_during_outage and after > before
         reply = c.admin().Readmit(pb.RankRequest(rank=1), metadata=c.md(), timeout=5)
         assert reply.epoch == 2 and reply.seq == 2, reply  # epoch and command numbers kept increasing
@@ -106,10 +106,10 @@ def test_admin_inject_kill_and_slow_are_carried_out_by_the_agent(tmp_path: Path)
         c.start_agent("n0")
         c.start_trainer("t0", [0], "n0")
         c.start_trainer("t1", [1], "n0")
-        wait_until(lambda: c.status().iteration >= 3, 30, "iterations")
+        wait_until(lambda: c.status().iteration >= 3, 60, "iterations")
         r = c.admin().Inject(pb.InjectRequest(kind="slow", rank=0, factor=2.5), metadata=c.md(), timeout=5)
         assert r.ok and "throttle x2.5" in r.message
-        thr = wait_until(lambda: [e for e in c.trainer_log("t0") if e["event"] == "applied"], 10, "throttle applied")
+        thr = wait_until(lambda: [e for e in c.trainer_log("t0") if e["event"] == "applied"], 60, "throttle applied")
         assert thr[0]["kind"] == "throttle" and thr[0]["rank"] == 0
         assert not [e for e in c.trainer_log("t1") if e["event"] == "applied"]  # only the target rank
         t0 = time.time()

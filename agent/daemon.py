@@ -153,10 +153,16 @@ class AgentDaemon:
         self.uplink.send(m.AgentBatch(acks=(ack,)), urgent=True)
 
     def hook_leave(self, rank: int, pid: int) -> None:
+        # A goodbye ends the rank's part in the job at once: its process may still linger
+        # (Open MPI's finalisation can hang), and it must not then be taken for a hung rank.
         with self._lock:
             loc = self.locals.get(rank)
-            if loc is not None and (not pid or loc.pid == pid):
-                loc.said_goodbye = True
+            if loc is None or (pid and loc.pid != pid) or loc.said_goodbye:
+                return
+            loc.said_goodbye = True
+            loc_pid = loc.pid
+        log.info("rank %d (pid %d) said goodbye", rank, loc_pid)
+        self.uplink.send(m.AgentBatch(exits=(m.RankExit(rank, loc_pid, self.clock(), 0, True),)), urgent=True)
 
     # --- exits ----------------------------------------------------------------------------
     def _on_exit(self, rank: int, pid: int, code: int) -> None:
@@ -171,7 +177,8 @@ class AgentDaemon:
         log.log(logging.INFO if clean else logging.WARNING, "rank %d (pid %d) exited%s, code %d", rank, pid,
                 " cleanly" if clean else " WITHOUT saying goodbye", code)
         self.procs.forget([pid])
-        self.uplink.send(m.AgentBatch(exits=(m.RankExit(rank, pid, self.clock(), code, clean),)), urgent=True)
+        if not clean:  # a clean leave was reported when the rank said goodbye
+            self.uplink.send(m.AgentBatch(exits=(m.RankExit(rank, pid, self.clock(), code, clean),)), urgent=True)
         if self.cfg.exit_when_ranks_done:
             with self._lock:
                 done = bool(self.locals) and all(l.exited for l in self.locals.values())

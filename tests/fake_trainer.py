@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow", action="append", default=[], metavar="RANK:ITER:FACTOR")
     p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--log", default="")
+    p.add_argument("--hang-after-leave", action="store_true",
+                   help="after a clean goodbye, never exit (as Open MPI's finalisation can hang)")
     args = p.parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))]
     agent = args.agent or agent_address_from_env(ranks[0])
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     for st in states:
         st.client.close(clean=True)
     log({"event": "finished", "iteration": it})
+    if args.hang_after_leave:
+        threading.Event().wait()
     return 0
 
 

@@ -66,3 +66,23 @@ def test_launch_survives_a_killed_rank_drains_and_leaves_no_orphans(tmp_path: Pa
     leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, f"orphans left behind: {leftovers}"
     assert os.path.exists(run / "events.jsonl")
+
+
+def test_launch_ends_a_job_whose_ranks_left_but_hang_in_finalisation(tmp_path: Path) -> None:
+    """Every rank says goodbye, then hangs (as mpirun with ULFM's detector thread does in
+    MPI_Finalize): the launcher sees job-finished, ends mpirun and exits 0 with no orphans."""
+    run = tmp_path / "run"
+    log = run / "trainers.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "2", "--gpu-sampler", "off", "--run-dir", str(run),
+         "--finalize-grace-s", "1", "--", sys.executable, FAKE_TRAINER, "--world", "2", "--iters", "5",
+         "--hang-after-leave", "--log", str(log)],
+        capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "every rank has left but mpirun is still finalising" in done.stderr
+    events = [e["event"] for e in read_jsonl(run / "events.jsonl")]
+    assert events.count("rank-finished") == 2 and "job-finished" in events
+    pids = {e["pid"] for e in read_jsonl(log) if e["event"] == "started"}
+    assert len(pids) == 2
+    leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, f"orphans left behind: {leftovers}"

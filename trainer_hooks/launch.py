@@ -95,6 +95,34 @@ def _rank_processes(mpirun_pid: int) -> list[int]:
     return out
 
 
+class _JobFinishedWatch:
+    """Follows the coordinator's event log for ``job-finished`` (every rank said goodbye).
+
+    With ULFM's detector thread, Open MPI can hang in finalisation *inside* the rank
+    processes, so "no rank process left" never comes; a clean goodbye from every rank is
+    the other signal that the job is over.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.finished = False
+
+    def poll(self) -> bool:
+        if self.finished:
+            return True
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return False
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        self.finished = b'"event": "job-finished"' in complete or b'"event":"job-finished"' in complete
+        return self.finished
+
+
 def main(argv: list[str]) -> int:
     if "--" in argv:
         split = argv.index("--")
@@ -180,19 +208,22 @@ def main(argv: list[str]) -> int:
         mpi = subprocess.Popen(line, env=rank_env, start_new_session=True)
         seen_ranks = False
         idle_since: float | None = None
+        finished = _JobFinishedWatch(run / "events.jsonl")
         while mpi.poll() is None and not interrupted:
             time.sleep(0.2)
             live = _rank_processes(mpi.pid)
             seen_ranks = seen_ranks or bool(live)
-            if seen_ranks and not live:
+            if (seen_ranks and not live) or finished.poll():
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > args.finalize_grace_s:
-                    print("resihp launch: every rank has exited but mpirun is still finalising; ending it",
+                    print("resihp launch: every rank has left but mpirun is still finalising; ending it",
                           file=sys.stderr)
                     _stop(mpi, 2.0, group=True)
             else:
                 idle_since = None
         rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
+        if rc != 0 and finished.poll() and not interrupted:
+            rc = 0  # every rank said goodbye; only mpirun's finalisation had to be ended
         if interrupted:
             print("resihp launch: interrupted; stopping the job", file=sys.stderr)
             rc = 130

@@ -50,7 +50,7 @@ def test_launch_survives_a_killed_rank_drains_and_leaves_no_orphans(tmp_path: Pa
         assert _admin(run, "inject", "kill", "--rank", "1").returncode == 0
         wait_until(lambda: [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "finding"
                             and e["ranks"] == [1]], 20, "fail-stop of rank 1")
-        wait_until(lambda: json.loads(_admin(run, "status", "--json").stdout)["state"] == "RUNNING", 20, "replanned")
+        wait_until(lambda: json.loads(_admin(run, "status", "--json").stdout)["state"] == "RUNNING", 60, "replanned")
         drained = _admin(run, "drain", "--reason", "test over")
         assert drained.returncode == 0 and "drain commanded" in drained.stdout
         out, _ = launch.communicate(timeout=90)

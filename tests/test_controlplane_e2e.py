@@ -90,7 +90,7 @@ def test_restarted_coordinator_resumes_its_epoch_while_trainers_keep_stepping(tm
         reply = c.admin().Readmit(pb.RankRequest(rank=1), metadata=c.md(), timeout=5)
         assert reply.epoch == 2 and reply.seq == 2, reply  # epoch and command numbers kept increasing
         applied = wait_until(lambda: [e for e in c.trainer_log("t") if e["event"] == "applied" and e["epoch"] == 2],
-                             20, "epoch 2 applied")
+                             60, "epoch 2 applied")
         wait_until(lambda: len([e for e in c.trainer_log("t") if e["event"] == "applied" and e["epoch"] == 2]) == 2,
                    20, "both hooks on epoch 2")
         assert {e["seq"] for e in applied} == {2}

@@ -1,0 +1,100 @@
+"""Shared pieces of the reconfiguration MPI scripts: the tiny job, full-state gathering."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from resihp.coordinator.spec import ModelSpec
+from resihp.trainer_hooks.layout import TensorSpec, tensors_of_rank
+from resihp.trainer_hooks.reconfigure import LiveReconfigurer, optimizer_steps, runtime_shards
+from resihp.trainer_hooks.runtime import TrainConfig
+
+SPEC = ModelSpec("gpt-reconf", num_layers=8, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
+CONFIG = TrainConfig(seed=7, max_seq_len=32, lr=3e-3)
+GLOBAL_MB = 8
+
+
+def gather_full(comm: Any, rc: LiveReconfigurer) -> dict[str, dict[str, np.ndarray]] | None:
+    """Every state as full (unsharded) arrays on comm rank 0; None elsewhere.
+
+    Replicas hold identical copies: a disagreement between two holders of the same slice
+    raises (it would mean the DP replicas drifted apart)."""
+    mine: list[tuple[str, str, tuple[tuple[int, int], ...], np.ndarray]] = []
+    if rc.runtime is not None:
+        shards = runtime_shards(rc.runtime)
+        for spec, idx in tensors_of_rank(rc.plan, rc.rank, rc.specs):
+            for state, by_name in shards.items():
+                mine.append((state, spec.name, tuple((s.start, s.stop) for s in idx), by_name[spec.name].numpy().copy()))
+    step = optimizer_steps(rc.runtime)
+    everything = comm.gather((mine, step), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    specs: dict[str, TensorSpec] = {s.name: s for s in rc.specs}
+    full: dict[str, dict[str, np.ndarray]] = {}
+    seen: dict[tuple[str, str, tuple[tuple[int, int], ...]], np.ndarray] = {}
+    steps = set()
+    for pieces, st in everything:
+        if pieces:
+            steps.add(st)
+        for state, name, idx, arr in pieces:
+            key = (state, name, idx)
+            if key in seen:
+                if not np.array_equal(seen[key], arr):
+                    raise AssertionError(f"replicas disagree on {state} of {name}{idx}")
+                continue
+            seen[key] = arr
+            target = full.setdefault(state, {}).setdefault(name, np.full(specs[name].shape, np.nan, np.float32))
+            target[tuple(slice(a, b) for a, b in idx)] = arr
+    if len(steps) > 1:
+        raise AssertionError(f"ranks disagree on AdamW's step count: {sorted(steps)}")
+    full["_step"] = {"step": np.array([steps.pop() if steps else 0.0])}
+    return full
+
+
+def compare(a: dict[str, dict[str, np.ndarray]], b: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """Whether two full states are bitwise equal, and the largest absolute difference."""
+    bitwise, worst, worst_rel = True, 0.0, 0.0
+    if set(a) != set(b):
+        return {"bitwise": False, "max_abs": float("inf"), "max_rel": float("inf"), "why": f"{set(a)} != {set(b)}"}
+    for state in a:
+        for name, x in a[state].items():
+            y = b[state][name]
+            if np.isnan(x).any() or np.isnan(y).any():
+                return {"bitwise": False, "max_abs": float("inf"), "max_rel": float("inf"), "why": f"{state} {name} has holes"}
+            bitwise &= x.tobytes() == y.tobytes()
+            d = np.abs(x.astype(np.float64) - y.astype(np.float64))
+            worst = max(worst, float(d.max()))
+            worst_rel = max(worst_rel, float((d / np.maximum(np.abs(y), 1e-3)).max()))
+    return {"bitwise": bitwise, "max_abs": worst, "max_rel": worst_rel}
+
+
+def step_samples(comm: Any, rc: LiveReconfigurer, ids: Sequence[int] | None) -> list[int] | None:
+    """Sample ids trained in one step, over all replicas (each replica counted once), on rank 0."""
+    replica = rc.plan.position(rc.rank).replica if rc.plan.has_rank(rc.rank) else -1
+    got = comm.gather((replica, tuple(ids) if ids is not None else None), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    per_replica: dict[int, tuple[int, ...]] = {}
+    for rep, rids in got:
+        if rep >= 0 and rids is not None:
+            if per_replica.setdefault(rep, rids) != rids:
+                raise AssertionError(f"ranks of replica {rep} trained different samples")
+    return sorted(i for rids in per_replica.values() for i in rids)
+
+
+def first_loss(comm: Any, loss: float | None) -> float | None:
+    values = comm.gather(loss, root=0)
+    if comm.Get_rank() != 0:
+        return None
+    found = [v for v in values if v is not None]
+    if not found or max(found) != min(found):
+        raise AssertionError(f"last-stage ranks report different global losses: {found}")
+    return found[0]
+
+
+def set_threads() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+

@@ -1,0 +1,142 @@
+"""Fail-stop recovery through the live-reconfiguration path.
+
+When a rank dies mid-step, every survivor ends up here: members because a gloo collective
+or point-to-point message of the step failed (connection reset on ranks wired to the dead
+one within milliseconds; the group's short timeout on the others), spares because their
+idle MPI receive fails or is revoked. ``recover``:
+
+1. **shrink** — ULFM ``Revoke`` + ``Shrink`` + agreement (``ulfm.shrink``) give the
+   survivors a communicator, the dead ranks, and the last step EVERY survivor completed;
+2. **roll back** — a survivor that completed a step the others did not restores the copy
+   of its state taken before that step (``StepGuard``); a half-done step is never applied
+   (the optimizer step is the last, local, action of a step, so a rank that saw the failure
+   still holds its pre-step state);
+3. **replan** — ``survivor_plan``: a simple deterministic rule, documented below, not the
+   coordinator's search;
+4. **regroup + reshard + rebuild** — ``LiveReconfigurer.apply`` on the survivors' new world
+   (fresh store prefix, hosted outside the trainers), with the dead ranks' shards taken from
+   a surviving data-parallel replica;
+
+and training resumes at the agreed step + 1, so no sample is lost or trained twice.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from resihp.coordinator.plan import PipelinePlan, Plan, even_split
+from resihp.coordinator.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, optimizer_steps, runtime_shards
+from resihp.trainer_hooks.transfer import Shards
+from resihp.trainer_hooks.ulfm import MpiWorld, RecoveryError, shrink
+
+log = logging.getLogger(__name__)
+SPARE_STEP = 1 << 62  # the "last completed step" a spare reports in the agreement
+
+
+def survivor_plan(old: Plan, alive: Sequence[int], spec: ModelSpec, epoch: int) -> Plan:
+    """The layout the survivors switch to (a deterministic rule, not a search).
+
+    - TP size: the old plan's (halved until at least one group can be formed);
+    - TP groups: the old groups whose members all survived, in plan order, then the other
+      survivors (members of broken groups and spares) in rank order, ``tp`` at a time;
+      survivors left over become spares;
+    - pipeline depth: the ``pp`` that puts the most groups to work (``pp · ⌊n/pp⌋``), ties
+      to the old depth's nearest, then the shallower; ``dp = ⌊n/pp⌋``;
+    - layers split evenly over the stages, the global batch's micro-batches evenly over the
+      replicas (so every replica runs the whole model and the global batch is unchanged).
+    """
+    alive_set = set(alive)
+    old_groups = [g for rep in old.replicas for g in rep.stages]
+    tp = max(len(g) for g in old_groups)
+    old_pp = old.replicas[0].pp
+    while True:
+        groups = [g for g in old_groups if len(g) == tp and set(g) <= alive_set]
+        used = {r for g in groups for r in g}
+        rest = sorted(alive_set - used)
+        groups += [tuple(rest[i:i + tp]) for i in range(0, len(rest) - tp + 1, tp)]
+        if groups or tp == 1:
+            break
+        tp //= 2
+    if not groups:
+        raise SpecError(f"recovery: no rank survived ({sorted(alive_set)})")
+    n = len(groups)
+    candidates = [pp for pp in range(1, min(n, spec.num_layers) + 1)]
+    pp = max(candidates, key=lambda p: (p * (n // p), -abs(p - old_pp), -p))
+    dp = n // pp
+    layers = tuple(even_split(spec.num_layers, pp))
+    shares = even_split(old.global_microbatches, dp)
+    replicas = tuple(PipelinePlan(tuple(groups[d * pp:(d + 1) * pp]), layers, shares[d]) for d in range(dp))
+    members = {r for rep in replicas for r in rep.ranks()}
+    plan = Plan(replicas=replicas, epoch=epoch, spares=tuple(sorted(alive_set - members)),
+                reason=f"fail-stop: lost {sorted(set(old.ranks()) - alive_set)}")
+    plan.validate_for(spec.num_layers, spec.num_heads)
+    return plan
+
+
+@dataclass
+class _Saved:
+    step: int  # the step this state is the state BEFORE
+    shards: Shards
+    adam_steps: float
+
+
+class StepGuard:
+    """Keeps this rank's state from before the step in flight, for a rollback."""
+
+    def __init__(self) -> None:
+        self._saved: _Saved | None = None
+
+    def before_step(self, rc: LiveReconfigurer, step: int) -> None:
+        if rc.runtime is None:
+            self._saved = None
+            return
+        self._saved = _Saved(step, runtime_shards(rc.runtime, clone=True), optimizer_steps(rc.runtime))
+
+    def state_after(self, rc: LiveReconfigurer, agreed_step: int, last_step: int) -> tuple[Shards, float]:
+        """This rank's state as it was at the end of ``agreed_step``."""
+        if rc.runtime is None:
+            return {}, 0.0
+        if last_step == agreed_step:
+            return runtime_shards(rc.runtime), optimizer_steps(rc.runtime)
+        if self._saved is None or last_step != agreed_step + 1 or self._saved.step != last_step:
+            raise RecoveryError(
+                f"rank {rc.rank}: completed step {last_step} but the survivors agreed on {agreed_step}, and only the "
+                f"state before step {self._saved.step if self._saved else '-'} was kept; recover from a checkpoint"
+            )
+        log.warning("rank %d: rolling back step %d (not every survivor completed it)", rc.rank, last_step)
+        return self._saved.shards, self._saved.adam_steps
+
+
+@dataclass
+class Recovery:
+    world: MpiWorld
+    plan: Plan
+    resume_at: int  # first step to (re)run
+    report: ReconfigReport
+    detect_to_ready_s: float
+    shrink_s: float
+
+
+def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGuard,
+            detected_at: float | None = None) -> Recovery:
+    """Everything a survivor does after seeing a peer die; collective over the survivors."""
+    t0 = detected_at if detected_at is not None else time.perf_counter()
+    t_shrink = time.perf_counter()
+    # a spare trains nothing: it must not hold the agreement (a minimum) back
+    new_world = shrink(replace(world, epoch=rc.epoch), last_step if rc.runtime is not None else SPARE_STEP)
+    shrink_s = time.perf_counter() - t_shrink
+    agreed = new_world.agreed_step
+    shards, adam_steps = guard.state_after(rc, agreed, last_step)
+    plan = survivor_plan(rc.plan, new_world.ranks, rc.spec, new_world.epoch)
+    log.warning("rank %d: lost %s; resuming at step %d on %s", rc.rank, list(new_world.failed), agreed + 1,
+                plan.to_dict())
+    report = rc.apply(plan, new_world.epoch, old_shards=shards, alive=new_world.ranks, members=new_world.ranks,
+                      adam_steps=adam_steps)
+    return Recovery(new_world, plan, agreed + 1, report, time.perf_counter() - t0, shrink_s)
+
+
+__all__ = ["survivor_plan", "StepGuard", "Recovery", "recover"]
+

@@ -132,20 +132,18 @@ class AgentDaemon:
         log.info("rank %d (pid %d) joined on %s", rank, pid, self.node)
         self.uplink.send(m.AgentBatch(joined=(m.LocalRank(rank, local_rank, pid),)), urgent=True)
 
-    def hook_reports(self, reports: list[tuple[int, int]], beats: list[m.RankHeartbeat],
+    def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
                      raw: Sequence[object]) -> None:
-        """``reports``: (rank, iteration) of validated reports; ``raw``: the same in wire form,
-        forwarded as they are (no re-encoding)."""
+        """``reports`` and ``beats``: (rank, iteration) of validated reports and heartbeats;
+        ``raw``: the reports in wire form, forwarded as they are (no re-encoding)."""
         now = self.clock()
         with self._lock:
-            for rank, iteration in reports:
+            for rank, iteration in (*reports, *beats):
                 loc = self.locals.get(rank)
                 if loc is not None:
-                    loc.last_seen, loc.iteration = now, max(loc.iteration, iteration)
-            for b in beats:
-                loc = self.locals.get(b.rank)
-                if loc is not None:
-                    loc.last_seen, loc.iteration = now, max(loc.iteration, b.iteration)
+                    loc.last_seen = now
+                    if iteration > loc.iteration:
+                        loc.iteration = iteration
         if raw:
             self.uplink.send(m.AgentBatch(raw_reports=tuple(raw)))
 
@@ -227,7 +225,10 @@ class AgentDaemon:
     # --- periodic -----------------------------------------------------------------------------
     def _tick_loop(self) -> None:
         next_sample = 0.0
-        while not self.stopped.wait(self.cfg.heartbeat_interval_s):
+        every = self.cfg.heartbeat_interval_s
+        # Ticks fall on multiples of the interval on the wall clock, where the hooks' flush
+        # ticks fall too, so a heartbeat shares its uplink message with the ranks' reports.
+        while not self.stopped.wait(_to_next_tick(every)):
             now = self.clock()
             try:
                 with self._lock:
@@ -244,3 +245,10 @@ class AgentDaemon:
                 self.uplink.send(batch)
             except Exception:  # sampling must never take the agent down
                 log.exception("agent tick failed")
+
+
+def _to_next_tick(every: float) -> float:
+    """Seconds to the next multiple of ``every`` on the wall clock; a wait that ended a hair
+    early must not tick twice, so a tick closer than a tenth of the interval is skipped."""
+    left = every - time.time() % every
+    return left + every if left < 0.1 * every else left

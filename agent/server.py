@@ -39,7 +39,7 @@ class HookSink(Protocol):
     job: str
 
     def hook_hello(self, rank: int, local_rank: int, pid: int) -> None: ...
-    def hook_reports(self, reports: list[tuple[int, int]], beats: list[m.RankHeartbeat],
+    def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
                      raw: Sequence[pb.RankReport]) -> None: ...
     def hook_ack(self, ack: m.Ack) -> None: ...
     def hook_leave(self, rank: int, pid: int) -> None: ...
@@ -156,16 +156,19 @@ class HookServicer(pbg.HookServicer):
         return await self._guard(context, run)  # type: ignore[return-value]
 
     def _accept(self, request: pb.HookReportBatch) -> int:
-        if len(request.reports) + len(request.heartbeats) > MAX_HOOK_BATCH:
+        reports, heartbeats = request.reports, request.heartbeats
+        if len(reports) + len(heartbeats) > MAX_HOOK_BATCH:
             raise ValidationError(f"report batch holds more than {MAX_HOOK_BATCH} items; send smaller batches")
-        seen = [codec.check_report_pb(r, f"reports[{i}]") for i, r in enumerate(request.reports)]
-        beats = [codec.heartbeat_from_pb(h, f"heartbeats[{i}]") for i, h in enumerate(request.heartbeats)]
+        check = codec.check_report_pb
+        seen = [check(r, f"reports[{i}]") for i, r in enumerate(reports)]
+        beats = [codec.check_heartbeat_pb(h, f"heartbeats[{i}]") for i, h in enumerate(heartbeats)]
+        check_rank = self.sink.check_rank
         for rank, _ in seen:
-            self.sink.check_rank(rank)
-        for b in beats:
-            self.sink.check_rank(b.rank)
+            check_rank(rank)
+        for rank, _ in beats:
+            check_rank(rank)
         # validated: forwarded in wire form; the agent itself needs only (rank, iteration)
-        self.sink.hook_reports(seen, beats, request.reports)
+        self.sink.hook_reports(seen, beats, reports)
         return len(seen) + len(beats)
 
     async def Report(self, request: pb.HookReportBatch, context: grpc.aio.ServicerContext) -> pb.HookReportReply:
@@ -175,8 +178,13 @@ class HookServicer(pbg.HookServicer):
                            context: grpc.aio.ServicerContext) -> pb.HookReportReply:
         total = 0
         async for request in request_iterator:
-            accepted = await self._guard(context, lambda: self._accept(request))
-            total += accepted if isinstance(accepted, int) else 0
+            try:  # inline, not through _guard: no coroutine per message
+                total += self._accept(request)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:
+                log.exception("hook report failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         return pb.HookReportReply(accepted=total)
 
     async def Commands(self, request: pb.CommandsRequest, context: grpc.aio.ServicerContext

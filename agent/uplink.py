@@ -4,7 +4,8 @@ Outgoing items wait in a bounded buffer (oldest dropped first, counted) while th
 coordinator is away; the link reconnects with exponential backoff and jitter and
 re-registers, so a restarted coordinator sees the agent again within about a second.
 Items merge into one stream message per wake-up, after a short linger that lets a burst
-of reports from ranks stepping together travel as one; exits and acks skip the linger.
+of reports from ranks stepping together travel as one (hooks flush on a shared wall-clock
+grid, so a node's ranks arrive together); exits and acks skip the linger.
 
 It runs on an asyncio event loop — the hook server's, when the daemon passes it — so a
 report travels hook → agent → coordinator without a thread hand-off; ``send`` may be
@@ -62,6 +63,7 @@ class Uplink:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Future[Any] | None = None
         self._stopping = False
+        self._loop_ident = -1  # the event loop's thread: sends from it skip the self-pipe
 
     # --- any thread ---------------------------------------------------------------------
     def start(self) -> None:
@@ -79,7 +81,10 @@ class Uplink:
             first = len(self._buf) == 1
             self._urgent = self._urgent or urgent
         if (first or urgent) and self._wake is not None:  # wake the sender only when there is news
-            self._loop.call_soon_threadsafe(self._wake.set)
+            if threading.get_ident() == self._loop_ident:
+                self._wake.set()  # a hook handler on our own loop: no self-pipe write and wake-up
+            else:
+                self._loop.call_soon_threadsafe(self._wake.set)
 
     def pending(self) -> int:
         with self._lock:
@@ -134,6 +139,7 @@ class Uplink:
         return grpc.aio.insecure_channel(self.target, options=opts)
 
     async def _main(self) -> None:
+        self._loop_ident = threading.get_ident()
         self._wake = asyncio.Event()
         if self.pending():
             self._wake.set()

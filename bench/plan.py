@@ -5,7 +5,10 @@ around a slow device, and the TP / PP / DP / joint ablation.
 
 Prints readable tables, then ONE final JSON line:
   optimality_gap_max        1 − searched / exhaustive throughput, worst of ≥ 200 random small clusters
-  search_s_{256,4096,16384} CPU seconds (one core, process time) of one full search, best of 5/3/2 runs
+  search_s_{256,4096,16384} CPU seconds (one core, process time) of one full, cold search
+                            (shape cache cleared), best of 5/3/2 runs
+  decide_s_256, decide_s_16384_{cold,warm}  CPU seconds of one decide on a compute fail-slow:
+                            cold, and warm (a second fault of the same kind reuses the shape search)
   retained_vs_bound_single_slow_256   mean over slowdowns 1.5–4× of joint throughput /
                             (failure-free throughput × healthy compute / total compute)
   ablation_{tp,pp,dp,joint} mean of the same ratio per policy; joint_ge_all: joint ≥ each on every scenario
@@ -19,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 from typing import Callable
 
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
@@ -27,7 +31,7 @@ from resihp.coordinator.planner import PlannerConfig, decide, evaluate
 from resihp.coordinator.planner_cost import Costs, device_layers, pipe_sig
 from resihp.coordinator.planner_exhaustive import Exhaustive
 from resihp.coordinator.planner_levels import _best_subgroup, reshare
-from resihp.coordinator.planner_search import Searcher
+from resihp.coordinator.planner_search import _SHAPES, Searcher
 from resihp.coordinator.planner_split import profile
 from resihp.coordinator.spec import ModelSpec, preset
 
@@ -109,12 +113,33 @@ def search_time(devices: int, repeats: int) -> tuple[float, str]:
     batch = GlobalBatch(dp * 16, 4096)
     cpu = float("inf")
     for _ in range(repeats):  # best of a few runs, as timeit does: the box is shared
+        _SHAPES.clear()  # cold: no shape results reused from an earlier call
         t0 = time.process_time()
         res = Searcher(cluster, spec, batch, current, PlannerConfig()).search()
         cpu = min(cpu, time.process_time() - t0)
     line = (f"  {devices:6d} devices: {cpu:6.3f} s CPU, {res.shapes_evaluated} of {res.shapes_bounded} shapes evaluated "
             f"-> TP{res.plan.tp} PP{res.plan.pp} DP{res.plan.dp}, {res.iteration_s:.3f} s/iteration")
     return cpu, line
+
+
+def decide_time(devices: int) -> tuple[float, float, str]:
+    """CPU seconds of one ``decide`` on a compute fail-slow: cold (no cached shapes) and warm
+    (a second fault of the same kind on another node: the shape search is reused)."""
+    spec = preset("llama2-13b")
+    dp = devices // 32
+    cluster = Cluster.uniform(devices // 8, 8)
+    current = Plan.uniform(4, 8, dp, 40, dp * 16)
+    batch = GlobalBatch(dp * 16, 4096)
+    out = []
+    for rank in (5, devices // 2 + 3):
+        if rank == 5:
+            _SHAPES.clear()
+        finding = SimpleNamespace(kind="fail-slow", ranks=(rank,), factor=2.5, cause="compute", time_s=0.0)
+        t0 = time.process_time()
+        d = decide(cluster, spec, batch, current, finding, 0.0)
+        out.append(time.process_time() - t0)
+    line = f"  {devices:6d} devices: decide {out[0]:6.3f} s CPU cold, {out[1]:6.3f} s warm -> {d.level}"
+    return out[0], out[1], line
 
 
 # --- 3 + 4. one slow device in a 256-GPU job; ablation ----------------------------------------
@@ -203,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         cpu, line = search_time(n, {256: 5, 4096: 3, 16384: 2}[n])
         times[n] = cpu
         print(line)
+    print("== decide on a compute fail-slow (LLaMA2-13B TP4 PP8) ==")
+    decide_s = {}
+    for n in (256, 16384):
+        cold, warm, line = decide_time(n)
+        decide_s[n] = (cold, warm)
+        print(line)
     print("== 256 GPUs, LLaMA2-13B TP4 PP8 DP8: throughput / compute-proportional bound ==")
     means, joint_ok, rows, retained = scenarios_256()
     print("\n".join(rows))
@@ -214,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         "search_s_256": round(times[256], 4),
         "search_s_4096": round(times[4096], 4),
         "search_s_16384": round(times[16384], 4),
+        "decide_s_256": round(decide_s[256][0], 4),
+        "decide_s_16384_cold": round(decide_s[16384][0], 4),
+        "decide_s_16384_warm": round(decide_s[16384][1], 4),
         "retained_vs_bound_single_slow_256": round(retained, 4),
         "ablation_tp": round(means["tp"], 4),
         "ablation_pp": round(means["pp"], 4),

@@ -54,8 +54,13 @@ class DeviceState:
     speed: float = 1.0  # normalised compute speed: 1.0 healthy, 0.5 = runs 2x slower
     failed: bool = False
     memory_bytes: int = 80 * GiB
+    # inter-node link slowdown of this device (NIC / network congestion): 1.0 healthy, 2.0 =
+    # its point-to-point and DP-ring traffic takes twice as long; its compute is unaffected
+    link_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (self.link_factor >= 1.0 and math.isfinite(self.link_factor)):
+            raise SpecError(f"device {self.rank}: link_factor must be a number >= 1, got {self.link_factor}")
         if self.rank < 0:
             raise SpecError(f"device rank must be >= 0, got {self.rank}")
         if not (self.speed > 0 and math.isfinite(self.speed)):
@@ -119,6 +124,11 @@ class Cluster:
         devs = tuple(replace(d, speed=float(speeds[d.rank])) if d.rank in speeds else d for d in self.devices)
         return replace(self, devices=devs)
 
+    def with_links(self, factors: Mapping[int, float]) -> Cluster:
+        """Set the inter-node link slowdown factor (>= 1) of the given ranks."""
+        devs = tuple(replace(d, link_factor=float(factors[d.rank])) if d.rank in factors else d for d in self.devices)
+        return replace(self, devices=devs)
+
     def with_failed(self, ranks: Iterable[int]) -> Cluster:
         dead = set(ranks)
         unknown = dead - {d.rank for d in self.devices}
@@ -152,7 +162,8 @@ class Cluster:
             "inter_node_latency_s": self.inter_node_latency_s,
             "device_flops": self.device_flops,
             "devices": [
-                {"rank": d.rank, "node": d.node, "speed": d.speed, "failed": d.failed, "memory_bytes": d.memory_bytes}
+                {"rank": d.rank, "node": d.node, "speed": d.speed, "failed": d.failed, "memory_bytes": d.memory_bytes,
+                 **({"link_factor": d.link_factor} if d.link_factor != 1.0 else {})}
                 for d in self.devices
             ],
         }
@@ -197,6 +208,7 @@ class Cluster:
                         speed=_num(item, "speed", w, 1.0),
                         failed=failed,
                         memory_bytes=int(_num(item, "memory_bytes", w, float(default_mem))),
+                        link_factor=_num(item, "link_factor", w, 1.0),
                     )
                 )
         elif "nodes" in data:

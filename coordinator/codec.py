@@ -26,6 +26,7 @@ MAX_RANK = 1 << 20
 MAX_TEXT = 4096
 MAX_BATCH_ITEMS = 100_000
 MAX_FACTOR = 1000.0
+_INF = math.inf
 
 
 class ValidationError(ValueError):
@@ -103,25 +104,31 @@ def report_to_pb(r: m.RankReport) -> pb.RankReport:
 
 def check_report_pb(r: pb.RankReport, name: str = "report") -> tuple[int, int]:
     """Validate one report without converting it (the agent forwards it as received);
-    returns (rank, iteration). Raises ValidationError naming the field."""
-    rank = r.rank
-    if not 0 <= rank <= MAX_RANK:
-        _rank(rank, f"{name}.rank")
-    _cap(r.microbatches, MAX_MICROBATCHES, f"{name}.microbatches")
-    _cap(r.chunks, MAX_CHUNKS, f"{name}.chunks")
-    for i, mb in enumerate(r.microbatches):
+    returns (rank, iteration). Raises ValidationError naming the field.
+
+    The valid case reads each field once with chained comparisons (a NaN or an infinity
+    fails them); anything suspicious goes to ``report_from_pb``, which names the field."""
+    rank, it, start_s, step_s = r.rank, r.iteration, r.start_s, r.step_s
+    mbs, chunks = r.microbatches, r.chunks
+    if (not 0 <= rank <= MAX_RANK or r.epoch < 0 or it < 0 or not 0.0 <= start_s < _INF
+            or not 0.0 <= step_s < _INF or len(mbs) > MAX_MICROBATCHES or len(chunks) > MAX_CHUNKS):
+        report_from_pb(r, name)  # raises with the precise message
+    for mb in mbs:
         seq = mb.seqlens
         if not seq or len(seq) > MAX_SEQS_PER_MICROBATCH or min(seq) <= 0 or max(seq) > MAX_SEQLEN:
-            report_from_pb(r, name)  # raises with the precise message
-    for c in r.chunks:
-        start, end = c.start_s, c.end_s
-        if (c.kind not in CHUNK_KINDS or not 0.0 <= start <= end or not math.isfinite(end) or c.microbatch < -1
-                or c.chunk < 0 or not 0 <= c.rank <= MAX_RANK):
             report_from_pb(r, name)
-    it, start_s, step_s = r.iteration, r.start_s, r.step_s
-    if r.epoch < 0 or it < 0 or not (0.0 <= start_s and 0.0 <= step_s and math.isfinite(start_s)
-                                     and math.isfinite(step_s)):
-        report_from_pb(r, name)
+    for c in chunks:
+        if not (c.kind in CHUNK_KINDS and 0.0 <= c.start_s <= c.end_s < _INF and c.microbatch >= -1
+                and c.chunk >= 0 and 0 <= c.rank <= MAX_RANK):
+            report_from_pb(r, name)
+    return rank, it
+
+
+def check_heartbeat_pb(h: pb.RankHeartbeat, name: str = "heartbeat") -> tuple[int, int]:
+    """Validate a hook heartbeat without converting it; returns (rank, iteration)."""
+    rank, it = h.rank, h.iteration
+    if not (0 <= rank <= MAX_RANK and it >= -1 and 0.0 <= h.time_s < _INF):
+        heartbeat_from_pb(h, name)  # raises with the precise message
     return rank, it
 
 

@@ -174,6 +174,7 @@ class Detector:
         for i, r in enumerate(self.index.ranks):
             self._state[r] = RankState(int(self.state[i]))
             self._factor[r] = float(self.score[i])
+            self._cause[r] = "communication" if int(self.cause_code[i]) else "compute"
 
     def set_plan(self, plan: Plan) -> None:
         """Adopt a new layout (after a reconfiguration); rank states and calibration carry over."""
@@ -489,6 +490,20 @@ class Detector:
             if r not in out and s == RankState.DEAD:
                 out[r] = 0.0
         return out
+
+    def compute_speed(self) -> dict[int, float]:
+        """Like ``rank_speed`` but for compute only: a rank that is slow because of its
+        links (cause "communication") keeps compute speed 1.0; see ``link_factor``."""
+        speed = self.rank_speed()
+        for i, r in enumerate(self.index.ranks):
+            if self.state[i] == RankState.SLOW and int(self.cause_code[i]):
+                speed[r] = 1.0
+        return speed
+
+    def link_factor(self) -> dict[int, float]:
+        """Link slowdown factor (>= 1) of every rank confirmed slow because of communication."""
+        return {r: max(1.0, float(self.score[i])) for i, r in enumerate(self.index.ranks)
+                if self.state[i] == RankState.SLOW and int(self.cause_code[i])}
 
 
 @dataclass

@@ -59,7 +59,10 @@ def simulate_plan(
     devs = cluster.by_rank()
     speed = {r: d.speed for r, d in devs.items()}
     mem = {r: float(d.memory_bytes) for r, d in devs.items()}
-    hop = costs.hops_s(2) / 2.0
+    # a communication slowdown (DeviceState.link_factor) stretches the p2p hop and the DP
+    # ring, priced here at the worst link of the plan (the simulator takes one hop time)
+    worst_link = max((devs[r].link_factor for r in plan.ranks()), default=1.0)
+    hop = costs.hops_s(2) / 2.0 * worst_link
     works: list[ReplicaWork] = []
     seen: dict[tuple[object, ...], int] = {}
     shards: list[tuple[int, int, bool, bool, float]] = []
@@ -96,6 +99,6 @@ def simulate_plan(
         seen[key] = len(works)
         order.append(len(works))
         works.append(ReplicaWork(f=f_rows, b=b_rows, w=w_rows if split_w else None, pp=rep.pp))
-    sync = costs.sync_s(plan.dp, shards)
+    sync = costs.sync_s(plan.dp, shards, worst_link)
     active = [w for w in works if len(w.f[0]) > 0] or works[:1]
     return simulate_iteration(plan.schedule, active, dp_sync_s=sync, p2p_s=hop, virtual_chunks=plan.virtual_chunks)

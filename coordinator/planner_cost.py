@@ -38,6 +38,15 @@ class PlannerConfig:
     fault_compute_s: float = 600.0  # expected remaining duration of a compute fail-slow (Greyhound: ~10 min)
     fault_communication_s: float = 1440.0  # of a communication fail-slow (~24 min)
     fault_unknown_s: float = 4320.0  # unknown cause: the 72-min mean of all fail-slows
+    # fail-slow durations are log-normal with these means and shape sigma (Greyhound: heavy
+    # tail, hours); the horizon of a fault already ``age`` seconds old is its mean residual
+    # life E[T - age | T > age], which *grows* with age. sigma = 0: fixed durations.
+    fault_sigma: float = 1.2
+    # a transient fault's re-plan is undone when it ends: charge that second move too
+    # (its cost times this weight) before acting on a fail-slow
+    revert_weight: float = 1.0
+    # after a recovery, how long the restored layout is expected to be kept (until the next fault)
+    recovery_horizon_s: float = 3600.0
     reshare_latency_s: float = 0.5  # change only the data-loader shares
     regroup_latency_s: float = 10.0  # rebuild communicators and restart the pipeline
     equal_speed_tolerance: float = 0.005  # plans within 0.5 % count as equally fast
@@ -47,6 +56,7 @@ class PlannerConfig:
         for name in (
             "grad_reduce_bytes", "hbm_bw_Bps", "fault_compute_s", "fault_communication_s", "fault_unknown_s",
             "reshare_latency_s", "regroup_latency_s", "equal_speed_tolerance", "min_gain_fraction",
+            "fault_sigma", "revert_weight", "recovery_horizon_s",
         ):
             if getattr(self, name) < 0:
                 raise SpecError(f"planner config: {name} must be >= 0, got {getattr(self, name)}")
@@ -107,6 +117,10 @@ class Costs:
         self.layer_params = spec.params_per_layer()
         self.emb_params = spec.embedding_params()
         self._caps: dict[tuple[StageKey, bool, bool, float], int] = {}
+        self._bytes: dict[tuple[int, int, bool, bool, float], float] = {}
+        self._tables: tuple[dict[int, float], dict[int, float], dict[int, float]] | None = None
+        self._sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = {}
+        self._pipe_t: dict[tuple[PipeSig, tuple[int, ...], int], float] = {}
         self.profiles: dict[tuple[StageKey, ...], object] = {}  # planner_split.PipeProfile per pipeline
 
     # --- stage pieces ---------------------------------------------------------------------
@@ -143,10 +157,22 @@ class Costs:
         return hit
 
     def stage_bytes(self, k: int, layers: int, first: bool, last: bool, inflight: float) -> float:
-        return stage_device_bytes(
-            self.spec, self.config.memory, layers=layers, tp=k, first=first, last=last,
-            inflight=inflight, tokens=self.tokens,
-        )
+        key = (k, layers, first, last, inflight)
+        hit = self._bytes.get(key)
+        if hit is None:  # identical stages of many replicas share one computation
+            hit = self._bytes[key] = stage_device_bytes(
+                self.spec, self.config.memory, layers=layers, tp=k, first=first, last=last,
+                inflight=inflight, tokens=self.tokens,
+            )
+        return hit
+
+    def tables(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """(speed, memory, link factor != 1) per rank, built once per Costs."""
+        if self._tables is None:
+            devs = self.cluster.by_rank()
+            self._tables = ({r: d.speed for r, d in devs.items()}, {r: float(d.memory_bytes) for r, d in devs.items()},
+                            {r: d.link_factor for r, d in devs.items() if d.link_factor != 1.0})
+        return self._tables
 
     # --- one pipeline -------------------------------------------------------------------
     def inflight(self, p: int, s: int, m: int) -> float:
@@ -154,9 +180,16 @@ class Costs:
 
     def pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int) -> float:
         """Closed-form time of a pipeline with a given split (layers per device); inf if a
-        stage exceeds its memory."""
+        stage exceeds its memory. Memoised: thousands of replicas share a few shapes."""
         if m <= 0:
             return 0.0
+        key = (sig, tuple(layers), m)
+        hit = self._pipe_t.get(key)
+        if hit is None:
+            hit = self._pipe_t[key] = self._pipeline_time(sig, layers, m)
+        return hit
+
+    def _pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int) -> float:
         p = len(sig.stages)
         times = []
         for s, (k, sp, mem) in enumerate(sig.stages):
@@ -167,9 +200,10 @@ class Costs:
         return (m - 1) * max(times) + self.beta * sum(times) + self.hops_s(p)
 
     # --- whole iteration ---------------------------------------------------------------
-    def sync_s(self, dp: int, shards: Sequence[tuple[int, int, bool, bool, float]]) -> float:
+    def sync_s(self, dp: int, shards: Sequence[tuple[int, int, bool, bool, float]], link: float = 1.0) -> float:
         """DP gradient all-reduce (ring, inter-node) of the largest shard + the optimizer step
-        of the slowest shard. ``shards``: (k, layers, first, last, speed) of every stage."""
+        of the slowest shard. ``shards``: (k, layers, first, last, speed) of every stage;
+        ``link``: the worst link slowdown factor on the rings (a ring runs at its slowest link)."""
         c = self.cluster
         worst_params = 0.0
         worst_opt = 0.0
@@ -181,7 +215,14 @@ class Costs:
         if dp <= 1:
             return opt
         ring = 2.0 * (dp - 1) / dp * worst_params * self.config.grad_reduce_bytes / c.inter_node_bw_Bps
-        return ring + 2.0 * (dp - 1) * c.inter_node_latency_s + opt
+        return (ring + 2.0 * (dp - 1) * c.inter_node_latency_s) * link + opt
+
+    def link_extra_s(self, factors: Sequence[float]) -> float:
+        """Extra point-to-point time of a pipeline whose stages have these worst link
+        slowdown factors: each stage edge runs at the slower of its two ends."""
+        c = self.cluster
+        edge = 2.0 * (c.inter_node_latency_s + self.boundary_bytes / c.inter_node_bw_Bps)
+        return sum(edge * (max(a, b) - 1.0) for a, b in zip(factors, factors[1:]))
 
 
 def pipe_sig(speed: dict[int, float], mem: dict[int, float], stages: Sequence[Sequence[int]]) -> PipeSig:
@@ -218,18 +259,26 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
         out.append(str(exc))
     for i, rep in enumerate(plan.replicas):
         for s, g in enumerate(rep.stages):
-            if len({str(devs[r].node) for r in g}) > 1:
+            node = devs[g[0]].node
+            if any(devs[r].node != node for r in g) and len({str(devs[r].node) for r in g}) > 1:
                 out.append(f"replica {i} stage {s}: TP group {list(g)} spans nodes")
     if plan.global_microbatches != batch.microbatches:
         out.append(f"micro-batch shares sum to {plan.global_microbatches}, the global batch has {batch.microbatches}")
     if out:
         return out
     costs = Costs(cluster, spec, batch, config, plan.schedule, plan.virtual_chunks)
+    needs: dict[tuple[tuple[int, ...], int, tuple[int, ...]], list[float]] = {}
     for i, rep in enumerate(plan.replicas):
-        per_dev = device_layers(rep.layers, rep.pp)
+        shape = (rep.layers, rep.microbatches, tuple(len(g) for g in rep.stages))
+        row = needs.get(shape)
+        if row is None:  # identical replicas need identical memory
+            per_dev = device_layers(rep.layers, rep.pp)
+            row = needs[shape] = [
+                costs.stage_bytes(len(g), per_dev[s], s == 0, s == rep.pp - 1, costs.inflight(rep.pp, s, rep.microbatches))
+                for s, g in enumerate(rep.stages)
+            ]
         for s, g in enumerate(rep.stages):
-            need = costs.stage_bytes(len(g), per_dev[s], s == 0, s == rep.pp - 1,
-                                     costs.inflight(rep.pp, s, rep.microbatches))
+            need = row[s]
             mem = min(devs[r].memory_bytes for r in g)
             if need > mem:
                 out.append(
@@ -257,18 +306,25 @@ def evaluate(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, 
 
 def evaluate_with(costs: Costs, plan: Plan) -> Evaluation:
     """``evaluate`` for a plan already known to be legal (no failed ranks, legal TP)."""
-    devs = costs.cluster.by_rank()
-    speed = {r: d.speed for r, d in devs.items()}
-    mem = {r: float(d.memory_bytes) for r, d in devs.items()}
+    speed, mem, slow_links = costs.tables()
     rep_s: list[float] = []
     shards: list[tuple[int, int, bool, bool, float]] = []
+    worst_link = 1.0
     for rep in plan.replicas:
-        sig = pipe_sig(speed, mem, rep.stages)
+        sig = costs._sigs.get(rep.stages)
+        if sig is None:
+            sig = costs._sigs[rep.stages] = pipe_sig(speed, mem, rep.stages)
         per_dev = device_layers(rep.layers, rep.pp)
-        rep_s.append(costs.pipeline_time(sig, per_dev, rep.microbatches))
+        t = costs.pipeline_time(sig, per_dev, rep.microbatches)
+        if slow_links:  # a communication slowdown stretches this pipeline's p2p, not its compute
+            factors = [max(slow_links.get(r, 1.0) for r in g) for g in rep.stages]
+            worst_link = max(worst_link, max(factors))
+            if rep.microbatches > 0:
+                t += costs.link_extra_s(factors)
+        rep_s.append(t)
         for s, g in enumerate(rep.stages):
             shards.append((len(g), per_dev[s], s == 0, s == rep.pp - 1, sig.stages[s][1]))
-    sync = costs.sync_s(plan.dp, shards)
+    sync = costs.sync_s(plan.dp, shards, worst_link)
     it = max(rep_s) + sync
     if it == INF:
         return Evaluation(INF, 0.0, tuple(rep_s), sync, ("a stage exceeds its device memory",))

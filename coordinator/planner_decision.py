@@ -1,10 +1,15 @@
 """Whether and how to re-plan: the ski-rental rule over the escalation ladder.
 
-For every rung (dp-shares → layer-split → tp-regroup → full-replan) the planner predicts
+For every rung (dp-shares → layer-split → tp-regroup → replica-rebuild → full-replan) the planner predicts
 the new iteration time and the reconfiguration cost ``move_bytes / bandwidth + fixed
 latency``. A rung pays off when
 
-    (1 − T_new / T_now) × expected remaining duration of the fault  >  reconfiguration cost
+    (1 − T_new / T_now) × expected remaining duration of the fault  >  reconfiguration cost × (1 + undo)
+
+The expected remaining duration is the fault's mean residual life under the log-normal
+duration statistics of its cause (heavy-tailed: it grows with the fault's age); a
+fail-slow's re-plan is undone when the fault ends, so its cost is charged twice
+(``undo = revert_weight``); after a recovery the horizon is ``recovery_horizon_s``.
 
 i.e. the training seconds it saves before the fault would have ended anyway outweigh the
 seconds spent reconfiguring (Greyhound's ski rental). Among rungs that pay off the one with
@@ -14,18 +19,20 @@ plan without the lost devices. Pure: time comes in as ``now``.
 """
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from resihp.coordinator.cluster import Cluster, GlobalBatch
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.planner_cost import INF, Costs, PlannerConfig, evaluate_with, plan_problems
-from resihp.coordinator.planner_levels import regroup, reshare, resplit
-from resihp.coordinator.planner_move import plan_move
+from resihp.coordinator.planner_levels import rebuild, regroup, reshare, resplit
+from resihp.coordinator.planner_move import Move, plan_move
 from resihp.coordinator.planner_search import Searcher
 from resihp.coordinator.spec import ModelSpec, SpecError
 
-LEVELS = ("none", "dp-shares", "layer-split", "tp-regroup", "full-replan")
+LEVELS = ("none", "dp-shares", "layer-split", "tp-regroup", "replica-rebuild", "full-replan")
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ class Decision:
     tokens_per_s_after: float
     move_bytes: int
     move_s: float
-    level: str  # "none" | "dp-shares" | "layer-split" | "tp-regroup" | "full-replan"
+    level: str  # "none" | "dp-shares" | "layer-split" | "tp-regroup" | "replica-rebuild" | "full-replan"
     candidates: tuple[Candidate, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,13 +97,16 @@ def apply_finding(cluster: Cluster, finding: Any | None) -> Cluster:
         factor = float(getattr(finding, "factor", 1.0))
         if not factor > 0:
             raise SpecError(f"finding: factor must be > 0, got {factor}")
+        if str(getattr(finding, "cause", "unknown")) == "communication":
+            # a sick link: its transfers slow down, its compute does not
+            return cluster.with_links({r: max(cluster.device(r).link_factor, factor, 1.0) for r in ranks})
         return cluster.with_speeds({r: min(cluster.device(r).speed, 1.0 / factor) for r in ranks})
     if kind == "recovered":
-        return cluster.with_speeds({r: 1.0 for r in ranks})
+        return cluster.with_speeds({r: 1.0 for r in ranks}).with_links({r: 1.0 for r in ranks})
     raise SpecError(f"finding: unknown kind {kind!r}; expected fail-slow, fail-stop or recovered")
 
 
-def expected_remaining_s(finding: Any | None, config: PlannerConfig) -> float:
+def _mean_s(finding: Any | None, config: PlannerConfig) -> float:
     cause = str(getattr(finding, "cause", "unknown")) if finding is not None else "unknown"
     if cause == "compute":
         return config.fault_compute_s
@@ -105,26 +115,89 @@ def expected_remaining_s(finding: Any | None, config: PlannerConfig) -> float:
     return config.fault_unknown_s
 
 
+def residual_life_s(mean_s: float, sigma: float, age_s: float) -> float:
+    """E[T − age | T > age] for a log-normal duration T with this mean and shape sigma
+    (sigma = 0: a fixed duration, so mean − age). Heavy-tailed: the older a fault, the
+    longer it is expected to last."""
+    if mean_s <= 0:
+        return 0.0
+    if age_s <= 0:
+        return mean_s
+    if sigma <= 0:
+        return max(0.0, mean_s - age_s)
+    mu = math.log(mean_s) - sigma * sigma / 2.0
+    z = (math.log(age_s) - mu) / sigma
+    tail = 0.5 * math.erfc(z / math.sqrt(2.0))
+    tail_shift = 0.5 * math.erfc((z - sigma) / math.sqrt(2.0))
+    if tail <= 1e-300:
+        return age_s * sigma * sigma / max(math.log(age_s) - mu, 1e-9)  # asymptote of the log-normal tail
+    return max(0.0, mean_s * tail_shift / tail - age_s)
+
+
+def fault_age_s(finding: Any | None, now: float) -> float:
+    """How long the fault has been going on at ``now``: since the finding's onset
+    (``time_s``), plus the suspect iterations the detector watched before confirming it."""
+    if finding is None:
+        return 0.0
+    raw = getattr(finding, "time_s", None)
+    onset = now if raw is None else float(raw)
+    evidence = getattr(finding, "evidence", None) or {}
+    watched = float(evidence.get("suspect_iterations", 0.0)) * float(evidence.get("observed_iteration_s", 0.0))
+    return max(0.0, now - onset) + max(0.0, watched)
+
+
+def expected_remaining_s(finding: Any | None, config: PlannerConfig, now: float | None = None) -> float:
+    """How long the gain of a re-plan lasts: a fault's mean residual life (by cause, from
+    the fault statistics); after a recovery, the horizon until the next fault."""
+    if finding is not None and str(getattr(finding, "kind", "")) == "recovered":
+        return config.recovery_horizon_s
+    age = fault_age_s(finding, now if now is not None else float(getattr(finding, "time_s", 0.0) or 0.0))
+    return residual_life_s(_mean_s(finding, config), config.fault_sigma, age)
+
+
 def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerConfig) -> list[Candidate]:
     spec = costs.spec
     bw = costs.cluster.inter_node_bw_Bps
     out: list[Candidate] = []
-    builders: tuple[tuple[str, Callable[[], Plan | None], float], ...] = (
-        ("dp-shares", lambda: reshare(costs, current), cfg.reshare_latency_s),
-        ("layer-split", lambda: resplit(costs, current, searcher), cfg.reshare_latency_s),
-        ("tp-regroup", lambda: regroup(costs, current, searcher), cfg.regroup_latency_s),
-        ("full-replan", lambda: searcher.search().plan, cfg.regroup_latency_s),
+
+    def searched() -> tuple[Plan, Move | None]:
+        res = searcher.search()
+        return res.plan, res.move  # the search already priced the move from the current plan
+
+    def plain(build: Callable[[], Plan | None]) -> Callable[[], tuple[Plan | None, Move | None]]:
+        return lambda: (build(), None)
+
+    builders: tuple[tuple[str, Callable[[], tuple[Plan | None, Move | None]], float], ...] = (
+        ("dp-shares", plain(lambda: reshare(costs, current)), cfg.reshare_latency_s),
+        ("layer-split", plain(lambda: resplit(costs, current, searcher)), cfg.reshare_latency_s),
+        ("tp-regroup", plain(lambda: regroup(costs, current, searcher)), cfg.regroup_latency_s),
+        ("replica-rebuild", plain(lambda: rebuild(costs, current, searcher)), cfg.regroup_latency_s),
+        ("full-replan", searched, cfg.regroup_latency_s),
+        ("full-replan", plain(lambda: _without_slow_links(costs, current, cfg)), cfg.regroup_latency_s),
     )
     for level, build, latency in builders:
-        plan = build()
+        plan, move = build()
         if plan is None or plan_problems(plan, costs.cluster, spec, costs.batch, cfg):
             continue
         ev = evaluate_with(costs, plan)
         if ev.iteration_s == INF:
             continue
-        move = plan_move(current, plan, spec, cfg.memory, bw)
+        if move is None:
+            move = plan_move(current, plan, spec, cfg.memory, bw)
         out.append(Candidate(level, plan, ev.iteration_s, move.bytes_total, move.seconds, move.seconds + latency))
     return out
+
+
+def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig) -> Plan | None:
+    """The joint search over the devices whose links are healthy (link-slow ones become
+    spares); None when no link is slow or nothing else can run the model."""
+    slow = [d.rank for d in costs.cluster.devices if d.link_factor > 1.0 and not d.failed]
+    if not slow:
+        return None
+    try:
+        return Searcher(costs.cluster.with_failed(slow), costs.spec, costs.batch, current, cfg).search().plan
+    except SpecError:
+        return None
 
 
 def decide(
@@ -152,9 +225,10 @@ def decide(
     cands = _candidates(costs, current, searcher, cfg)
     # noting the onset time is the caller's business; `now` keeps the signature pure and
     # lets callers discount a fault already in progress via the finding's time_s
-    raw_onset = getattr(finding, "time_s", None) if finding is not None else None
-    onset = now if raw_onset is None else float(raw_onset)
-    remaining = max(0.0, expected_remaining_s(finding, cfg) - max(0.0, now - onset))
+    remaining = expected_remaining_s(finding, cfg, now)
+    # a transient fault's re-plan is undone when it ends: that second move is charged too
+    transient = finding is not None and str(getattr(finding, "kind", "")) == "fail-slow"
+    undo = cfg.revert_weight if transient else 0.0
     what = _describe(finding, dead, problems)
 
     def keep(reason: str) -> Decision:
@@ -168,7 +242,7 @@ def decide(
     scored = []
     for c in cands:
         gain = 1.0 if before == INF else max(0.0, 1.0 - c.iteration_s / before)
-        scored.append((c, gain, gain * remaining - c.cost_s))
+        scored.append((c, gain, gain * remaining - c.cost_s * (1.0 + undo)))
     if must_act:
         # after a fail-stop: the fastest plan, the cheaper rung on near-ties (ladder order)
         best_time = min(c.iteration_s for c in cands)
@@ -190,6 +264,7 @@ def decide(
         return keep(
             f"{what}; ski rental says wait: {c.level} would gain {gain * 100:.1f} % × {remaining:.0f} s expected "
             f"remaining = {gain * remaining:.1f} s < reconfiguration cost {c.cost_s:.1f} s"
+            + (f" + {c.cost_s * undo:.1f} s to undo it when the fault ends" if undo else "")
         )
     top = max(worthwhile, key=lambda t: t[2])
     pick = top
@@ -200,15 +275,19 @@ def decide(
     c, gain, net = pick
     reason = (
         f"{what}; {c.level}: predicted {before:.3f} → {c.iteration_s:.3f} s/iteration, gain {gain * 100:.1f} % × "
-        f"{remaining:.0f} s expected remaining = {gain * remaining:.1f} s > reconfiguration cost {c.cost_s:.1f} s "
-        f"({c.move_bytes / 2**30:.1f} GiB moved)"
+        f"{remaining:.0f} s expected remaining = {gain * remaining:.1f} s > reconfiguration cost {c.cost_s:.1f} s"
+        + (f" + {c.cost_s * undo:.1f} s to undo it when the fault ends" if undo else "")
+        + f" ({c.move_bytes / 2**30:.1f} GiB moved)"
     )
     return _act(c, reason, before, tps_before, tokens, cands)
 
 
 def _act(c: Candidate, reason: str, before: float, tps_before: float, tokens: int,
          cands: list[Candidate]) -> Decision:
-    plan = Plan(c.plan.replicas, c.plan.schedule, c.plan.virtual_chunks, c.plan.epoch, c.plan.spares, reason)
+    # the candidate with the reason stamped on; a copy, not a new Plan: re-validating a
+    # 16K-rank plan costs more than the rest of the decision
+    plan = copy.copy(c.plan)
+    object.__setattr__(plan, "reason", reason)
     return Decision(True, plan, reason, before, c.iteration_s, tps_before, tokens / c.iteration_s,
                     c.move_bytes, c.move_s, c.level, tuple(cands))
 

@@ -20,11 +20,8 @@ from resihp.coordinator.planner_search import Searcher
 
 
 def _tables(costs: Costs) -> tuple[dict[int, float], dict[int, float], set[int]]:
-    devs = costs.cluster.by_rank()
-    speed = {r: d.speed for r, d in devs.items()}
-    mem = {r: float(d.memory_bytes) for r, d in devs.items()}
-    dead = {r for r, d in devs.items() if d.failed}
-    return speed, mem, dead
+    speed, mem, _ = costs.tables()
+    return speed, mem, set(costs.cluster.failed_ranks())
 
 
 def _fixed_model(costs: Costs, sig: PipeSig, layers: tuple[int, ...]) -> TimeModel:
@@ -38,9 +35,10 @@ def _with_shares(plan: Plan, replicas: list[PipelinePlan], shares: list[int], re
                 plan.spares if spares is None else spares, reason)
 
 
-def _share(costs: Costs, models: list[TimeModel], plan: Plan) -> list[int] | None:
-    unit = plan.pp if costs.v > 1 else 1
-    if costs.v > 1 and any(rep.pp != unit for rep in plan.replicas):
+def _share(costs: Costs, models: list[TimeModel], plan: Plan | list[PipelinePlan]) -> list[int] | None:
+    reps = plan.replicas if isinstance(plan, Plan) else plan
+    unit = max(rep.pp for rep in reps) if costs.v > 1 else 1
+    if costs.v > 1 and any(rep.pp != unit for rep in reps):
         return None
     got = allocate_shares(models, [1] * len(models), costs.batch.microbatches, unit)
     if got is None or got[0] == float("inf"):
@@ -71,18 +69,26 @@ def resplit(costs: Costs, plan: Plan, searcher: Searcher, spares: tuple[int, ...
     speed, mem, dead = _tables(costs)
     if dead & set(plan.ranks()):
         return None
-    sigs = [pipe_sig(speed, mem, rep.stages) for rep in plan.replicas]
+    got = _resplit(costs, list(plan.replicas), searcher)
+    if got is None:
+        return None
+    return _with_shares(plan, got[0], got[1], "layer-split", spares)
+
+
+def _resplit(costs: Costs, reps: list[PipelinePlan], searcher: Searcher) -> tuple[list[PipelinePlan], list[int]] | None:
+    speed, mem, _ = _tables(costs)
+    sigs = [pipe_sig(speed, mem, rep.stages) for rep in reps]
     models: list[TimeModel] = [profile(costs, sig) for sig in sigs]
-    shares = _share(costs, models, plan)
+    shares = _share(costs, models, reps)
     if shares is None:
         return None
     replicas = []
-    for rep, sig, m in zip(plan.replicas, sigs, shares):
+    for rep, sig, m in zip(reps, sigs, shares):
         res = profile(costs, sig).best(max(m, 1))
         if res is None:
             return None
         replicas.append(PipelinePlan(rep.stages, searcher._virtual(res[1]), m))
-    return _with_shares(plan, replicas, shares, "layer-split", spares)
+    return replicas, shares
 
 
 def _best_subgroup(group: tuple[int, ...], speed: dict[int, float], dead: set[int]) -> tuple[int, ...]:
@@ -117,8 +123,73 @@ def regroup(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
         return None
     kept = {r for rep in replicas for r in rep.ranks()}
     spares = tuple(sorted((set(plan.spares) | set(plan.ranks())) - kept - dead))
-    trial = Plan(tuple(replicas), plan.schedule, plan.virtual_chunks, plan.epoch, spares, "")
-    out = resplit(costs, trial, searcher, spares)
-    if out is None:
+    got = _resplit(costs, replicas, searcher)
+    if got is None:
         return None
-    return Plan(out.replicas, out.schedule, out.virtual_chunks, plan.epoch + 1, spares, "tp-regroup")
+    return _with_shares(plan, got[0], got[1], "tp-regroup", spares)
+
+
+def rebuild(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
+    """Keep every healthy replica exactly as it is; rebuild each damaged one (a failed or
+    slow member) from its own surviving full-speed devices — whole TP groups of the
+    replica's TP size per node, in their old stage order, so the pipeline gets fewer stages
+    — with its own min-max layer split. A rebuilt pipeline that cannot hold the model is
+    dissolved (its devices become spares). Shares are then rebalanced over all pipelines
+    (Oobleck's template re-instantiation, generalised to heterogeneous splits)."""
+    speed, mem, dead = _tables(costs)
+    alive = [speed[r] for r in plan.ranks() if r not in dead]
+    if not alive:
+        return None
+    top = max(alive)
+    kept: list[PipelinePlan] = []
+    rebuilt: list[PipelinePlan] = []
+    freed: set[int] = set()
+    devs = costs.cluster.by_rank()
+    for rep in plan.replicas:
+        ranks = rep.ranks()
+        if not any(r in dead or speed[r] < top for r in ranks):
+            kept.append(rep)
+            continue
+        tp = max(len(g) for g in rep.stages)
+        by_node: dict[str, list[int]] = {}
+        for g in rep.stages:
+            for r in g:
+                if r not in dead and speed[r] >= top:
+                    by_node.setdefault(str(devs[r].node), []).append(r)
+        groups: list[tuple[int, ...]] = []
+        for members in by_node.values():
+            for i in range(0, len(members) - tp + 1, tp):
+                groups.append(tuple(members[i:i + tp]))
+        freed.update(r for r in ranks if r not in dead)
+        if groups and len(groups) <= costs.spec.num_layers // costs.v:
+            rebuilt.append(PipelinePlan(tuple(groups), (), 0))
+    if not kept and not rebuilt:
+        return None
+    reps = kept + rebuilt
+    models: list[TimeModel] = []
+    cache: dict[tuple[object, ...], TimeModel] = {}
+    for rep in kept:
+        sig = pipe_sig(speed, mem, rep.stages)
+        layers = tuple(device_layers(rep.layers, rep.pp))
+        key = (sig.stages, layers)
+        if key not in cache:
+            cache[key] = _fixed_model(costs, sig, layers)
+        models.append(cache[key])
+    sigs = [pipe_sig(speed, mem, rep.stages) for rep in rebuilt]
+    models.extend(profile(costs, sig) for sig in sigs)
+    shares = _share(costs, models, reps)
+    if shares is None:
+        return None
+    out: list[PipelinePlan] = list(kept)
+    for rep, sig, m in zip(rebuilt, sigs, shares[len(kept):]):
+        if m == 0:
+            continue  # the rebuilt pipeline is too slow to be worth a micro-batch
+        res = profile(costs, sig).best(m)
+        if res is None:
+            return None
+        out.append(PipelinePlan(rep.stages, searcher._virtual(res[1]), m))
+    final = [m for m in shares[:len(kept)]] + [rep.microbatches for rep in out[len(kept):]]
+    used = {r for rep in out for r in rep.ranks()}
+    spares = tuple(sorted((set(plan.spares) | freed) - used - dead))
+    reps_out = [PipelinePlan(rep.stages, rep.layers, m) for rep, m in zip(out, final)]
+    return Plan(tuple(reps_out), plan.schedule, plan.virtual_chunks, plan.epoch + 1, spares, "replica-rebuild")

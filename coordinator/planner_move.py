@@ -10,9 +10,10 @@ at a step boundary). Pure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from resihp.coordinator.memory import MemoryModel
-from resihp.coordinator.plan import Plan
+from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec
 
 
@@ -27,22 +28,46 @@ class Move:
 Holding = tuple[tuple[tuple[int, int], ...], int, int]  # (layer ranges incl. pseudo-layers, tp index, tp size)
 
 
+_HOLDINGS: dict[int, tuple[Plan, int, dict[int, Holding]]] = {}  # id(plan) -> (plan kept alive, layers, result)
+
+
 def holdings(plan: Plan, num_layers: int) -> dict[int, Holding]:
+    """Per rank what it holds under ``plan``; memoised per plan object (plans are frozen, and
+    decide compares the same current plan against every candidate)."""
+    hit = _HOLDINGS.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == num_layers:
+        return hit[2]
+    out = _holdings_of(plan.replicas, num_layers)
+    if len(_HOLDINGS) >= 8:
+        _HOLDINGS.clear()
+    _HOLDINGS[id(plan)] = (plan, num_layers, out)
+    return out
+
+
+def _holdings_of(replicas: Sequence[PipelinePlan], num_layers: int) -> dict[int, Holding]:
     out: dict[int, Holding] = {}
-    for rep in plan.replicas:
+    memo: dict[tuple[tuple[int, int], ...], list[tuple[tuple[int, int], ...]]] = {}
+    for rep in replicas:
         ranges = rep.layer_ranges()
         p = rep.pp
+        per_stage = memo.get(ranges)
+        if per_stage is None or len(per_stage) != p:
+            per_stage = memo[ranges] = [_stage_ranges(ranges, p, s, num_layers) for s in range(p)]
         for s, group in enumerate(rep.stages):
-            mine = [r for j, r in enumerate(ranges) if j % p == s]
-            if s == 0:
-                mine.insert(0, (-1, 0))
-            if s == p - 1:
-                mine.append((num_layers, num_layers + 1))
-            held = tuple(mine)
+            held = per_stage[s]
             k = len(group)
             for t, rank in enumerate(group):
                 out[rank] = (held, t, k)
     return out
+
+
+def _stage_ranges(ranges: tuple[tuple[int, int], ...], p: int, s: int, num_layers: int) -> tuple[tuple[int, int], ...]:
+    mine = list(ranges[s::p])
+    if s == 0:
+        mine.insert(0, (-1, 0))
+    if s == p - 1:
+        mine.append((num_layers, num_layers + 1))
+    return tuple(mine)
 
 
 def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...], num_layers: int) -> tuple[int, int]:
@@ -66,34 +91,49 @@ def _count(ranges: tuple[tuple[int, int], ...], num_layers: int) -> tuple[int, i
     return _overlap(ranges, ranges, num_layers)
 
 
+def _inflow(ranges: tuple[tuple[int, int], ...], t: int, k: int, had: Holding | None, n: int, per_layer: float,
+            per_emb: float, memo: dict[tuple[object, ...], tuple[int, int]]) -> float:
+    if had == (ranges, t, k):
+        return 0.0
+    need = memo.get((ranges,))
+    if need is None:
+        need = memo[(ranges,)] = _count(ranges, n)
+    need_l, need_p = need
+    keep_l = keep_p = 0.0
+    if had is not None:
+        frac = max(0.0, min((t + 1) / k, (had[1] + 1) / had[2]) - max(t / k, had[1] / had[2]))
+        shared = memo.get((ranges, had[0]))
+        if shared is None:
+            shared = memo[(ranges, had[0])] = _overlap(ranges, had[0], n)
+        keep_l, keep_p = shared[0] * frac, shared[1] * frac
+    return (need_l / k - keep_l) * per_layer + (need_p / k - keep_p) * per_emb
+
+
 def plan_move(old: Plan, new: Plan, spec: ModelSpec, mem: MemoryModel, bandwidth_Bps: float) -> Move:
     """Bytes the new plan's ranks must receive; time at ``bandwidth_Bps`` per receiving rank."""
+    return replicas_move(old, new.replicas, spec, mem, bandwidth_Bps)
+
+
+def replicas_move(old: Plan, new: Sequence[PipelinePlan], spec: ModelSpec, mem: MemoryModel,
+                  bandwidth_Bps: float) -> Move:
+    """``plan_move`` to a layout given by its replicas (no Plan needs building)."""
     n = spec.num_layers
     before = holdings(old, n)
-    after = holdings(new, n)
+    same = {(rep.stages, rep.layers) for rep in old.replicas}
+    # a replica kept with the same groups and split holds what it held: nothing moves
+    after = _holdings_of([rep for rep in new if (rep.stages, rep.layers) not in same], n)
     per_layer = spec.params_per_layer() * mem.moved_bytes_per_param
     per_emb = spec.embedding_params() * mem.moved_bytes_per_param
     total = 0.0
     worst = 0.0
     memo: dict[tuple[object, ...], tuple[int, int]] = {}  # symmetric ranks share range pairs
+    flows: dict[tuple[int, int, int, int, int, int], float] = {}  # by identity of the shared range tuples
     for rank, (ranges, t, k) in after.items():
         had = before.get(rank)
-        if had == (ranges, t, k):
-            continue
-        need = memo.get((ranges,))
-        if need is None:
-            need = memo[(ranges,)] = _count(ranges, n)
-        need_l, need_p = need
-        frac_new = (t / k, (t + 1) / k)
-        keep_l = keep_p = 0.0
-        if had is not None:
-            frac = max(0.0, min(frac_new[1], (had[1] + 1) / had[2]) - max(frac_new[0], had[1] / had[2]))
-            shared = memo.get((ranges, had[0]))
-            if shared is None:
-                shared = memo[(ranges, had[0])] = _overlap(ranges, had[0], n)
-            shared_l, shared_p = shared
-            keep_l, keep_p = shared_l * frac, shared_p * frac
-        inflow = (need_l / k - keep_l) * per_layer + (need_p / k - keep_p) * per_emb
+        fkey = (id(ranges), t, k, -1, -1, -1) if had is None else (id(ranges), t, k, id(had[0]), had[1], had[2])
+        inflow = flows.get(fkey)
+        if inflow is None:
+            inflow = flows[fkey] = _inflow(ranges, t, k, had, n, per_layer, per_emb, memo)
         total += inflow
         worst = max(worst, inflow)
     return Move(int(total), int(worst), worst / bandwidth_Bps)

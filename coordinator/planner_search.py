@@ -33,10 +33,14 @@ from typing import Sequence
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.plan import PipelinePlan, Plan, Schedule, even_split
 from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey, evaluate_with
-from resihp.coordinator.planner_move import plan_move
+from resihp.coordinator.planner_move import Move, replicas_move
 from resihp.coordinator.planner_shares import allocate_shares
 from resihp.coordinator.planner_split import profile
 from resihp.coordinator.spec import ModelSpec, SpecError
+
+# shape-search results by _shape_key: re-planning the same kind of cluster (a recovery back
+# to healthy, a slow device on any node) reuses them; only materialisation is per call
+_SHAPES: dict[tuple[object, ...], tuple[list["ShapeResult"], int, int]] = {}
 
 VARIANTS = ("keep", "exclude", "kmin", "keep-lead", "exclude-lead")
 ARRANGEMENTS = ("concentrate", "spread", "snake")
@@ -140,6 +144,7 @@ class SearchResult:
     shapes_evaluated: int
     move_bytes: int = 0
     alternatives: list[tuple[float, int]] = field(default_factory=list)  # (iteration_s, move bytes) considered
+    move: Move | None = None  # from the current plan (None without one)
 
 
 class Searcher:
@@ -171,6 +176,9 @@ class Searcher:
                 alive.sort(key=lambda d: (-d.speed, -d.memory_bytes, pos.get(d.rank, far), d.rank))
                 self.node_devs.append(alive)
         self.node_sigs = [tuple((d.speed, float(d.memory_bytes)) for d in devs) for devs in self.node_devs]
+        # the worst link slowdown among usable devices: shapes are priced as if their DP ring
+        # and one pipeline's p2p cross it (a slow NIC makes DP-heavy layouts pay more)
+        self.link = max((d.link_factor for devs in self.node_devs for d in devs), default=1.0)
         self._concrete: dict[tuple[int, str, int, int], dict[StageKey, list[tuple[int, ...]]]] = {}
         if not self.node_devs:
             raise SpecError("planner: no healthy device left in the cluster; nothing can run")
@@ -363,8 +371,12 @@ class Searcher:
             return [PipeSig(tuple(keys))]
         out: list[PipeSig] = []
         seen: set[tuple[StageKey, ...]] = set()
-        for first in distinct[:4]:
-            for last in distinct[:4]:
+        # which types run the embedding and the LM head: the 4 fastest on small clusters;
+        # on large ones (many pipelines, a few sick groups) the fastest two and the slowest
+        ends = distinct[:4] if len(self.node_devs) <= self.MIXED_TP_MAX_NODES else sorted(
+            set(distinct[:2] + distinct[-1:]), key=distinct.index)
+        for first in ends:
+            for last in ends:
                 rest = list(keys)
                 rest.remove(first)
                 if last not in rest:
@@ -416,12 +428,20 @@ class Searcher:
                     return None
                 for s, (key, layers) in enumerate(zip(sig.stages, res[1])):
                     shards.append((key[0], layers, s == 0, s == pp - 1, key[1]))
-        total = makespan + costs.sync_s(dp, shards)
+        total = makespan + costs.sync_s(dp, shards, self.link)
+        if self.link > 1.0 and pp > 1:  # the slow node's stage: its (at most two) edges
+            total += costs.link_extra_s([self.link] * min(pp, 2) + [1.0] * (pp - min(pp, 2)))
         classes = [(sig, c) for sig, (_, c) in zip(sigs, groups)]
         return ShapeResult(total, pool, pp, dp, arrangement, classes, shares, bound)
 
     # --- materialisation ------------------------------------------------------------------
     def materialise(self, shape: ShapeResult, reason: str) -> Plan:
+        replicas, spares = self._parts(shape)
+        epoch = self.current.epoch + 1 if self.current is not None else 0
+        return Plan(tuple(replicas), self.costs.schedule, self.v, epoch, spares, reason)
+
+    def _parts(self, shape: ShapeResult) -> tuple[list[PipelinePlan], tuple[int, ...]]:
+        """The concrete replicas and spares of a shape (a Plan is built only for the chosen one)."""
         queues = self.concrete_groups(shape.pool)
         cursor = {key: 0 for key in queues}
         replicas: list[PipelinePlan] = []
@@ -442,8 +462,7 @@ class Searcher:
         far = (1 << 30, 0, 0)
         replicas.sort(key=lambda rep: (self._pos.get(rep.stages[0][0], far), rep.stages[0]))
         spares = tuple(sorted(d.rank for devs in self.node_devs for d in devs if d.rank not in used))
-        epoch = self.current.epoch + 1 if self.current is not None else 0
-        return Plan(tuple(replicas), self.costs.schedule, self.v, epoch, spares, reason)
+        return replicas, spares
 
     def _virtual(self, per_device: Sequence[int]) -> tuple[int, ...]:
         if self.v == 1:
@@ -453,7 +472,31 @@ class Searcher:
         return tuple(chunks[j % p][j // p] for j in range(p * self.v))
 
     # --- the search -----------------------------------------------------------------------
+    def _shape_key(self, keep: int) -> tuple[object, ...]:
+        """What the shape search depends on: the multiset of node signatures (not which
+        ranks), the model, batch, config, schedule and link constants."""
+        counts: dict[tuple[tuple[float, float], ...], int] = {}
+        for sig in self.node_sigs:
+            counts[sig] = counts.get(sig, 0) + 1
+        c = self.cluster
+        return (tuple(sorted(counts.items())), self.spec, self.batch, self.config, self.costs.schedule, self.v, keep,
+                c.intra_node_bw_Bps, c.inter_node_bw_Bps, c.intra_node_latency_s, c.inter_node_latency_s,
+                c.device_flops, self.link)
+
     def search(self, keep: int = 3) -> SearchResult:
+        key = self._shape_key(keep)
+        hit = _SHAPES.get(key)
+        if hit is None:
+            hit = self._search_shapes(keep)
+            if len(_SHAPES) >= 64:
+                _SHAPES.pop(next(iter(_SHAPES)))
+            _SHAPES[key] = hit
+        close, n_shapes, evaluated = hit
+        return self._choose(close, n_shapes, evaluated)
+
+    def _search_shapes(self, keep: int) -> tuple[list[ShapeResult], int, int]:
+        """The best shapes (up to ``keep`` within the tolerance) as rank-free ShapeResults;
+        identical node signatures give identical shapes, so callers share them (_SHAPES)."""
         n_layers = self.spec.num_layers
         pools: list[Pool] = []
         seen: set[object] = set()
@@ -512,27 +555,29 @@ class Searcher:
             if shape_id not in idents:
                 idents.add(shape_id)
                 close.append(res)
-        chosen: tuple[int, float, Plan] | None = None
+        return close, len(shapes), evaluated
+
+    def _choose(self, close: list[ShapeResult], n_shapes: int, evaluated: int) -> SearchResult:
+        chosen: tuple[int, float, ShapeResult, tuple[list[PipelinePlan], tuple[int, ...]], Move | None] | None = None
         alternatives: list[tuple[float, int]] = []
+        bw = self.cluster.inter_node_bw_Bps
         for res in close:
-            plan = self.materialise(res, "")
-            moved = 0
-            if self.current is not None and len(close) > 1:
-                moved = plan_move(self.current, plan, self.spec, self.config.memory,
-                                  self.cluster.inter_node_bw_Bps).bytes_total
-            alternatives.append((res.time_s, moved))
+            parts = self._parts(res)
+            move = None
+            if self.current is not None:
+                move = replicas_move(self.current, parts[0], self.spec, self.config.memory, bw)
+            moved = move.bytes_total if move is not None else 0
+            alternatives.append((res.time_s, moved if len(close) > 1 else 0))
             if chosen is None or (moved, res.time_s) < (chosen[0], chosen[1]):
-                chosen = (moved, res.time_s, plan)
+                chosen = (moved, res.time_s, res, parts, move)
         assert chosen is not None
-        _, _, plan = chosen
+        moved, _, _, (replicas, spares), move = chosen
+        epoch = self.current.epoch + 1 if self.current is not None else 0
+        plan = Plan(tuple(replicas), self.costs.schedule, self.v, epoch, spares, "")
         ev = evaluate_with(self.costs, plan)
         it = ev.iteration_s
-        moved = 0
-        if self.current is not None:
-            moved = plan_move(self.current, plan, self.spec, self.config.memory,
-                              self.cluster.inter_node_bw_Bps).bytes_total
         tps = self.batch.microbatches * self.costs.tokens / it
-        return SearchResult(plan, it, tps, len(shapes), evaluated, moved, alternatives)
+        return SearchResult(plan, it, tps, n_shapes, evaluated, moved, alternatives, move)
 
 
 def search_plan(

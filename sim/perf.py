@@ -89,12 +89,16 @@ class JobSpec:
     def batch(self) -> GlobalBatch:
         return GlobalBatch(self.microbatches, self.tokens_per_microbatch, self.seqlens)
 
-    def cluster(self, speeds: dict[int, float] | None = None, failed: Sequence[int] = ()) -> Cluster:
-        """The planner's view: every device with the given speeds and failures."""
+    def cluster(self, speeds: dict[int, float] | None = None, failed: Sequence[int] = (),
+                links: dict[int, float] | None = None) -> Cluster:
+        """The planner's view: every device with the given compute speeds, link slowdown
+        factors and failures."""
         speeds = speeds or {}
+        links = links or {}
         dead = set(failed)
         devs = tuple(
-            DeviceState(r, r // self.gpus_per_node, speeds.get(r, 1.0), r in dead, self.memory_bytes)
+            DeviceState(r, r // self.gpus_per_node, speeds.get(r, 1.0), r in dead, self.memory_bytes,
+                        links.get(r, 1.0))
             for r in range(self.world_size)
         )
         return Cluster(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -138,3 +139,56 @@ def test_uplink_buffer_is_bounded_while_the_coordinator_is_away() -> None:
         assert not up.connected.is_set() and "UNAVAILABLE" in up.last_error
     finally:
         up.close()
+
+
+def test_hook_flush_waits_for_its_tick_but_a_slow_step_and_close_cut_it_short() -> None:
+    from cp_helpers import wait_until
+
+    from resihp.agent.daemon import AgentConfig, AgentDaemon
+
+    agent = AgentDaemon(AgentConfig(node="n0", coordinator="127.0.0.1:1", gpu_sampler="off", world_size=4))
+    agent.start()
+    # a flush tick an hour away: anything that arrives early was sent by the adaptive policy
+    c = AgentClient(2, agent.hook_server.address, 2, flush_s=3600.0).start()
+    try:
+        c.report(0, 0.1, seqlens=[[4]])  # the first report after a quiet spell goes at once
+        wait_until(lambda: agent.locals[2].iteration == 0, 10, "the first report")
+        c.report(1, 0.1, seqlens=[[4]])
+        c.report(2, 0.5, seqlens=[[4]])  # 5x the typical step: news, sent without the tick
+        wait_until(lambda: agent.locals[2].iteration == 2, 10, "the slow step's report")
+        c.report(3, 0.1, seqlens=[[4]])
+    finally:
+        c.close(timeout=5.0)  # close flushes what is queued
+        agent.stop()
+    assert agent.locals[2].iteration == 3 and c.sent == 4 and c.dropped == 0
+
+
+def test_report_checks_name_the_bad_field() -> None:
+    from resihp.coordinator import codec
+    from resihp.proto import resihp_pb2 as pb
+
+    good = pb.RankReport(rank=1, iteration=3, start_s=1.0, step_s=0.5, microbatches=[pb.MicroBatch(seqlens=[8])],
+                         chunks=[pb.ChunkTiming(rank=1, kind="F", microbatch=0, start_s=1.0, end_s=1.2)])
+    assert codec.check_report_pb(good) == (1, 3)
+    cases = [({"step_s": float("nan")}, "reports[0].step_s must be a finite number >= 0 (seconds), got nan"),
+             ({"start_s": float("inf")}, "reports[0].start_s must be a finite number >= 0 (seconds), got inf"),
+             ({"epoch": -1}, "reports[0].epoch must be >= 0, got -1"),
+             ({"rank": -2}, "reports[0].rank must be a rank in 0..")]
+    for change, message in cases:
+        bad = pb.RankReport()
+        bad.CopyFrom(good)
+        for k, v in change.items():
+            setattr(bad, k, v)
+        with pytest.raises(codec.ValidationError, match=re.escape(message)):
+            codec.check_report_pb(bad, "reports[0]")
+    bad = pb.RankReport()
+    bad.CopyFrom(good)
+    bad.chunks[0].end_s = float("inf")
+    with pytest.raises(codec.ValidationError, match=r"chunks\[0\].end_s must be a finite number"):
+        codec.check_report_pb(bad)
+    bad.chunks[0].end_s = 0.5  # ends before it starts
+    with pytest.raises(codec.ValidationError, match=r"chunks\[0\] ends \(0.5\) before it starts \(1.0\)"):
+        codec.check_report_pb(bad)
+    with pytest.raises(codec.ValidationError, match=r"heartbeats\[0\].time_s must be a finite number"):
+        codec.check_heartbeat_pb(pb.RankHeartbeat(rank=1, time_s=float("nan")), "heartbeats[0]")
+    assert codec.check_heartbeat_pb(pb.RankHeartbeat(rank=1, time_s=2.0, iteration=-1)) == (1, -1)

@@ -161,7 +161,7 @@ def test_ski_rental_waits_when_the_fault_ends_soon(healthy: tuple[Cluster, Plan]
 
 def test_elapsed_fault_time_shortens_the_horizon(healthy: tuple[Cluster, Plan]) -> None:
     cluster, current = healthy
-    cfg = PlannerConfig(fault_compute_s=600.0)
+    cfg = PlannerConfig(fault_compute_s=600.0, fault_sigma=0.0)  # fixed durations: elapsed time is used up
     assert decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 0.0, cfg).act
     assert not decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 599.9, cfg).act
 

@@ -54,8 +54,8 @@ class AgentClient:
 
     def __init__(self, rank: int, address: str | None, local_rank: int = 0, job: str = "",
                  on_command: CommandCallback | None = None, queue_size: int = 1024, heartbeat_s: float = 1.0,
-                 flush_s: float = 0.02, connect_timeout_s: float = 2.0, retry_s: float = 2.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 flush_s: float = 0.25, connect_timeout_s: float = 2.0, retry_s: float = 2.0,
+                 clock: Callable[[], float] = time.time, urgent_factor: float = 1.3) -> None:
         self.rank = rank
         self.local_rank = local_rank
         self.address = address or ""
@@ -64,6 +64,9 @@ class AgentClient:
         self.queue_size = queue_size
         self.heartbeat_s = heartbeat_s
         self.flush_s = flush_s
+        self.urgent_factor = urgent_factor
+        self._typical_step = 0.0  # moving average of step_s: a much slower step is sent at once
+        self._hurry = threading.Event()  # cuts the flush wait short: slow step, ack, close
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self.clock = clock
@@ -135,6 +138,7 @@ class AgentClient:
             deadline = time.monotonic() + timeout
             while (self._reports or self._acks) and time.monotonic() < deadline:
                 self._wake.set()
+                self._hurry.set()
                 time.sleep(0.005)
             if clean:
                 try:
@@ -143,6 +147,7 @@ class AgentClient:
                     pass
         self._stop.set()
         self._wake.set()
+        self._hurry.set()
         call = self._cmd_call
         if call is not None:
             call.cancel()  # type: ignore[attr-defined]
@@ -160,6 +165,10 @@ class AgentClient:
         if len(self._reports) >= self.queue_size:
             self.dropped += 1
             return False
+        typical = self._typical_step
+        if typical > 0 and step_s > typical * self.urgent_factor:
+            self._hurry.set()  # a slow step is news: skip the flush wait (see _linger)
+        self._typical_step = step_s if typical <= 0 else typical + 0.1 * (step_s - typical)
         self._reports.append(m.RankReport(
             self.rank, self.epoch if epoch is None else epoch, iteration,
             self.clock() - step_s if start_s is None else start_s, step_s,
@@ -183,6 +192,7 @@ class AgentClient:
             self.epoch = max(self.epoch, command.epoch)
         self._acks.append(a)
         self._wake.set()
+        self._hurry.set()
 
     # --- background threads -------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -232,8 +242,15 @@ class AgentClient:
                 self._wake.set()
             elif self._stop.is_set():
                 return
-            else:
-                self._stop.wait(self.flush_s)  # let a step's worth of reports gather
+            elif self.flush_s > 0:
+                self._linger(self.clock())
+
+    def _linger(self, now: float) -> None:
+        """Wait for the next multiple of ``flush_s`` on the wall clock (the same instants for
+        every rank of the node, so the agent forwards one merged message per tick instead of
+        one per rank), unless a slow step, an ack or close cuts the wait short."""
+        self._hurry.wait(self.flush_s - now % self.flush_s)
+        self._hurry.clear()
 
     def _flush_acks(self) -> None:
         while self._acks:
@@ -270,6 +287,7 @@ class AgentClient:
         if prior is not None:  # re-sent after a coordinator restart: we already applied it
             self._acks.append(prior)
             self._wake.set()
+            self._hurry.set()
             return
         self._commands.append(cmd)
         if self.on_command is not None:

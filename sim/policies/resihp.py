@@ -8,9 +8,11 @@ a real run:
   silent node after the heartbeat timeout, a fail-slow after the iterations the detector
   needs on the slowed job (times the job's slowed iteration time), a recovery likewise.
   Until then resihp does not know. A fail-slow the detector misses is never acted on.
-- **Knowledge.** As the coordinator does with ``Detector.rank_speed()``: a confirmed
-  fail-slow gives its ranks speed 1/estimated factor (a link-slow node: all its devices),
-  a fail-stop marks them failed; a recovery or a repair clears them.
+- **Knowledge.** As the coordinator does with ``Detector.compute_speed()`` and
+  ``Detector.link_factor()``: a confirmed compute fail-slow gives its ranks compute speed
+  1/estimated factor; a communication fail-slow gives a link-slow node's devices that link
+  slowdown factor (their compute stays 1.0); a fail-stop marks them failed; a recovery or a
+  repair clears them.
 - **Decision.** ``resihp.coordinator.planner.decide(cluster, model, batch, current,
   finding, now, config)`` on that view. If it acts, the job pauses for the decision's
   ``move_s`` (state moved / link bandwidth) plus the regroup latency, then runs the new
@@ -57,7 +59,7 @@ class ResiHP(Policy):
         self.config = planner_config if planner_config is not None else self._default_config()
         self.oracle = oracle or oracle_for(job)
         self.known_dead: set[int] = set()
-        self.known_slow: dict[int, tuple[tuple[int, ...], float]] = {}  # fault id -> (ranks, speed)
+        self.known_slow: dict[int, tuple[tuple[int, ...], float, str]] = {}  # fault id -> (ranks, factor, cause)
         self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
         self.waiting = False  # no feasible plan: waiting for repairs
         self.decisions = 0
@@ -74,24 +76,31 @@ class ResiHP(Policy):
         return cfg_cls()
 
     # --- resihp's view of the cluster ---------------------------------------------------------
-    def _cluster(self) -> Any:
+    def _view(self) -> tuple[dict[int, float], dict[int, float]]:
+        """(compute speeds, link slowdown factors) as the detector reports them
+        (``Detector.compute_speed()`` / ``link_factor()``)."""
         speeds: dict[int, float] = {}
-        for ranks, speed in self.known_slow.values():
+        links: dict[int, float] = {}
+        for ranks, factor, cause in self.known_slow.values():
             for r in ranks:
-                speeds[r] = min(speeds.get(r, 1.0), speed)
-        return self.job.cluster(speeds, sorted(self.known_dead))
+                if cause == "communication":
+                    links[r] = max(links.get(r, 1.0), factor)
+                else:
+                    speeds[r] = min(speeds.get(r, 1.0), 1.0 / factor)
+        return speeds, links
+
+    def _cluster(self) -> Any:
+        speeds, links = self._view()
+        return self.job.cluster(speeds, sorted(self.known_dead), links)
 
     def _decide(self, finding: Finding | None, now: float) -> Any:
         """planner.decide, memoised on its inputs (it is a pure function; the simulated
         findings carry time_s = now, so ``now`` does not change the answer)."""
         import time
 
-        speeds: dict[int, float] = {}
-        for ranks, speed in self.known_slow.values():
-            for r in ranks:
-                speeds[r] = min(speeds.get(r, 1.0), speed)
+        speeds, links = self._view()
         fkey = None if finding is None else (finding.kind, finding.ranks, round(finding.factor, 6), finding.cause)
-        key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), self.plan, fkey)
+        key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), tuple(sorted(links.items())), self.plan, fkey)
         hit = _DECISIONS.get(key)
         if hit is not None:
             self.cache_hits += 1
@@ -196,15 +205,14 @@ class ResiHP(Policy):
             det = self.oracle.failslow("compute" if ev.slow_kind == "compute" else "communication", ev.factor)
             ranks = ev.ranks if ev.slow_kind == "compute" else tuple(
                 r for n in sorted({self.world.node_of(x) for x in ev.ranks}) for r in node_ranks(self.job, n))
-            speed = 1.0 / max(1.0, det.factor)
-            self.known_slow[fid] = (tuple(ranks), speed)
+            self.known_slow[fid] = (tuple(ranks), max(1.0, det.factor), det.cause)
             finding = self._finding("fail-slow", ranks, det.factor, det.cause, now)
             return self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
         if kind == "recovered":
             entry = self.known_slow.pop(fid, None)
             if entry is None:
                 return self.steady()
-            finding = self._finding("recovered", entry[0], 1.0, "compute", now)
+            finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
             return self._apply(finding, now, f"recovery#{fid} detected", False)
         return self.steady()
 

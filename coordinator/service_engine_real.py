@@ -104,9 +104,14 @@ class RealEngine:
         pl = self._planner
         assert pl is not None
         world = [d.rank for d in self.header.devices]
+        # A rank slow because of its links keeps its compute speed and gets a link factor:
+        # the planner prices slow links in p2p / DP traffic, not as slower compute.
+        compute = self.detector.compute_speed()
+        links = self.detector.link_factor()
         devices = tuple(DeviceState(rank=r, node=nodes.get(r) or "node0",
-                                    speed=max(speeds.get(r, 1.0), 1e-3), failed=r in unavailable or
-                                    speeds.get(r, 1.0) <= 0) for r in world)
+                                    speed=max(compute.get(r, speeds.get(r, 1.0)), 1e-3),
+                                    failed=r in unavailable or speeds.get(r, 1.0) <= 0,
+                                    link_factor=links.get(r, 1.0)) for r in world)
         cluster = Cluster(devices=devices, **self.links)
         rec = self._last
         mbs = max(1, current.global_microbatches)

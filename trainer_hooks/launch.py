@@ -26,7 +26,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-ULFM_FLAGS = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true"]
+from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS
+
+# One definition of the fault-tolerant mpirun flags (ULFM, detector thread, a detector
+# timeout long enough for a loaded machine): see trainer_hooks/ulfm.py.
+ULFM_FLAGS = list(FT_MPIRUN_ARGS)
 
 
 def find_mpirun() -> str:

@@ -117,6 +117,7 @@ class Costs:
         self.layer_params = spec.params_per_layer()
         self.emb_params = spec.embedding_params()
         self._caps: dict[tuple[StageKey, bool, bool, float], int] = {}
+        self._inflight: dict[tuple[int, int, int], float] = {}
         self._bytes: dict[tuple[int, int, bool, bool, float], float] = {}
         self._tables: tuple[dict[int, float], dict[int, float], dict[int, float]] | None = None
         self._sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = {}
@@ -176,7 +177,11 @@ class Costs:
 
     # --- one pipeline -------------------------------------------------------------------
     def inflight(self, p: int, s: int, m: int) -> float:
-        return inflight_microbatches(self.schedule, p, s, max(m, 1), self.v)
+        key = (p, s, m)
+        hit = self._inflight.get(key)
+        if hit is None:  # asked for every stage of every candidate shape: memoised
+            hit = self._inflight[key] = inflight_microbatches(self.schedule, p, s, max(m, 1), self.v)
+        return hit
 
     def pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int) -> float:
         """Closed-form time of a pipeline with a given split (layers per device); inf if a

@@ -121,6 +121,7 @@ class Pool:
     split: int = 0  # this many nodes (the weakest) form groups of tp >> depth instead: mixed-TP layouts
     depth: int = 1
     prefix: list[tuple[int, float, int, float, int, int]] | None = None  # see Searcher._prefix
+    fastest: tuple[float, float, float] | None = None  # see Searcher.lower_bound
 
 
 @dataclass
@@ -264,23 +265,28 @@ class Searcher:
     def _upto(self, pool: Pool, n: int) -> tuple[int, float]:
         """(index of the last type used by the n fastest groups, their Σ rate)."""
         pre = self._prefix(pool)
-        i = next(j for j, row in enumerate(pre) if row[0] >= n)  # a handful of types
+        i = 0
+        while pre[i][0] < n:  # a handful of types
+            i += 1
         before_n, before_rate = (pre[i - 1][0], pre[i - 1][1]) if i else (0, 0.0)
         return i, before_rate + pool.rate[pool.types[i][0]] * (n - before_n)
 
     def lower_bound(self, pool: Pool, pp: int, dp: int) -> float:
         i, total_rate = self._upto(pool, pp * dp)
         _, _, max_k, max_speed, _, _ = self._prefix(pool)[i]
-        best_key = pool.types[0][0]
-        best_rate = pool.rate[best_key]
         c = self.costs
         n_layers = self.spec.num_layers
+        if pool.fastest is None:  # per pool, not per shape: the fastest group's rate and LM head
+            best_key = pool.types[0][0]
+            pool.fastest = (pool.rate[best_key], c.extra_s(best_key[0], best_key[1], True, True),
+                            c.extra_s(best_key[0], best_key[1], False, True))
+        best_rate, head_alone, head_last = pool.fastest
         m = self.batch.microbatches
         spread = max(m - dp, 0) * n_layers / total_rate
         # the busiest replica runs ⌈M/dp⌉ micro-batches through at least ⌈L/pp⌉ layers of
         # its bottleneck stage, no stage being faster than the fastest group
         busiest = (math.ceil(m / dp) - 1) * math.ceil(n_layers / pp) / best_rate
-        head = c.extra_s(best_key[0], best_key[1], pp == 1, True)  # the LM head runs somewhere
+        head = head_alone if pp == 1 else head_last  # the LM head runs somewhere
         busiest = max(busiest, (math.ceil(m / dp) - 1) * (n_layers / best_rate + head) / pp)
         bound = max(spread, busiest) + c.beta * (n_layers / best_rate + head) + c.hops_s(pp)
         shard = n_layers * c.layer_params / (pp * max_k)

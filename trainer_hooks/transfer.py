@@ -138,44 +138,48 @@ def execute_reshard(
         elif t.dst == rank:
             recvs[t.src].append(t)
 
-    # receives first, so peers' sends find them posted; then pack and send
-    works = []
-    incoming: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]] = []
-    for src, items in sorted(recvs.items()):
-        header = torch.empty(1 + 2 * len(items), dtype=torch.int64)
-        data = torch.empty(sum(t.nbytes for t in items), dtype=torch.uint8)
-        incoming.append((src, items, header, data))
-        works.append(pg.recv([header], to_pg(src), _TAG_HEADER))
-        works.append(pg.recv([data], to_pg(src), _TAG_DATA))
-    keep: list[torch.Tensor] = []  # buffers must outlive their asynchronous sends
-    for dst, items in sorted(sends.items()):
-        data = torch.empty(sum(t.nbytes for t in items), dtype=torch.uint8)
-        crcs, offset = [], 0
-        for t in items:
-            piece, view = _source_piece(t, old_shards, rank), data[offset:offset + t.nbytes]
-            if offset % piece.element_size() == 0:
-                view.view(piece.dtype).view(piece.shape).copy_(piece)  # one copy, straight into the buffer
-            else:
-                view.copy_(_as_bytes(piece))
-            crcs.append(_checksum(view, checksum))
-            if fault is not None:
-                fault(t, view)
-            offset += t.nbytes
-        header = torch.tensor([len(items)] + [t.nbytes for t in items] + crcs, dtype=torch.int64)
-        keep += [header, data]
-        works.append(pg.send([header], to_pg(dst), _TAG_HEADER))
-        works.append(pg.send([data], to_pg(dst), _TAG_DATA))
-    # local copies overlap with the wire
-    for t in local:
-        _land(new, t, _source_piece(t, old_shards, rank), rank)
-        covered[(t.state, t.name)] += t.nbytes
-    t_packed = time.perf_counter()
+    # A dead peer can surface while a message is posted as well as while it is awaited
+    # (gloo fails a recv at once if the connection is already closed): one handler for both.
     try:
+        # receives first, so peers' sends find them posted; then pack and send
+        works = []
+        incoming: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]] = []
+        for src, items in sorted(recvs.items()):
+            header = torch.empty(1 + 2 * len(items), dtype=torch.int64)
+            data = torch.empty(sum(t.nbytes for t in items), dtype=torch.uint8)
+            incoming.append((src, items, header, data))
+            works.append(pg.recv([header], to_pg(src), _TAG_HEADER))
+            works.append(pg.recv([data], to_pg(src), _TAG_DATA))
+        keep: list[torch.Tensor] = []  # buffers must outlive their asynchronous sends
+        for dst, items in sorted(sends.items()):
+            data = torch.empty(sum(t.nbytes for t in items), dtype=torch.uint8)
+            crcs, offset = [], 0
+            for t in items:
+                piece, view = _source_piece(t, old_shards, rank), data[offset:offset + t.nbytes]
+                if offset % piece.element_size() == 0:
+                    view.view(piece.dtype).view(piece.shape).copy_(piece)  # one copy, straight into the buffer
+                else:
+                    view.copy_(_as_bytes(piece))
+                crcs.append(_checksum(view, checksum))
+                if fault is not None:
+                    fault(t, view)
+                offset += t.nbytes
+            header = torch.tensor([len(items)] + [t.nbytes for t in items] + crcs, dtype=torch.int64)
+            keep += [header, data]
+            works.append(pg.send([header], to_pg(dst), _TAG_HEADER))
+            works.append(pg.send([data], to_pg(dst), _TAG_DATA))
+        # local copies overlap with the wire
+        for t in local:
+            _land(new, t, _source_piece(t, old_shards, rank), rank)
+            covered[(t.state, t.name)] += t.nbytes
+        t_packed = time.perf_counter()
         for w in works:
             if timeout is None:
                 w.wait()
             else:
                 w.wait(timeout)
+    except TransferError:
+        raise
     except RuntimeError as exc:
         # keeps the transport's words, so ulfm.is_peer_failure still recognises a dead peer
         raise TransferError(

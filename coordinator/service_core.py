@@ -9,6 +9,7 @@ is put on per-agent outboxes that the gRPC layer drains.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import logging
 import queue
@@ -26,7 +27,7 @@ from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine
 from resihp.coordinator.joiner import Joiner
 from resihp.coordinator.statemachine import State, Trigger, can, step
-from resihp.coordinator.trace import ExitEvent, PlanChange
+from resihp.coordinator.trace import ExitEvent, PlanChange, Record, TraceHeader, header_to_dict, record_to_dict
 
 log = logging.getLogger(__name__)
 @dataclass
@@ -60,6 +61,29 @@ class Pending:
     awaiting: set[int]
     issued_at: float
     attempts: int = 1
+
+
+class TraceSink:
+    """The job's trace (format v1) as the coordinator joins it: one file that outlives any rank.
+
+    Written here rather than by a trainer rank because a rank may die or be regrouped at
+    any step; the coordinator sees every report. Times are relative to the core's t0."""
+
+    def __init__(self, path: Any, header: TraceHeader, append: bool = False) -> None:
+        self._fh = open(path, "a" if append else "w", encoding="utf-8")
+        if not append:
+            self._fh.write(json.dumps(header_to_dict(header), separators=(",", ":")) + "\n")
+            self._fh.flush()
+
+    def write(self, rec: Record) -> None:
+        try:
+            self._fh.write(json.dumps(record_to_dict(rec), separators=(",", ":")) + "\n")
+            self._fh.flush()
+        except (TypeError, ValueError, OSError) as exc:  # a trace problem must not stop the control plane
+            log.warning("trace: could not write %s: %s", type(rec).__name__, exc)
+
+    def close(self) -> None:
+        self._fh.close()
 
 
 class CoordinatorCore:
@@ -98,6 +122,7 @@ class CoordinatorCore:
         self._agent_ids = itertools.count(1)
         self.last_finding: m.FindingInfo | None = None
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
+        self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)
         if self.resumed:
             journal.start(config.job, self.t0)
             for r, info in self.ranks.items():  # every live rank must show up again within the timeout
@@ -233,24 +258,26 @@ class CoordinatorCore:
 
     # --- the agent stream -------------------------------------------------------------
     def on_batch(self, conn: AgentConn, batch: m.AgentBatch) -> None:
-        """Apply one agent message. Items naming ranks outside the job are dropped and counted."""
+        """Apply one agent message. Items naming ranks outside the job are dropped and counted; an
+        item whose handling fails is logged and counted, and the stream goes on (one bad report
+        must not cut a node off the coordinator)."""
         with self.lock:
             now = self.now()
             for lr in batch.joined:
                 if self._valid_item(lr.rank, "joined"):
-                    self._join_rank(conn, lr)
+                    self._safely("joined", self._join_rank, conn, lr)
             for rep in batch.reports:
-                self._on_report(conn, rep, now)
+                self._safely("report", self._on_report, conn, rep, now)
             if batch.heartbeat is not None:
-                self._on_heartbeat(conn, batch.heartbeat, now)
+                self._safely("heartbeat", self._on_heartbeat, conn, batch.heartbeat, now)
             for ex in batch.exits:
                 if self._valid_item(ex.rank, "exit"):
-                    self._on_exit(ex, now)
+                    self._safely("exit", self._on_exit, ex, now)
             for ack in batch.acks:
                 if self._valid_item(ack.rank, "ack"):
-                    self._on_ack(ack, now)
+                    self._safely("ack", self._on_ack, ack, now)
             for g in batch.gpus:
-                self._on_gpu(conn, g)
+                self._safely("gpu", self._on_gpu, conn, g)
             for p in batch.processes:
                 if self._valid_item(p.rank, "process"):
                     lab = {"rank": p.rank, "node": conn.node, "job": self.config.job}
@@ -259,6 +286,13 @@ class CoordinatorCore:
             for inj in batch.injections:
                 self.events.emit("inject-result", kind=inj.kind, rank=inj.rank, ok=inj.ok, node=conn.node,
                                  reason=inj.detail)
+
+    def _safely(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a bug in one handler must not end the agent's stream
+            log.exception("coordinator: handling a %s failed; the item is dropped", what)
+            self.metrics.inc("resihp_internal_errors_total", 1, {"job": self.config.job, "kind": what})
 
     def _valid_item(self, rank: int, what: str) -> bool:
         if 0 <= rank < self.config.world_size:
@@ -287,6 +321,8 @@ class CoordinatorCore:
             self._on_record(rec, now)
 
     def _on_record(self, rec: Any, now: float) -> None:
+        if self.trace is not None:
+            self.trace.write(rec)
         self.last_iteration = max(self.last_iteration, rec.iteration)
         self.metrics.set("resihp_iteration", rec.iteration, {"job": self.config.job})
         self.metrics.set("resihp_iteration_duration_seconds", rec.time_s, {"job": self.config.job})
@@ -324,6 +360,8 @@ class CoordinatorCore:
             if all(i.finished or i.dead for i in self.ranks.values()):
                 self.events.emit("job-finished", reason="every rank has left")
             return
+        if self.trace is not None:
+            self.trace.write(ExitEvent(ex.rank, now, ex.code))
         found = self.engine.observe(ExitEvent(ex.rank, now, ex.code), now)
         if not any(f.kind == "fail-stop" and ex.rank in f.ranks for f in found):
             found.append(m.FindingInfo(self.last_iteration, "fail-stop", (ex.rank,), "process-exit", 1.0,
@@ -408,10 +446,18 @@ class CoordinatorCore:
         self.epoch += 1
         plan = replace(decision.plan, epoch=self.epoch)
         self.seq += 1
-        cmd = m.ReconfigCommand(self.epoch, plan, self._apply_at(), decision.reason, self.seq, (), self.clock())
+        reason = decision.reason
+        lost = sorted(r for r in (*self.plan.ranks(), *self.plan.spares) if self.ranks[r].dead and not plan.has_rank(r))
+        if lost and not reason.startswith("fail-stop"):
+            # the trainers recognise a plan that replaces dead ranks by this prefix: they apply it
+            # through their fail-stop recovery (shrink the world first), not as a planned switch
+            reason = f"fail-stop of ranks {lost}; {reason}"
+        cmd = m.ReconfigCommand(self.epoch, plan, self._apply_at(), reason, self.seq, (), self.clock())
         self.journal.plan(plan)
         self._journal_command(cmd, await_acks=True)
         self.joiner.add_plan(plan)
+        if self.trace is not None:  # before any record of the new shape can be joined
+            self.trace.write(PlanChange(cmd.apply_at, plan))
         self.pending = Pending(cmd, set(self._live_ranks()), now)
         self._transition(Trigger.COMMAND_SENT, f"epoch {self.epoch} ({decision.level}) at iteration {cmd.apply_at}: "
                                                f"{decision.reason}")

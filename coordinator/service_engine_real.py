@@ -51,11 +51,16 @@ class RealEngine:
         self._raw: dict[tuple[str, tuple[int, ...], int], Finding] = {}
         self._last: IterationRecord | None = None
         self.detection = True
+        # links=off: no communication findings and no link factors for the planner (a CPU job
+        # over loopback, where a P2P receive also waits for a slow sender)
+        self.link_detection = True
 
     # --- detection -------------------------------------------------------------------------
     def _convert(self, found: list[Finding]) -> list[FindingInfo]:
         out = []
         for f in found:
+            if not self.link_detection and f.cause == "communication":
+                continue
             self._raw[(f.kind, tuple(f.ranks), f.iteration)] = f
             out.append(to_info(f))
         if len(self._raw) > 256:
@@ -107,7 +112,7 @@ class RealEngine:
         # A rank slow because of its links keeps its compute speed and gets a link factor:
         # the planner prices slow links in p2p / DP traffic, not as slower compute.
         compute = self.detector.compute_speed()
-        links = self.detector.link_factor()
+        links = self.detector.link_factor() if self.link_detection else {}
         devices = tuple(DeviceState(rank=r, node=nodes.get(r) or "node0",
                                     speed=max(compute.get(r, speeds.get(r, 1.0)), 1e-3),
                                     failed=r in unavailable or speeds.get(r, 1.0) <= 0,
@@ -127,7 +132,8 @@ class RealEngine:
             if raw is None:  # a finding the coordinator made itself (pid exit, its own heartbeat clock)
                 raw = Finding(finding.iteration, finding.kind, tuple(finding.ranks), finding.stage,  # type: ignore[arg-type]
                               finding.replica, None, finding.factor, finding.cause, finding.reason, {}, finding.time_s)
-        config = pl.PlannerConfig() if hasattr(pl, "PlannerConfig") else None
+        # the real runtime needs every replica to split a layer over the same TP size
+        config = pl.PlannerConfig(uniform_tp_per_layer=True) if hasattr(pl, "PlannerConfig") else None
         try:
             d = pl.decide(cluster, self.header.model, batch, current, raw, now, config)
         except SpecError as exc:  # no layout of the healthy devices can run the model
@@ -142,25 +148,31 @@ class RealEngine:
         c = self.detector.config
         out = {f.name: str(getattr(c, f.name)) for f in fields(c)}
         out["detection"] = "on" if self.detection else "off"
+        out["links"] = "on" if self.link_detection else "off"
         return out
 
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]:
         c = self.detector.config
         known = {f.name: f for f in fields(c)}
         changes: dict[str, Any] = {}
-        detection = self.detection
+        detection, links = self.detection, self.link_detection
         for key, value in updates.items():
-            if key == "detection":
+            if key in ("detection", "links"):
                 if value not in ("on", "off"):
-                    raise ValueError(f"policy detection must be 'on' or 'off', got {value!r}")
-                detection = value == "on"
+                    raise ValueError(f"policy {key} must be 'on' or 'off', got {value!r}")
+                if key == "detection":
+                    detection = value == "on"
+                else:
+                    links = value == "on"
             elif key not in known:
-                raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection'])}")
+                raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection', 'links'])}")
             elif isinstance(getattr(c, key), int):
                 changes[key] = int(parse_float(key, value, 0))
             else:
                 changes[key] = parse_float(key, value, 0)
+        if hasattr(c, "link_detection"):
+            changes["link_detection"] = links
         new = replace(c, **changes)  # DetectorConfig validates itself (ValueError with its message)
         self.detector.config = new
-        self.detection = detection
+        self.detection, self.link_detection = detection, links
         return self.policy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -19,6 +20,8 @@ import torch
 import resihp.trainer_hooks as hooks
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec, SpecError, preset
+from resihp.trainer_hooks.checkpoint import AsyncCheckpointer, latest_checkpoint, load_into
+from resihp.trainer_hooks.resilient import JobStopped, loss_rank
 from resihp.trainer_hooks.runtime import TrainConfig
 
 
@@ -48,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", default=None, help="write the run's trace here (default $RESIHP_TRACE)")
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=5, help="save after every K-th step")
+    p.add_argument("--resume", action="store_true", help="start from the latest complete checkpoint, if any")
+    p.add_argument("--no-resilience", action="store_true", help="a peer failure crashes the rank (no recovery)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -55,22 +62,40 @@ def main(argv: list[str] | None = None) -> int:
     plan = build_plan(args, spec)
 
     job = hooks.init(spec, plan, config=TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr),
-                     trace=args.trace)  # resihp call 1
-    rt = job.runtime
-    assert rt is not None
-    report_rank = plan.replicas[0].stages[-1][0]  # holds the loss
+                     trace=args.trace, resilient=False if args.no_resilience else None)  # resihp call 1
+    ckpt = AsyncCheckpointer(args.checkpoint_dir, job.rank, spec, job.config) if args.checkpoint_dir else None
+    resume_step = 0
+    if args.resume and args.checkpoint_dir and (path := latest_checkpoint(args.checkpoint_dir)) is not None:
+        resume_step = load_into(job.runtime, job.plan, job.rank, path)  # any layout; the data follow the step
     tokens = 0
     start = time.perf_counter()
-    for it in range(args.steps):
-        result = rt.train_step(it)
-        tokens += result.global_tokens
-        outcome = job.step(result)  # resihp call 2
-        if job.rank == report_rank and (it % args.log_every == 0 or it == args.steps - 1):
-            rate = tokens / (time.perf_counter() - start)
-            print(f"step {it:4d}  loss {result.loss:.4f}  tokens/s {rate:8.0f}  epoch {job.epoch}", flush=True)
-        if outcome.stop:
-            break
+    try:
+        for it in job.iterations(args.steps, start=resume_step):  # rewinds after a fail-stop; an excluded rank waits here
+            result = job.train_step(it)  # this rank's 1F1B step; None if a peer died and the job recovered
+            outcome = job.step(result)  # resihp call 2: report, apply commands at the step boundary
+            if result is None:
+                continue
+            if ckpt is not None:
+                ckpt.maybe_save(it, job.runtime, job.plan, every=args.checkpoint_every)  # a snapshot; written async
+            tokens += result.global_tokens
+            if result.loss is not None and job.rank == loss_rank(job.plan) and (
+                    it % args.log_every == 0 or it == args.steps - 1):
+                rate = tokens / (time.perf_counter() - start)
+                print(f"step {it:4d}  loss {result.loss:.4f}  tokens/s {rate:8.0f}  epoch {job.epoch}  "
+                      f"{job.plan.describe()}", flush=True)
+            if outcome.stop:
+                break
+    except JobStopped as exc:  # no layout of the survivors can go on: say so and leave (MPI is broken)
+        print(f"rank {job.rank}: the job stopped: {exc}", file=sys.stderr, flush=True)
+        os._exit(3)
+    failed = job.resilience is not None and job.resilience.failures > 0
+    if ckpt is not None:
+        ckpt.close()
     job.close()
+    if failed:  # MPI finalisation can hang once a rank has died: leave without it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

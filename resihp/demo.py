@@ -1,79 +1,238 @@
-"""``resihp demo``: the detector replaying a realistic run with injected faults.
+"""``resihp demo``: the main job — a real 8-rank training run that survives a fail-slow and a fail-stop.
 
-Generates a trace of LLaMA-2-7B training on 16 simulated GPUs on 4 nodes (TP 2 x PP 4 x DP 2, 1F1B)
-with 32K-token packed batches of real code (the standard library's .py files), the noise
-of a real cluster (GC pauses, data-loader and checkpoint stalls, jitter), a transient
-compute fail-slow, a link fail-slow and finally a fail-stop; replays it through the
-detector and prints a timeline of its findings. (A later issue replaces this with the real
-multi-rank training run.)
+Launches, through ``resihp launch`` (coordinator + node agent + mpirun with ULFM), the GPT of
+``examples/train_gpt.py`` as TP2 x PP2 x DP2 on CPU (gloo), on real text (the Python
+standard library's sources, packed). At step ``--slow-at`` it throttles one rank's compute
+2x (``resihp admin inject slow``: the rank really computes at half speed, see
+trainer_hooks/throttle.py); at ``--kill-at`` it SIGKILLs another rank (``resihp admin
+inject kill``). resihp detects each, re-plans and reconfigures live; training completes.
+Then an uninterrupted single-process run of the same model, seed and data gives the
+reference loss, and the summary table and timeline are printed / drawn
+(``resihp report RUN_DIR`` renders them again). ``--replay`` runs the older detector-only
+replay demo instead.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
-import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
-from resihp.coordinator.detector import Detector, DetectorConfig
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import IterationRecord, load_trace
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+
+# The planner's view of this machine: CPU ranks over loopback gloo (not A100s over NVLink),
+# so that its predicted gains and reconfiguration costs are on the scale of what it runs.
+CPU_CLUSTER = {"devices": [{"rank": 0, "node": "node0"}], "device_flops": 2.0e9, "intra_node_bw_Bps": 2.0e9,
+               "inter_node_bw_Bps": 2.0e9, "intra_node_latency_s": 2.0e-4, "inter_node_latency_s": 2.0e-4}
+# Detection thresholds for 8 ranks sharing 2 cores: their timings jitter by 20-30 %, so a
+# compute excess under 40 % is noise here (the injected fault is 100 %). Link findings are
+# off: over loopback a P2P receive also waits for a slow sender, so a slow rank's pipeline
+# neighbours would look link-slow.
+CPU_POLICY = ("slow_threshold=0.4", "step_threshold=0.4", "iteration_threshold=0.4", "confirm_iters=3",
+              "recover_threshold=0.1", "links=off")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="resihp demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replay", action="store_true", help="the detector-only replay demo instead")
+    ap.add_argument("--steps", type=int, default=70)
+    ap.add_argument("--slow-rank", type=int, default=2)
+    ap.add_argument("--slow-factor", type=float, default=2.0)
+    ap.add_argument("--slow-at", type=int, default=14, help="step at which the fail-slow is injected")
+    ap.add_argument("--kill-rank", type=int, default=5)
+    ap.add_argument("--kill-at", type=int, default=42, help="step at which the fail-stop is injected")
+    ap.add_argument("--no-slow", action="store_true")
+    ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--no-adapt", action="store_true", help="static: detect but do not reconfigure")
+    ap.add_argument("--no-reference", action="store_true", help="skip the single-process reference run")
+    ap.add_argument("--run-dir", default="", help="default resihp-runs/demo-TIMESTAMP")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (logs and benchmarks)")
+    ap.add_argument("--timeout-s", type=float, default=900.0)
+    return ap
+
+
+def _resihp(*args: str) -> list[str]:
+    return [sys.executable, "-m", "resihp.cli", *args]
+
+
+class Follower:
+    """Reads the complete lines appended to a JSON Lines file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        out = []
+        for line in complete.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+def _bar(step: int, total: int, loss: float, rate: float, epoch: int, plan: str) -> str:
+    width = 24
+    done = int(width * min(step + 1, total) / total)
+    return (f"\r[{'#' * done}{'.' * (width - done)}] step {step + 1:3d}/{total}  loss {loss:6.3f}  "
+            f"{rate:6.0f} tok/s  epoch {epoch}  {plan[:40]:<40}")
+
+
+def _event_line(ev: dict[str, Any], t0: float) -> str | None:
+    kind = ev.get("event")
+    t = float(ev.get("time", t0)) - t0
+    if kind == "finding":
+        return f"{t:7.1f}s  DETECTED {ev.get('kind')} on ranks {ev.get('ranks')} ({ev.get('cause')}, x{ev.get('factor', 0):.2f})"
+    if kind == "command" and ev.get("kind") == "reconfigure":
+        return f"{t:7.1f}s  RE-PLAN  epoch {ev.get('epoch')} at step {ev.get('apply_at')}: {str(ev.get('reason', ''))[:90]}"
+    if kind == "inject":
+        return f"{t:7.1f}s  INJECT   {ev.get('kind')} rank {ev.get('rank')}" + (
+            f" x{ev.get('factor')}" if ev.get("kind") == "slow" else "")
+    if kind == "state" and ev.get("to") == "ABORTED":
+        return f"{t:7.1f}s  ABORTED  {ev.get('reason')}"
+    return None
+
+
+def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
+    """Launch the job, inject the faults at their steps, follow progress; returns demo.json."""
+    profile = run / "profile" / "cluster.json"  # not at the top: `resihp launch` clears stale *.json there
+    profile.parent.mkdir(exist_ok=True)
+    profile.write_text(json.dumps(CPU_CLUSTER))
+    coord_args = [f"--coordinator-arg=--cluster={profile}"]
+    coord_args += [f"--coordinator-arg=--policy={p}" for p in CPU_POLICY]
+    if args.no_adapt:
+        coord_args.append("--coordinator-arg=--no-auto-reconfigure")
+    train = [sys.executable, str(EXAMPLE), "--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(args.steps),
+             "--seq", str(args.seq), "--microbatches", str(args.microbatches), "--seed", str(args.seed),
+             "--log-every", "1000000"]
+    cmd = _resihp("launch", "-n", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches",
+                  str(args.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", *coord_args, "--", *train)
+    (run / "progress.jsonl").unlink(missing_ok=True)
+    log = open(run / "launch.log", "wb")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    progress, events = Follower(run / "progress.jsonl"), Follower(run / "events.jsonl")
+    todo = []
+    if not args.no_slow:
+        todo.append({"kind": "slow", "rank": args.slow_rank, "factor": args.slow_factor, "step": args.slow_at})
+    if not args.no_kill:
+        todo.append({"kind": "kill", "rank": args.kill_rank, "step": args.kill_at})
+    done: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
+    window: list[tuple[float, int]] = []
+    try:
+        while proc.poll() is None:
+            if time.time() - t0 > args.timeout_s:
+                raise TimeoutError(f"the job did not finish within {args.timeout_s:.0f} s; see {run}/launch.log")
+            for ev in events.new():
+                line = _event_line(ev, t0)
+                if line and not args.quiet:
+                    print("\r" + " " * 120 + "\r" + line, flush=True)
+            for rec in progress.new():
+                if rec.get("type") == "step":
+                    last = rec
+                    window = (window + [(float(rec["time"]), int(rec["tokens"]))])[-6:]
+                elif rec.get("type") == "reconfig" and not args.quiet:
+                    print(f"\r{' ' * 120}\r{float(rec['time']) - t0:7.1f}s  RECONFIGURED ({rec['kind']}) epoch "
+                          f"{rec['epoch']} in {rec['downtime_s']:.2f} s, {rec['bytes_moved'] / 1e6:.2f} MB moved: "
+                          f"{rec['plan']}; resuming at step {rec['step']}", flush=True)
+            if last:
+                step = int(last["step"])
+                rate = (sum(t for _, t in window[1:]) / (window[-1][0] - window[0][0])) if len(window) > 1 else 0.0
+                if not args.quiet:
+                    print(_bar(step, args.steps, float(last["loss"]), rate, int(last["epoch"]), str(last["plan"])),
+                          end="", flush=True)
+                while todo and step + 1 >= todo[0]["step"]:
+                    inj = todo.pop(0)
+                    extra = ["--factor", str(inj["factor"])] if inj["kind"] == "slow" else []
+                    r = subprocess.run(_resihp("admin", "inject", inj["kind"], "--rank", str(inj["rank"]), *extra,
+                                               "--run-dir", str(run)), capture_output=True, text=True, timeout=60)
+                    inj["time"] = time.time()
+                    inj["ok"] = r.returncode == 0
+                    inj["admin_output"] = (r.stdout + r.stderr).strip()[:300]
+                    done.append(inj)
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+        log.close()
+    for ev in events.new():
+        line = _event_line(ev, t0)
+        if line and not args.quiet:
+            print("\r" + " " * 120 + "\r" + line, flush=True)
+    if not args.quiet:
+        print(flush=True)
+    return {"scenario": {"layout": "TP2xPP2xDP2", "ranks": 8, "steps": args.steps, "model": "gpt-tiny",
+                         "seq": args.seq, "microbatches": args.microbatches, "seed": args.seed,
+                         "adapt": not args.no_adapt, "launch_rc": proc.returncode,
+                         "wall_s": round(time.time() - t0, 3)},
+            "injections": done}
+
+
+def run_reference(args: argparse.Namespace, run: Path) -> None:
+    """The same model, seed and data in one process, uninterrupted (the loss to match)."""
+    ref = run / "reference"
+    ref.mkdir(exist_ok=True)
+    (ref / "progress.jsonl").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
+    env["RESIHP_PROGRESS"] = str(ref / "progress.jsonl")
+    cmd = [sys.executable, str(EXAMPLE), "--steps", str(args.steps), "--seq", str(args.seq), "--microbatches",
+           str(args.microbatches), "--seed", str(args.seed), "--log-every", "1000000", "--threads", "1"]
+    with open(ref / "run.log", "wb") as log:
+        subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=True)
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="resihp demo", description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--trace-out", help="keep the generated trace here")
-    ap.add_argument("--findings-out", help="write the findings as JSON Lines here")
-    args = ap.parse_args(argv)
+    if "--replay" in argv:
+        from resihp import demo_replay
 
-    from resihp.sim.workload import Fault, Hardware, WorkloadConfig, write_workload
+        return demo_replay.main([a for a in argv if a != "--replay"])
+    args = _parser().parse_args(argv)
+    run = Path(args.run_dir or Path("resihp-runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    print(f"resihp demo: 8 ranks (TP2 x PP2 x DP2) of gpt-tiny on CPU, {args.steps} steps; run directory {run}")
+    if not args.no_slow:
+        print(f"  fail-slow: rank {args.slow_rank} computes {args.slow_factor:g}x slower from step {args.slow_at}")
+    if not args.no_kill:
+        print(f"  fail-stop: rank {args.kill_rank} is killed (SIGKILL) at step {args.kill_at}")
+    try:
+        demo = run_job(args, run)
+    except (TimeoutError, OSError) as exc:
+        print(f"resihp demo: {exc}", file=sys.stderr)
+        return 1
+    (run / "demo.json").write_text(json.dumps(demo, indent=1))
+    if demo["scenario"]["launch_rc"] != 0:
+        print(f"resihp demo: the job ended with status {demo['scenario']['launch_rc']}; see {run}/launch.log",
+              file=sys.stderr)
+    if not args.no_reference:
+        print("reference: the same model, seed and data in one process, no faults ...", flush=True)
+        try:
+            run_reference(args, run)
+        except (subprocess.SubprocessError, OSError) as exc:
+            print(f"resihp demo: the reference run failed ({exc}); see {run}/reference/run.log", file=sys.stderr)
+    from resihp import report
 
-    plan = Plan.uniform(2, 4, 2, 32, 16)
-    faults = (
-        Fault("compute", 5, 20, 1.6, end_iter=38),  # a throttled GPU, back to normal later
-        Fault("link", 11, 45, 2.5),  # a sick NIC
-        Fault("stop", 9, 62, exit_event=True),  # a process dies
-    )
-    # 4 GPUs per node: each replica's pipeline crosses a node boundary between stages 1 and 2
-    cfg = WorkloadConfig(preset("llama2-7b"), plan, budget=32768, packing="greedy", seed=args.seed,
-                         iterations=70, faults=faults, hardware=Hardware(gpus_per_node=4))
-    path = args.trace_out or os.path.join(tempfile.mkdtemp(prefix="resihp-demo-"), "trace.jsonl")
-    write_workload(cfg, path, job="demo")
-    header, records = load_trace(path)
-    print(f"trace: {path}")
-    print(f"model {header.model.name}, {len(header.plan.ranks())} ranks (TP 2 x PP 4 x DP 2, {header.plan.schedule.value}), "
-          f"32K-token packed batches of real code")
-    print("injected: compute fail-slow 1.6x on rank 5 at iterations 20-37; link fail-slow 2.5x on rank 11's NIC from "
-          "iteration 45; rank 9 killed during iteration 62\n")
-    det = Detector(header, DetectorConfig())
-    findings = []
-    times = []
-    for rec in records:
-        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
-        found = det.observe(rec, now) + det.tick(now)
-        if isinstance(rec, IterationRecord):
-            times.append(rec.time_s)
-        findings += found
-        for f in found:
-            print(f"iter {f.iteration:>3}  t={f.time_s:8.1f}s  {f.kind:<10} ranks {list(f.ranks)}  "
-                  f"cause {f.cause}  factor {f.factor:.2f}\n          {f.reason}")
-    # iterations with every device healthy: before the first fault and between the first
-    # two; their spread is what a raw-time detector has to live with
-    healthy = sorted(t for i, t in enumerate(times) if i < 20 or 40 <= i < 45)
-    print(f"\n{len(times)} iterations replayed, {len(findings)} findings.")
-    if healthy:
-        med = healthy[len(healthy) // 2]
-        print(f"with every device healthy, iterations took {healthy[0]:.2f} s to {healthy[-1]:.2f} s "
-              f"({100 * (healthy[-1] / med - 1):+.0f} % over their median at worst: long packed sequences and "
-              f"data-loader stalls) and raised no finding: the detector compares each op with the cost of its batch.")
-    print("rank states:", json.dumps({str(r): s for r, s in det.suspects().items() if s != "healthy"}))
-    if args.findings_out:
-        with open(args.findings_out, "w", encoding="utf-8") as out:
-            for f in findings:
-                out.write(json.dumps(f.to_json()) + "\n")
-    return 0
+    rc = report.main([str(run)])
+    print(f"\nrun directory: {run}\n  again: resihp report {run}")
+    return rc if demo["scenario"]["launch_rc"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -33,18 +33,6 @@ def _no_stale_open_mpi_segments() -> None:
     by a killed job can be mapped by a later job whose mpirun got the same pid, and then a rank
     segfaults at start-up (seen as MPI_ERR_PROC_FAILED in Comm.Dup). Remove stale segments and
     session directories before the tests start, but only when no mpirun is running."""
-    import glob
-    import shutil
+    from resihp.trainer_hooks.launch import remove_stale_mpi_segments
 
-    import psutil
-
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] in ("prterun", "mpirun", "prted"):
-            return
-    for path in glob.glob("/dev/shm/sm_segment.*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    for path in glob.glob("/tmp/ompi.*"):
-        shutil.rmtree(path, ignore_errors=True)
+    remove_stale_mpi_segments()

@@ -151,10 +151,14 @@ class Bootstrap:
             epoch=self.epoch, job_start_s=self.job_start_s,
         )
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
+        """Leave torch.distributed. ``barrier``: wait for every rank first (rank 0 may host the
+        store, which must outlive every rank's last use of it); skip it when the store is external
+        and the MPI world may have lost ranks."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.comm.Barrier()  # rank 0's store must outlive every rank's last use of it
+        if barrier:
+            self.comm.Barrier()
         self._hosted_store = None
 
 

@@ -12,6 +12,10 @@ non-blocking MPI send. It is the one place where commands take effect, at the st
 boundary of their ``apply_at`` iteration: a ThrottleCommand (fault injection) now; a
 ReconfigCommand is handed to ``Job.on_reconfigure`` where one is installed (live
 reconfiguration) and otherwise refused with a reason in the acknowledgement.
+
+Under ``resihp launch`` (the store outside the trainers) the job is resilient: loop with
+``for it in job.iterations(steps): job.step(job.train_step(it))`` and a dead peer, a slow
+rank or a readmission is handled inside those calls (trainer_hooks/resilient.py).
 """
 from __future__ import annotations
 
@@ -20,14 +24,16 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError, preset
 from resihp.coordinator.trace import ChunkTiming
-from resihp.trainer_hooks.bootstrap import Bootstrap
+from resihp.trainer_hooks.bootstrap import STORE_ENV, Bootstrap
 from resihp.trainer_hooks.reporter import Transport, connect
+from resihp.trainer_hooks.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
+from resihp.trainer_hooks.reconfigure import group_timeout
 from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig
 from resihp.trainer_hooks.throttle import Throttle
 from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
@@ -69,7 +75,9 @@ class Job:
     throttle: Throttle
     runtime: Runtime | None = None
     trace: TraceCollector | None = None
-    on_reconfigure: Callable[[Job, m.ReconfigCommand], None] | None = None
+    on_reconfigure: Callable[[Job, m.ReconfigCommand], bool | None] | None = None  # False: ack later
+    resilience: Resilience | None = None
+    progress: ProgressLog | None = None
     dropped_reports: int = 0
     _pending: list[m.Command] = field(default_factory=list)
     _last_step_end: float = field(default_factory=time.perf_counter)
@@ -89,6 +97,22 @@ class Job:
     def epoch(self) -> int:
         return self.plan.epoch
 
+    def iterations(self, total: int, start: int = 0) -> Iterator[int]:
+        """The steps to run, in order. Resilient jobs rewind after a rollback and keep an
+        excluded (spare) rank waiting here until it is readmitted or the job ends."""
+        if self.resilience is not None:
+            return self.resilience.iterations(total, start)
+        return iter(range(start, total))
+
+    def train_step(self, step: int) -> StepResult | None:
+        """The runtime's step ``step``; None when a peer died during it and the job recovered
+        (pass the result to ``step`` either way)."""
+        if self.resilience is not None:
+            return self.resilience.train_step(step)
+        if self.runtime is None:
+            raise SpecError("train_step: this job has no runtime (init was given no plan); run your own step")
+        return self.runtime.train_step(step)
+
     def step(
         self, result: StepResult | None = None, *, iteration: int | None = None,
         seqlens: Sequence[Sequence[int]] | None = None,
@@ -96,6 +120,8 @@ class Job:
     ) -> StepOutcome:
         """Report the iteration that just finished and apply the commands due at this boundary."""
         now = time.perf_counter()
+        if result is None and self.resilience is not None:
+            return StepOutcome(self._iteration)  # the step failed and was recovered: nothing to report
         if result is None:
             # a loop without the runtime: the step is the time since the previous boundary;
             # a throttle stretches the whole step (the hooks do not see its compute chunks)
@@ -118,15 +144,25 @@ class Job:
         if self.trace is not None:
             replica = self.plan.position(self.rank).replica if self.plan.has_rank(self.rank) else -1
             self.trace.record(RankIteration(self.rank, it, replica, start_rel, took, lens, parts))
+        if self.progress is not None and result is not None and result.loss is not None \
+                and self.rank == loss_rank(self.plan):
+            self.progress.write("step", step=it, loss=result.loss, tokens=result.global_tokens, step_s=round(took, 6),
+                                epoch=self.epoch, plan=self.plan.describe())
         outcome = self._apply_commands(it)
         self._last_step_end = time.perf_counter()
         return outcome
 
-    def _apply_commands(self, iteration: int) -> StepOutcome:
+    def _apply_commands(self, iteration: int, force: bool = False) -> StepOutcome:
+        """Apply the commands due after ``iteration`` (all of them with ``force``: an idle spare)."""
         self._pending.extend(self.transport.poll_commands())
         next_it = iteration + 1
-        due = [c for c in self._pending if c.apply_at <= next_it]
-        self._pending = [c for c in self._pending if c.apply_at > next_it]
+
+        def is_due(c: m.Command) -> bool:
+            # a plan already in force (applied by a fail-stop recovery) only needs its acknowledgement
+            return force or c.apply_at <= next_it or (isinstance(c, m.ReconfigCommand) and c.epoch <= self.epoch)
+
+        due = [c for c in self._pending if is_due(c)]
+        self._pending = [c for c in self._pending if not is_due(c)]
         applied: list[str] = []
         stop = False
         for cmd in sorted(due, key=lambda c: c.seq):
@@ -141,7 +177,8 @@ class Job:
                 elif isinstance(cmd, m.DrainCommand):
                     stop = True
                 elif self.on_reconfigure is not None:
-                    self.on_reconfigure(self, cmd)
+                    if self.on_reconfigure(self, cmd) is False:
+                        continue  # the handler acknowledges it later (a fail-stop plan: the recovery does)
                 else:
                     raise RuntimeError(
                         f"live reconfiguration is not installed in this runtime; staying on plan epoch {self.epoch}"
@@ -163,15 +200,18 @@ class Job:
             self.trace.close()
         if self._trace_file is not None:
             self._trace_file.close()
+        if self.progress is not None and self.plan.has_rank(self.rank) and self.rank == loss_rank(self.plan):
+            self.progress.write("end", step=self._iteration, epoch=self.epoch, plan=self.plan.describe())
         self.transport.close()
-        self.boot.close()
+        # after a failure the MPI world is broken: no closing barrier (the store is external)
+        self.boot.close(barrier=self.resilience is None)
 
 
 def init(
     model: ModelSpec | str, plan: Plan | None = None, *, config: TrainConfig | None = None,
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
     job: str = "", backend: str | None = None, microbatches_per_rank: int = 1, timeout_s: float = 120.0,
-    comm: Any = None,
+    comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
 ) -> Job:
     """Start-up: MPI bootstrap into torch.distributed, connect to the node's agent, and — given a
     plan — build the groups and place the model and AdamW. Without a plan the loop keeps its own
@@ -185,7 +225,12 @@ def init(
     """
     spec = preset(model) if isinstance(model, str) else model
     cfg = config or TrainConfig()
-    boot = Bootstrap(comm=comm, backend=backend, timeout_s=timeout_s)
+    external_store = bool(os.environ.get(STORE_ENV, "").strip())
+    resilient = (plan is not None and external_store) if resilient is None else resilient
+    if resilient and (plan is None or not external_store):
+        raise SpecError(f"init: a resilient job needs a plan and a store outside the trainers (set {STORE_ENV}=host:port, "
+                        "as `resihp launch` does)")
+    boot = Bootstrap(comm=comm, backend=backend, timeout_s=failure_timeout_s if resilient else timeout_s)
     info = boot.init_epoch(plan.epoch if plan is not None else 0)
     throttle = Throttle()
     env_throttle = parse_throttle_env(os.environ.get(THROTTLE_ENV, ""), boot.rank)
@@ -197,14 +242,15 @@ def init(
                 f"init: the plan covers ranks {list(plan.ranks())} (spares {list(plan.spares)}) but the world has "
                 f"{boot.world_size} ranks; every rank must be in the plan or a spare"
             )
-        runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch)
+        # a resilient job's sub-groups time out quickly too: a silent peer is a failed peer
+        with group_timeout(failure_timeout_s if resilient else None):
+            runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch)
     else:
         plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * microbatches_per_rank)
     job = os.environ.get("RESIHP_JOB") or job  # under `resihp launch` the agent knows the job by its name
     tx = transport or connect(boot.rank, boot.local_rank, job, agent)
+    # under `resihp launch` the coordinator writes <run-dir>/trace.jsonl from every rank's reports
     path = trace if trace is not None else os.environ.get(TRACE_ENV) or None
-    if path is None and os.environ.get("RESIHP_RUN_DIR"):  # under `resihp launch`: the run directory
-        path = str(Path(os.environ["RESIHP_RUN_DIR"]) / "trace.jsonl")
     collector = None
     out = None
     if path:
@@ -215,8 +261,22 @@ def init(
             header = make_header(spec, plan, boot.nodes, job, cfg.budget,
                                  {"source": "resihp.trainer_hooks", "backend": boot.backend, "seed": cfg.seed})
         collector = TraceCollector(boot.comm, boot.rank, 0, plan, every=trace_every, out=out, header=header)
+    progress_path = progress or os.environ.get(PROGRESS_ENV) or (
+        str(Path(os.environ["RESIHP_RUN_DIR"]) / "progress.jsonl") if os.environ.get("RESIHP_RUN_DIR") else None)
     job_obj = Job(boot=boot, model=spec, plan=plan, config=cfg, transport=tx, throttle=throttle, runtime=runtime,
-                  trace=collector, _trace_file=out)
+                  trace=collector, _trace_file=out, progress=ProgressLog(progress_path) if progress_path else None)
+    if job_obj.progress is not None and boot.rank == 0:
+        job_obj.progress.write("start", plan=plan.describe(), world=boot.world_size, model=spec.name,
+                               tokens_per_microbatch=cfg.budget)
+    if resilient:
+        from resihp.trainer_hooks.reconfigure import LiveReconfigurer
+        from resihp.trainer_hooks.ulfm import ft_world
+
+        assert runtime is not None
+        rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
+                              timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend)
+        job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress)
+        job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
     if env_throttle is not None:
         factor, at = env_throttle
         job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,

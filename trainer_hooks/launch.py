@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS
+from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, StoreProcess
 
 # One definition of the fault-tolerant mpirun flags (ULFM, detector thread, a detector
 # timeout long enough for a loaded machine): see trainer_hooks/ulfm.py.
@@ -81,6 +81,30 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float, group: bool = False) ->
     return int(proc.returncode)
 
 
+def remove_stale_mpi_segments() -> int:
+    """Open MPI names a job's shared-memory segment after mpirun's pid; a segment left by a job
+    that had to be ended can be mapped by a later job whose mpirun got the same pid, and a rank
+    then crashes at start-up (MPI_ERR_PROC_FAILED in Comm.Dup). Remove them, and the session
+    directories, when no mpirun runs on this machine. Returns how many segments went."""
+    import glob
+
+    import psutil
+
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] in ("prterun", "mpirun", "prted"):
+            return 0
+    gone = 0
+    for path in glob.glob("/dev/shm/sm_segment.*"):
+        try:
+            os.unlink(path)
+            gone += 1
+        except OSError:
+            pass
+    for path in glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "ompi.*")):
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
 def _rank_processes(mpirun_pid: int) -> list[int]:
     """Live rank processes: descendants of mpirun other than its own daemons."""
     import psutil
@@ -111,6 +135,7 @@ class _JobFinishedWatch:
         self.path = path
         self.offset = 0
         self.finished = False
+        self.aborted = False
 
     def poll(self) -> bool:
         if self.finished:
@@ -124,7 +149,10 @@ class _JobFinishedWatch:
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         self.finished = b'"event": "job-finished"' in complete or b'"event":"job-finished"' in complete
-        return self.finished
+        # the coordinator gave up (no layout can run, repeated failed reconfigurations): the
+        # ranks may be stuck in a broken world, so the job is over too
+        self.aborted = self.aborted or b'"to":"ABORTED"' in complete or b'"to": "ABORTED"' in complete
+        return self.finished or self.aborted
 
 
 def main(argv: list[str]) -> int:
@@ -172,6 +200,7 @@ def main(argv: list[str]) -> int:
     py = [sys.executable, "-m", "resihp.cli"]
     children: list[subprocess.Popen[bytes]] = []
     mpi: subprocess.Popen[bytes] | None = None
+    store: StoreProcess | None = None
     interrupted = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -201,14 +230,18 @@ def main(argv: list[str]) -> int:
                 env=env, stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True)
             children.append(agent)
             hooks.append(_wait_file(run / f"agent-{node}.json", agent, f"agent {node}", 60)["hook"])
+        # the rendezvous store lives in its own process: no rank's death takes it down, and
+        # every plan epoch (a live reconfiguration, a fail-stop recovery) joins through it
+        store = StoreProcess()
         rank_env = {**env, "RESIHP_AGENT_ADDRS": ",".join(hooks), "RESIHP_RANKS_PER_NODE": str(n // args.nodes),
-                    "RESIHP_WORLD_SIZE": str(n)}
+                    "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store.addr, "RESIHP_STORE_ADDR": store.addr}
         rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
         names = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE", "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR",
-                 "RESIHP_WORLD_SIZE"]
+                 "RESIHP_WORLD_SIZE", "RESIHP_STORE", "RESIHP_STORE_ADDR"]
         line = mpirun_command(find_mpirun(), n, names, cmd)
         print(f"resihp launch: job {job}, run dir {run}\n  coordinator {info['grpc']} (metrics {info['metrics']})"
               f"\n  agents {hooks}\n  {' '.join(line)}", flush=True)
+        remove_stale_mpi_segments()
         mpi = subprocess.Popen(line, env=rank_env, start_new_session=True)
         seen_ranks = False
         idle_since: float | None = None
@@ -226,7 +259,10 @@ def main(argv: list[str]) -> int:
             else:
                 idle_since = None
         rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
-        if rc != 0 and finished.poll() and not interrupted:
+        if finished.aborted:
+            print(f"resihp launch: the coordinator aborted the job; see {run / 'events.jsonl'}", file=sys.stderr)
+            rc = 1
+        elif rc != 0 and finished.poll() and not interrupted:
             rc = 0  # every rank said goodbye; only mpirun's finalisation had to be ended
         if interrupted:
             print("resihp launch: interrupted; stopping the job", file=sys.stderr)
@@ -240,6 +276,9 @@ def main(argv: list[str]) -> int:
             _stop(mpi, 2.0, group=True)
         for child in reversed(children):  # agents first, then the coordinator
             _stop(child, 5.0, group=True)
+        if store is not None:
+            store.close()
+        remove_stale_mpi_segments()
         for s, h in old.items():
             signal.signal(s, h)
 

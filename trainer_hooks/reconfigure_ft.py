@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from resihp.coordinator.plan import PipelinePlan, Plan, even_split
 from resihp.coordinator.spec import ModelSpec, SpecError
@@ -84,16 +84,23 @@ class _Saved:
 
 
 class StepGuard:
-    """Keeps this rank's state from before the step in flight, for a rollback."""
+    """Keeps this rank's state from before the last two steps, for a rollback.
 
-    def __init__(self) -> None:
-        self._saved: _Saved | None = None
+    Two, because pipeline stages drift by one completed step: when a rank dies in step s,
+    a last-stage rank of its replica may already have completed s and entered s + 1 while
+    the dead rank's TP partner completed only s − 1; the agreement is then s − 1, and the
+    ahead rank needs its state from before step s."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self._saved: list[_Saved] = []
+        self.depth = depth
 
     def before_step(self, rc: LiveReconfigurer, step: int) -> None:
         if rc.runtime is None:
-            self._saved = None
+            self._saved = []
             return
-        self._saved = _Saved(step, runtime_shards(rc.runtime, clone=True), optimizer_steps(rc.runtime))
+        keep = [s for s in self._saved if s.step < step][-(self.depth - 1):] if self.depth > 1 else []
+        self._saved = keep + [_Saved(step, runtime_shards(rc.runtime, clone=True), optimizer_steps(rc.runtime))]
 
     def state_after(self, rc: LiveReconfigurer, agreed_step: int, last_step: int) -> tuple[Shards, float]:
         """This rank's state as it was at the end of ``agreed_step``."""
@@ -101,13 +108,16 @@ class StepGuard:
             return {}, 0.0
         if last_step == agreed_step:
             return runtime_shards(rc.runtime), optimizer_steps(rc.runtime)
-        if self._saved is None or last_step != agreed_step + 1 or self._saved.step != last_step:
+        saved = next((s for s in self._saved if s.step == agreed_step + 1), None)
+        if saved is None or last_step < agreed_step:
+            kept = [s.step for s in self._saved]
             raise RecoveryError(
                 f"rank {rc.rank}: completed step {last_step} but the survivors agreed on {agreed_step}, and only the "
-                f"state before step {self._saved.step if self._saved else '-'} was kept; recover from a checkpoint"
+                f"state before steps {kept} was kept; recover from a checkpoint"
             )
-        log.warning("rank %d: rolling back step %d (not every survivor completed it)", rc.rank, last_step)
-        return self._saved.shards, self._saved.adam_steps
+        log.warning("rank %d: rolling back to the end of step %d (not every survivor completed step %d)", rc.rank,
+                    agreed_step, agreed_step + 1)
+        return saved.shards, saved.adam_steps
 
 
 @dataclass
@@ -121,8 +131,13 @@ class Recovery:
 
 
 def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGuard,
-            detected_at: float | None = None) -> Recovery:
-    """Everything a survivor does after seeing a peer die; collective over the survivors."""
+            detected_at: float | None = None,
+            choose_plan: Callable[[MpiWorld], Plan] | None = None) -> Recovery:
+    """Everything a survivor does after seeing a peer die; collective over the survivors.
+
+    ``choose_plan(new_world)``: the survivors' next plan (epoch included), identical on every
+    survivor — e.g. the coordinator's, received by one survivor and broadcast; default
+    ``survivor_plan``."""
     t0 = detected_at if detected_at is not None else time.perf_counter()
     t_shrink = time.perf_counter()
     # a spare trains nothing: it must not hold the agreement (a minimum) back
@@ -130,10 +145,11 @@ def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGu
     shrink_s = time.perf_counter() - t_shrink
     agreed = new_world.agreed_step
     shards, adam_steps = guard.state_after(rc, agreed, last_step)
-    plan = survivor_plan(rc.plan, new_world.ranks, rc.spec, new_world.epoch)
+    plan = (choose_plan(new_world) if choose_plan is not None
+            else survivor_plan(rc.plan, new_world.ranks, rc.spec, new_world.epoch))
     log.warning("rank %d: lost %s; resuming at step %d on %s", rc.rank, list(new_world.failed), agreed + 1,
                 plan.to_dict())
-    report = rc.apply(plan, new_world.epoch, old_shards=shards, alive=new_world.ranks, members=new_world.ranks,
+    report = rc.apply(plan, plan.epoch, old_shards=shards, alive=new_world.ranks, members=new_world.ranks,
                       adam_steps=adam_steps)
     return Recovery(new_world, plan, agreed + 1, report, time.perf_counter() - t0, shrink_s)
 

@@ -1,0 +1,326 @@
+"""The resilient training loop behind ``Job.iterations`` and ``Job.train_step``.
+
+``hooks.init`` installs a ``Resilience`` when the job runs a plan on the runtime and the
+rendezvous store lives outside the trainers (``resihp launch`` hosts it and sets
+``$RESIHP_STORE``). It makes three things work without more calls in the user's loop:
+
+- **planned reconfiguration** — a coordinator ``ReconfigCommand`` is applied at its
+  ``apply_at`` boundary by ``LiveReconfigurer`` (regroup, reshard, rebuild); a rank the
+  new plan leaves out idles as a spare inside ``iterations`` (it joins every later
+  switch, and a plan that readmits it puts it back to work at the members' next step);
+- **fail-stop recovery** — a step that fails because a peer died (gloo reports a closed
+  connection, MPI a failed or revoked communicator), or the coordinator's notice that a
+  rank died, makes every survivor shrink the MPI world (ULFM), agree on the last step all
+  of them completed, roll back past it, take the coordinator's new plan (the first
+  survivor waits for it and broadcasts it; without one the documented
+  ``survivor_plan`` rule), reshard from surviving replicas, and resume at the agreed step
+  + 1: no sample lost or trained twice;
+- **a second failure during recovery** — a peer lost while shrinking, agreeing or
+  resharding restarts the recovery on the smaller world from the same rolled-back state
+  (at most ``max_recoveries`` times in a row); when no survivor holds a lost shard the
+  job stops with the reason in the progress log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from resihp.coordinator import messages as m
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.spec import SpecError
+from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport
+from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
+from resihp.trainer_hooks.runtime import StepResult
+from resihp.trainer_hooks.transfer import Shards
+from resihp.trainer_hooks.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
+
+if TYPE_CHECKING:
+    from resihp.trainer_hooks.hooks import Job
+
+log = logging.getLogger(__name__)
+END_TAG = 4243  # members -> spares: the job reached its last step
+PROGRESS_ENV = "RESIHP_PROGRESS"
+
+
+class JobStopped(RuntimeError):
+    """The job cannot go on (no survivor holds a lost shard, or failures kept coming)."""
+
+
+def _is_failure(exc: BaseException) -> bool:
+    return is_peer_failure(exc) or (exc.__cause__ is not None and is_peer_failure(exc.__cause__))
+
+
+def loss_rank(plan: Plan) -> int:
+    """The rank that writes the progress log: TP rank 0 of replica 0's last stage (it knows the
+    global loss)."""
+    return plan.replicas[0].stages[-1][0]
+
+
+class ProgressLog:
+    """``progress.jsonl``: one JSON object per line (step, reconfig, start, end); see docs/run-dir.md."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record_type: str, /, **fields: Any) -> None:
+        line = json.dumps({"type": record_type, "time": round(time.time(), 6), **fields}, separators=(",", ":"))
+        with open(self.path, "a", encoding="utf-8") as fh:  # O_APPEND: short lines from several ranks interleave whole
+            fh.write(line + "\n")
+
+
+@dataclass
+class Resilience:
+    job: Job
+    rc: LiveReconfigurer
+    world: MpiWorld
+    plan_wait_s: float = 20.0  # how long the first survivor waits for the coordinator's plan
+    max_recoveries: int = 3
+    spare_join_timeout_s: float = 120.0
+    progress: ProgressLog | None = None
+    guard: StepGuard = field(default_factory=StepGuard)
+    next_step: int = 0
+    last_done: int = -1
+    failures: int = 0  # recoveries so far
+    history: list[dict[str, Any]] = field(default_factory=list)
+    _notice: m.ReconfigCommand | None = None  # the coordinator said a rank died
+    _deferred: list[m.ReconfigCommand] = field(default_factory=list)
+
+    # --- the loop ---------------------------------------------------------------------
+    def iterations(self, total: int, start: int = 0) -> Iterator[int]:
+        """The steps this rank runs, in order; rewinds after a rollback; idles while a spare."""
+        self.next_step = max(self.next_step, start)
+        while self.next_step < total:
+            if self.rc.runtime is None:
+                self._idle_as_spare(total)
+                continue
+            yield self.next_step
+        self._release_spares(total)
+
+    def train_step(self, step: int) -> StepResult | None:
+        """One step of the runtime; None when a peer died during it (the job has recovered and
+        ``iterations`` resumes at the agreed step)."""
+        if self._notice is not None:  # the coordinator saw a rank die before any collective did
+            self._recover(RuntimeError(f"coordinator notice: {self._notice.reason}"))
+            return None
+        self.guard.before_step(self.rc, step)
+        try:
+            result = self.rc.train_step(step)
+        except Exception as exc:  # noqa: BLE001 - classified by _is_failure
+            if not _is_failure(exc):
+                raise
+            self._recover(exc)
+            return None
+        self.last_done = step
+        self.next_step = step + 1
+        return result
+
+    # --- commands ---------------------------------------------------------------------
+    def on_reconfigure(self, job: Job, cmd: m.ReconfigCommand) -> bool:
+        """Job.on_reconfigure: False defers the acknowledgement (a fail-stop plan is applied by
+        the recovery, which acknowledges it)."""
+        if cmd.epoch <= self.rc.epoch:
+            return True  # already in force (the recovery applied it): acknowledge
+        dropped = set(self.rc.members) - set(cmd.plan.ranks()) - set(cmd.plan.spares)
+        if dropped and cmd.reason.startswith("fail-stop"):  # the coordinator's mark: they died
+            log.warning("rank %d: coordinator reports ranks %s gone (epoch %d); recovering", self.rc.rank,
+                        sorted(dropped), cmd.epoch)
+            self._notice = cmd
+            self._deferred.append(cmd)
+            return False
+        was_member = self.rc.runtime is not None
+        t0 = time.perf_counter()
+        saved_timeout = self.rc.timeout_s
+        if not was_member:  # an idle spare applies on receipt and waits for the members' apply_at
+            self.rc.timeout_s = max(saved_timeout, self.spare_join_timeout_s)
+        try:
+            report = self.rc.apply(cmd.plan, cmd.epoch)
+        finally:
+            self.rc.timeout_s = saved_timeout
+        # every rank resumes at the members' next step (a readmitted spare learns it here)
+        nxt = torch.tensor([self.next_step if was_member else -1], dtype=torch.int64)
+        dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
+        self.next_step = int(nxt.item())
+        self._adopt(report, "planned", cmd.reason, time.perf_counter() - t0)
+        return True
+
+    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float) -> None:
+        self.job.plan = self.rc.plan
+        self.job.runtime = self.rc.runtime
+        entry = {"kind": kind, "epoch": self.rc.epoch, "step": self.next_step, "downtime_s": round(downtime_s, 4),
+                 "bytes_moved": report.bytes_moved, "plan": self.rc.plan.describe(), "reason": reason,
+                 "role": report.role}
+        self.history.append(entry)
+        if self.progress is not None and self.rc.runtime is not None and self.rc.rank == loss_rank(self.rc.plan):
+            self.progress.write("reconfig", **entry)
+
+    # --- spares -----------------------------------------------------------------------
+    def _idle_as_spare(self, total: int) -> None:
+        """Wait, holding no state, for the end of the job, a plan that readmits this rank (applied
+        collectively), or a failure (the communicator is revoked)."""
+        req = self.world.comm.irecv(source=_any_source(), tag=END_TAG)
+        while True:
+            try:
+                done, value = req.test()
+            except Exception as exc:  # noqa: BLE001 - MPI's revoke / proc-failed
+                if not _is_failure(exc):
+                    raise
+                self._recover(exc)
+                return
+            if done:
+                self.next_step = max(int(value), total)
+                return
+            try:
+                outcome = self.job._apply_commands(self.next_step - 1, force=True)
+            except Exception as exc:  # noqa: BLE001
+                if not _is_failure(exc):
+                    raise
+                self._recover(exc)
+                return
+            if self._notice is not None:
+                self._recover(RuntimeError(f"coordinator notice: {self._notice.reason}"))
+                return
+            if self.rc.runtime is not None or outcome.stop:
+                _cancel(req)
+                if outcome.stop:
+                    self.next_step = total
+                return
+            time.sleep(0.05)  # an idle spare polls; it holds up nobody
+
+    def _release_spares(self, total: int) -> None:
+        """The first member tells every spare that the job is over (they wait on a message)."""
+        if self.rc.runtime is None:
+            return
+        members = [r for r in self.rc.members if self.rc.plan.has_rank(r)]
+        if self.rc.rank != min(members):
+            return
+        comm_of = {r: i for i, r in enumerate(self.world.ranks)}
+        for r in self.rc.members:
+            if not self.rc.plan.has_rank(r) and r in comm_of:
+                try:
+                    self.world.comm.send(total, dest=comm_of[r], tag=END_TAG)
+                except Exception as exc:  # noqa: BLE001 - a dead spare needs no goodbye
+                    log.warning("rank %d: could not tell spare %d the job ended: %s", self.rc.rank, r, exc)
+
+    # --- fail-stop --------------------------------------------------------------------
+    def _recover(self, cause: BaseException) -> None:
+        t0 = time.perf_counter()
+        log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
+                    str(cause)[:160])
+        self._abort_groups()  # peers blocked on this rank fail at once instead of at their timeout
+        member = self.rc.runtime is not None
+        last = self.last_done if member else SPARE_STEP
+        shards: Shards | None = None
+        adam = 0.0
+        world = self.world
+        for attempt in range(1, self.max_recoveries + 1):
+            try:
+                world = shrink(replace(world, epoch=self.rc.epoch), last)
+                if shards is None:
+                    shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)
+                    agreed = world.agreed_step
+                plan = self._agree_plan(world)
+                report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
+                                       members=world.ranks, adam_steps=adam)
+            except SpecError as exc:  # e.g. no survivor holds a lost shard
+                self._stop(f"recovery impossible: {exc}")
+            except Exception as exc:  # noqa: BLE001 - another failure while recovering: go again
+                if not _is_failure(exc) and not isinstance(exc, RecoveryError):
+                    raise
+                log.warning("rank %d: failure during recovery attempt %d: %s", self.rc.rank, attempt, exc)
+                if isinstance(exc, RecoveryError) and attempt == self.max_recoveries:
+                    self._stop(str(exc))
+                self._abort_groups()
+                last = agreed if shards is not None else last
+                continue
+            self.world = world
+            self.failures += 1
+            self.next_step = agreed + 1 if agreed < SPARE_STEP else self.next_step
+            self.last_done = min(self.last_done, agreed)
+            self.guard = StepGuard()
+            for cmd in self._deferred:  # the coordinator's fail-stop plans are in force now (or superseded)
+                self.job.transport.ack(cmd, self.next_step, ok=cmd.epoch <= self.rc.epoch,
+                                       error="" if cmd.epoch <= self.rc.epoch else "superseded by recovery")
+            self._deferred.clear()
+            self._notice = None
+            self.job.trace = None  # the MPI trace collector's communicator is gone; the coordinator keeps the trace
+            self._adopt(report, "fail-stop", f"lost ranks {list(world.failed)}; {plan.reason}",
+                        time.perf_counter() - t0)
+            log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
+                        time.perf_counter() - t0, list(world.failed), self.next_step, plan.describe())
+            return
+        self._stop(f"{self.max_recoveries} failures in a row during recovery")
+
+    def _abort_groups(self) -> None:
+        try:
+            self.rc._release()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - tearing down a broken group may itself fail
+            log.info("rank %d: tearing down the broken groups: %s", self.rc.rank, exc)
+
+    def _agree_plan(self, world: MpiWorld) -> Plan:
+        """The survivors' plan: the coordinator's (received by the first survivor, broadcast), else
+        the deterministic survivor rule."""
+        payload: dict[str, Any] | None = None
+        if world.comm.Get_rank() == 0:
+            cmd = self._wait_coordinator_plan(world)
+            if cmd is not None:
+                payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator"}
+            else:
+                epoch = max(world.epoch, self.rc.epoch + 1)
+                rule = survivor_plan(self.rc.plan, world.ranks, self.rc.spec, epoch)
+                payload = {"plan": rule.to_dict(), "epoch": epoch, "source": "survivor rule"}
+        payload = world.comm.bcast(payload, root=0)
+        assert payload is not None
+        plan = replace(Plan.from_dict(payload["plan"]), epoch=int(payload["epoch"]))
+        log.info("rank %d: recovery plan from the %s: %s", self.rc.rank, payload["source"], plan.describe())
+        return plan
+
+    def _wait_coordinator_plan(self, world: MpiWorld) -> m.ReconfigCommand | None:
+        """A ReconfigCommand newer than our epoch whose plan uses only survivors (the coordinator
+        learns of a death from the node agent, usually before the survivors do)."""
+        alive = set(world.ranks)
+        deadline = time.monotonic() + self.plan_wait_s
+        while True:
+            self.job._pending.extend(self.job.transport.poll_commands())
+            fits = [c for c in [*self._deferred, *self.job._pending] if isinstance(c, m.ReconfigCommand)
+                    and c.epoch > self.rc.epoch and set(c.plan.ranks()) <= alive]
+            if fits:
+                best = max(fits, key=lambda c: c.epoch)
+                if best not in self._deferred:
+                    self._deferred.append(best)
+                self.job._pending = [c for c in self.job._pending if c not in fits]
+                return best
+            if time.monotonic() > deadline:
+                log.warning("rank %d: no plan from the coordinator within %.0f s; using the survivor rule",
+                            self.rc.rank, self.plan_wait_s)
+                return None
+            time.sleep(0.05)
+
+    def _stop(self, why: str) -> None:
+        log.error("rank %d: the job stops: %s", self.rc.rank, why)
+        if self.progress is not None:
+            self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)
+        raise JobStopped(why)
+
+
+def _any_source() -> int:
+    from mpi4py import MPI
+
+    return int(MPI.ANY_SOURCE)
+
+
+def _cancel(req: Any) -> None:
+    try:
+        req.Cancel()
+    except Exception:  # noqa: BLE001 - a request that already completed cannot be cancelled
+        pass

@@ -30,12 +30,14 @@ PURE := $(addprefix resihp.coordinator.,spec plan trace costmodel schedule sched
 	detector detector_evidence detector_model detector_program detect_cli \
 	cluster memory planner planner_cost planner_split planner_shares planner_search \
 	planner_levels planner_decision planner_move planner_exhaustive plan_cli statemachine joiner) \
-	resihp.trainer_hooks.layout resihp.trainer_hooks.reshard \
+	resihp.trainer_hooks.layout resihp.trainer_hooks.reshard resihp.trainer_hooks.checkpoint_format \
+	resihp.report_data resihp.report_summary \
 	$(addprefix resihp.sim.,engine runner perf world failures scenarios detection workload workload_truth policies)
 typecheck: venv
 	rm -rf .mypyroot && mkdir -p .mypyroot/resihp
 	for d in coordinator trainer_hooks sim agent proto; do ln -s ../../$$d .mypyroot/resihp/$$d; done
 	cp resihp/__init__.py .mypyroot/resihp/__init__.py
+	for f in report_data report_summary; do ln -s ../../resihp/$$f.py .mypyroot/resihp/$$f.py; done
 	cd .mypyroot && ../$(VENV)/bin/mypy --strict --follow-imports=silent $(foreach m,$(PURE),-p $(m))
 
 proto: venv

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -100,4 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:  # noqa: BLE001 - e.g. a peer died before the job was resilient (start-up)
+        # leave at once: MPI's finalisation would wait for the dead peer, and the launcher only
+        # ends the job once no rank is left
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

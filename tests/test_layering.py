@@ -17,7 +17,8 @@ PURE = [
     "resihp.coordinator.detector", "resihp.coordinator.detector_evidence", "resihp.coordinator.detector_model",
     "resihp.coordinator.detector_program", "resihp.coordinator.cluster", "resihp.coordinator.memory",
     "resihp.coordinator.planner", "resihp.coordinator.statemachine", "resihp.coordinator.joiner",
-    "resihp.trainer_hooks.layout", "resihp.trainer_hooks.reshard",
+    "resihp.trainer_hooks.layout", "resihp.trainer_hooks.reshard", "resihp.trainer_hooks.checkpoint_format",
+    "resihp.report_data", "resihp.report_summary",
     "resihp.sim.engine", "resihp.sim.runner", "resihp.sim.workload",
 ]
 

@@ -44,9 +44,11 @@ def find_mpirun() -> str:
 
 
 def mpirun_command(mpirun: str, n: int, env_names: Sequence[str], cmd: Sequence[str],
-                   as_root: bool | None = None) -> list[str]:
+                   as_root: bool | None = None, mca: dict[str, str] | None = None) -> list[str]:
     as_root = os.geteuid() == 0 if as_root is None else as_root
     out = [mpirun] + (["--allow-run-as-root"] if as_root else []) + ["--oversubscribe"] + ULFM_FLAGS + ["-n", str(n)]
+    for key, value in (mca or {}).items():
+        out += ["--mca", key, value]
     for name in env_names:
         out += ["-x", name]
     return out + list(cmd)
@@ -201,6 +203,7 @@ def main(argv: list[str]) -> int:
     children: list[subprocess.Popen[bytes]] = []
     mpi: subprocess.Popen[bytes] | None = None
     store: StoreProcess | None = None
+    shm_dir: Path | None = None
     interrupted = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -238,7 +241,11 @@ def main(argv: list[str]) -> int:
         rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
         names = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE", "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR",
                  "RESIHP_WORLD_SIZE", "RESIHP_STORE", "RESIHP_STORE_ADDR"]
-        line = mpirun_command(find_mpirun(), n, names, cmd)
+        # each job gets its own directory for Open MPI's shared-memory segments: segments left
+        # by an earlier job that had to be ended cannot be mapped by this one
+        shm_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else run) / f"resihp-{job}"
+        shm_dir.mkdir(parents=True, exist_ok=True)
+        line = mpirun_command(find_mpirun(), n, names, cmd, mca={"btl_sm_backing_directory": str(shm_dir)})
         print(f"resihp launch: job {job}, run dir {run}\n  coordinator {info['grpc']} (metrics {info['metrics']})"
               f"\n  agents {hooks}\n  {' '.join(line)}", flush=True)
         remove_stale_mpi_segments()
@@ -278,6 +285,8 @@ def main(argv: list[str]) -> int:
             _stop(child, 5.0, group=True)
         if store is not None:
             store.close()
+        if shm_dir is not None:
+            shutil.rmtree(shm_dir, ignore_errors=True)
         remove_stale_mpi_segments()
         for s, h in old.items():
             signal.signal(s, h)

@@ -143,6 +143,12 @@ class Resilience:
             self.rc.timeout_s = max(saved_timeout, self.spare_join_timeout_s)
         try:
             report = self.rc.apply(cmd.plan, cmd.epoch)
+        except Exception as exc:  # noqa: BLE001 - a peer died during the switch: recover instead
+            if not _is_failure(exc):
+                raise
+            self._deferred.append(cmd)  # superseded by the recovery's plan; acknowledged there
+            self._recover(exc)
+            return False
         finally:
             self.rc.timeout_s = saved_timeout
         # every rank resumes at the members' next step (a readmitted spare learns it here)

@@ -103,7 +103,8 @@ def is_peer_failure(exc: BaseException) -> bool:
     if MPI is not None and isinstance(exc, MPI.Exception):
         return exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
     text = str(exc)
-    markers = ("Connection reset", "Connection closed", "Timed out", "Broken pipe", "Socket closed", "pair.cc")
+    markers = ("Connection reset", "Connection closed", "Timed out", "Broken pipe", "Socket closed", "pair.cc",
+               "pair closure", "Application timeout", "Connection refused")
     return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = build_plan(args, spec)
 
     job = hooks.init(spec, plan, config=TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr),
-                     trace=args.trace, resilient=False if args.no_resilience else None)  # resihp call 1
+                     trace=args.trace, resilient=False if args.no_resilience else None,
+                     checkpoint_dir=args.checkpoint_dir or None)  # resihp call 1
     ckpt = AsyncCheckpointer(args.checkpoint_dir, job.rank, spec, job.config) if args.checkpoint_dir else None
     resume_step = 0
     if args.resume and args.checkpoint_dir and (path := latest_checkpoint(args.checkpoint_dir)) is not None:

@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="save an asynchronous checkpoint every K steps (RUN/checkpoints); 0 = none")
     ap.add_argument("--quiet", action="store_true", help="no progress bar (logs and benchmarks)")
     ap.add_argument("--timeout-s", type=float, default=900.0)
     return ap
@@ -119,10 +124,13 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     coord_args += [f"--coordinator-arg=--policy={p}" for p in CPU_POLICY]
     if args.no_adapt:
         coord_args.append("--coordinator-arg=--no-auto-reconfigure")
-    train = [sys.executable, str(EXAMPLE), "--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(args.steps),
+    layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp)]
+    train = [sys.executable, str(EXAMPLE), *layout, "--steps", str(args.steps),
              "--seq", str(args.seq), "--microbatches", str(args.microbatches), "--seed", str(args.seed),
              "--log-every", "1000000"]
-    cmd = _resihp("launch", "-n", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches",
+    if args.checkpoint_every:
+        train += ["--checkpoint-dir", str(run / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every)]
+    cmd = _resihp("launch", "-n", str(args.tp * args.pp * args.dp), *layout, "--microbatches",
                   str(args.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", *coord_args, "--", *train)
     (run / "progress.jsonl").unlink(missing_ok=True)
     log = open(run / "launch.log", "wb")
@@ -180,7 +188,7 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
             print("\r" + " " * 120 + "\r" + line, flush=True)
     if not args.quiet:
         print(flush=True)
-    return {"scenario": {"layout": "TP2xPP2xDP2", "ranks": 8, "steps": args.steps, "model": "gpt-tiny",
+    return {"scenario": {"layout": f"TP{args.tp}xPP{args.pp}xDP{args.dp}", "ranks": args.tp * args.pp * args.dp, "steps": args.steps, "model": "gpt-tiny",
                          "seq": args.seq, "microbatches": args.microbatches, "seed": args.seed,
                          "adapt": not args.no_adapt, "launch_rc": proc.returncode,
                          "wall_s": round(time.time() - t0, 3)},
@@ -208,7 +216,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     run = Path(args.run_dir or Path("resihp-runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.mkdir(parents=True, exist_ok=True)
-    print(f"resihp demo: 8 ranks (TP2 x PP2 x DP2) of gpt-tiny on CPU, {args.steps} steps; run directory {run}")
+    n = args.tp * args.pp * args.dp
+    print(f"resihp demo: {n} ranks (TP{args.tp} x PP{args.pp} x DP{args.dp}) of gpt-tiny on CPU, {args.steps} steps; "
+          f"run directory {run}")
     if not args.no_slow:
         print(f"  fail-slow: rank {args.slow_rank} computes {args.slow_factor:g}x slower from step {args.slow_at}")
     if not args.no_kill:

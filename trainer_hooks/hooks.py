@@ -212,6 +212,7 @@ def init(
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
     job: str = "", backend: str | None = None, microbatches_per_rank: int = 1, timeout_s: float = 120.0,
     comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
+    checkpoint_dir: str | None = None,
 ) -> Job:
     """Start-up: MPI bootstrap into torch.distributed, connect to the node's agent, and — given a
     plan — build the groups and place the model and AdamW. Without a plan the loop keeps its own
@@ -275,7 +276,8 @@ def init(
         assert runtime is not None
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
                               timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend)
-        job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress)
+        job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
+                                        checkpoint_root=checkpoint_dir or None)
         job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
     if env_throttle is not None:
         factor, at = env_throttle

@@ -38,6 +38,7 @@ from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import SpecError
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
+from resihp.trainer_hooks.reshard import ReshardError
 from resihp.trainer_hooks.runtime import StepResult
 from resihp.trainer_hooks.transfer import Shards
 from resihp.trainer_hooks.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
@@ -85,6 +86,8 @@ class Resilience:
     plan_wait_s: float = 20.0  # how long the first survivor waits for the coordinator's plan
     max_recoveries: int = 3
     spare_join_timeout_s: float = 120.0
+    checkpoint_root: str | None = None  # where the job's checkpoints are (the DP = 1 fallback)
+    last_done_before: int = -1
     progress: ProgressLog | None = None
     guard: StepGuard = field(default_factory=StepGuard)
     next_step: int = 0
@@ -234,9 +237,15 @@ class Resilience:
                     shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)
                     agreed = world.agreed_step
                 plan = self._agree_plan(world)
-                report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
-                                       members=world.ranks, adam_steps=adam)
-            except SpecError as exc:  # e.g. no survivor holds a lost shard
+                restored_from: int | None = None
+                try:
+                    self.rc.prepare(plan, alive=world.ranks)  # the same verdict on every survivor
+                except ReshardError as exc:  # no survivor holds some slice (DP = 1): the checkpoint
+                    report, restored_from = self._restore_checkpoint(plan, world, exc)
+                else:
+                    report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
+                                           members=world.ranks, adam_steps=adam)
+            except SpecError as exc:  # e.g. the coordinator's plan does not fit the survivors
                 self._stop(f"recovery impossible: {exc}")
             except Exception as exc:  # noqa: BLE001 - another failure while recovering: go again
                 if not _is_failure(exc) and not isinstance(exc, RecoveryError):
@@ -250,6 +259,9 @@ class Resilience:
             self.world = world
             self.failures += 1
             self.next_step = agreed + 1 if agreed < SPARE_STEP else self.next_step
+            if restored_from is not None:
+                self.next_step = restored_from
+                agreed = restored_from - 1
             self.last_done = min(self.last_done, agreed)
             self.guard = StepGuard()
             for cmd in self._deferred:  # the coordinator's fail-stop plans are in force now (or superseded)
@@ -258,12 +270,30 @@ class Resilience:
             self._deferred.clear()
             self._notice = None
             self.job.trace = None  # the MPI trace collector's communicator is gone; the coordinator keeps the trace
-            self._adopt(report, "fail-stop", f"lost ranks {list(world.failed)}; {plan.reason}",
+            why = f"lost ranks {list(world.failed)}; {plan.reason}"
+            if restored_from is not None:
+                again = (f"steps {restored_from}..{self.last_done_before} are trained again"
+                         if self.last_done_before >= restored_from else "no step is lost")
+                why = (f"lost ranks {list(world.failed)}, and no survivor held all of their state: restored from the "
+                       f"checkpoint of step {restored_from - 1} ({again}); {plan.reason}")
+            self._adopt(report, "fail-stop" if restored_from is None else "fail-stop-checkpoint", why,
                         time.perf_counter() - t0)
             log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
                         time.perf_counter() - t0, list(world.failed), self.next_step, plan.describe())
             return
         self._stop(f"{self.max_recoveries} failures in a row during recovery")
+
+    def _restore_checkpoint(self, plan: Plan, world: MpiWorld, why: Exception) -> tuple[ReconfigReport, int]:
+        from resihp.trainer_hooks.checkpoint import latest_checkpoint, restore_live
+
+        path = latest_checkpoint(self.checkpoint_root) if self.checkpoint_root else None
+        if path is None:
+            self._stop(f"recovery impossible: {why}; and there is no checkpoint to fall back on "
+                       f"(train with checkpoints, e.g. examples/train_gpt.py --checkpoint-dir DIR)")
+            raise AssertionError("unreachable")
+        log.warning("rank %d: %s; restoring from %s", self.rc.rank, why, path)
+        self.last_done_before = self.last_done
+        return restore_live(self.rc, plan, plan.epoch, path, members=world.ranks)
 
     def _abort_groups(self) -> None:
         try:

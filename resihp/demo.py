@@ -195,6 +195,10 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
             "injections": done}
 
 
+def _trained_any(run: Path) -> bool:
+    return any(rec.get("type") == "step" for rec in Follower(run / "progress.jsonl").new())
+
+
 def run_reference(args: argparse.Namespace, run: Path) -> None:
     """The same model, seed and data in one process, uninterrupted (the loss to match)."""
     ref = run / "reference"
@@ -225,6 +229,12 @@ def main(argv: list[str]) -> int:
         print(f"  fail-stop: rank {args.kill_rank} is killed (SIGKILL) at step {args.kill_at}")
     try:
         demo = run_job(args, run)
+        if demo["scenario"]["launch_rc"] != 0 and not _trained_any(run):
+            # Open MPI with ULFM on a loaded machine sometimes loses a rank inside MPI_Init (a
+            # segfault before any training): that is not the scenario, so start over once
+            print("resihp demo: a rank crashed while MPI started, before any step; starting again", flush=True)
+            (run / "launch.log").replace(run / "launch-failed-start.log")
+            demo = run_job(args, run)
     except (TimeoutError, OSError) as exc:
         print(f"resihp demo: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,9 @@ def resihp_exe() -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # every mpirun the tests start: PMIx's hash datastore (its shared-memory one has crashed
+    # ranks inside MPI_Init on this oversubscribed machine; open-mpi/ompi#6761)
+    os.environ.setdefault("PMIX_MCA_gds", "hash")
 
 
 @pytest.fixture(scope="session", autouse=True)

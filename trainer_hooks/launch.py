@@ -239,6 +239,9 @@ def main(argv: list[str]) -> int:
         rank_env = {**env, "RESIHP_AGENT_ADDRS": ",".join(hooks), "RESIHP_RANKS_PER_NODE": str(n // args.nodes),
                     "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store.addr, "RESIHP_STORE_ADDR": store.addr}
         rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
+        # PMIx's shared-memory datastore has crashed ranks inside MPI_Init on oversubscribed
+        # machines (open-mpi/ompi#6761); the hash datastore avoids it
+        rank_env.setdefault("PMIX_MCA_gds", "hash")
         names = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE", "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR",
                  "RESIHP_WORLD_SIZE", "RESIHP_STORE", "RESIHP_STORE_ADDR"]
         # each job gets its own directory for Open MPI's shared-memory segments: segments left

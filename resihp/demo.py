@@ -170,9 +170,9 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                 while todo and step + 1 >= todo[0]["step"]:
                     inj = todo.pop(0)
                     extra = ["--factor", str(inj["factor"])] if inj["kind"] == "slow" else []
+                    inj["time"] = time.time()  # before the call: the coordinator may find it before admin returns
                     r = subprocess.run(_resihp("admin", "inject", inj["kind"], "--rank", str(inj["rank"]), *extra,
                                                "--run-dir", str(run)), capture_output=True, text=True, timeout=60)
-                    inj["time"] = time.time()
                     inj["ok"] = r.returncode == 0
                     inj["admin_output"] = (r.stdout + r.stderr).strip()[:300]
                     done.append(inj)

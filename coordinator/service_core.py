@@ -27,9 +27,13 @@ from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine
 from resihp.coordinator.joiner import Joiner
 from resihp.coordinator.statemachine import State, Trigger, can, step
-from resihp.coordinator.trace import ExitEvent, PlanChange, Record, TraceHeader, header_to_dict, record_to_dict
+from resihp.coordinator.trace import (
+    ExitEvent, IterationRecord, PlanChange, Record, TraceHeader, header_to_dict, record_to_dict,
+)
 
 log = logging.getLogger(__name__)
+
+
 @dataclass
 class RankInfo:
     rank: int
@@ -67,15 +71,34 @@ class TraceSink:
     """The job's trace (format v1) as the coordinator joins it: one file that outlives any rank.
 
     Written here rather than by a trainer rank because a rank may die or be regrouped at
-    any step; the coordinator sees every report. Times are relative to the core's t0."""
+    any step; the coordinator sees every report. Times are relative to the core's t0. A plan
+    change is announced when its command goes out, but records of earlier iterations may
+    still be joined after that; so it is held back and written just before the first record
+    on the new plan (from its ``apply_at`` on, or earlier when a fail-stop recovery resumed
+    before it: a record already shaped like the new plan)."""
 
     def __init__(self, path: Any, header: TraceHeader, append: bool = False) -> None:
         self._fh = open(path, "a" if append else "w", encoding="utf-8")
+        self._dp = header.plan.dp
+        self._held: list[PlanChange] = []
         if not append:
             self._fh.write(json.dumps(header_to_dict(header), separators=(",", ":")) + "\n")
             self._fh.flush()
 
     def write(self, rec: Record) -> None:
+        if isinstance(rec, PlanChange):
+            self._held.append(rec)
+            return
+        if isinstance(rec, IterationRecord):
+            for pc in list(self._held):
+                shaped = len(rec.seqlens) == pc.plan.dp != self._dp
+                if rec.iteration >= pc.iteration or shaped:
+                    self._held.remove(pc)
+                    self._dp = pc.plan.dp
+                    self._line(PlanChange(min(pc.iteration, rec.iteration), pc.plan))
+        self._line(rec)
+
+    def _line(self, rec: Record) -> None:
         try:
             self._fh.write(json.dumps(record_to_dict(rec), separators=(",", ":")) + "\n")
             self._fh.flush()

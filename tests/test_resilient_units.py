@@ -154,15 +154,34 @@ def test_a_failing_handler_drops_its_item_but_not_the_agent_stream(tmp_path: Pat
     assert 'resihp_internal_errors_total{job="job",kind="report"} 1' in text
 
 
-def test_coordinator_trace_has_the_header_plan_changes_before_records_and_exits(tmp_path: Path) -> None:
+def test_coordinator_trace_marks_the_fail_stop_command_and_records_the_exit(tmp_path: Path) -> None:
     core = _core(tmp_path)
     conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))  # fail-stop → a new plan
     header, records = load_trace(str(tmp_path / "trace.jsonl"))
-    kinds = [type(r).__name__ for r in records]
-    assert header.model.name == "gpt-tiny" and kinds == ["ExitEvent", "PlanChange"]
+    assert header.model.name == "gpt-tiny" and [type(r).__name__ for r in records] == ["ExitEvent"]
     cmd = conn.outbox.get_nowait().commands[0]
     assert isinstance(cmd, m.ReconfigCommand) and cmd.reason.startswith("fail-stop of ranks [3]")
+
+
+def test_trace_sink_writes_a_plan_change_just_before_the_first_record_on_the_new_plan(tmp_path: Path) -> None:
+    from resihp.coordinator.trace import IterationRecord, PlanChange
+
+    old = Plan.uniform(1, 2, 2, 8, 4)
+    new = Plan.uniform(1, 2, 1, 8, 4, )
+    header = build_header(preset("gpt-tiny"), old, 4, "job")
+    sink = TraceSink(tmp_path / "t.jsonl", header)
+    two, one = ((128,), (128,)), ((128,), (128,), (128,), (128,))
+    sink.write(PlanChange(5, new))
+    sink.write(IterationRecord(4, 0.0, 0.1, (two, two)))  # joined late: still the old plan
+    sink.write(IterationRecord(5, 0.1, 0.1, (one,)))
+    sink.write(PlanChange(9, old))
+    sink.write(IterationRecord(7, 0.2, 0.1, (two, two)))  # a recovery resumed early: shaped like the new plan
+    sink.close()
+    _, records = load_trace(str(tmp_path / "t.jsonl"))
+    got = [(type(r).__name__, r.iteration) for r in records]
+    assert got == [("IterationRecord", 4), ("PlanChange", 5), ("IterationRecord", 5), ("PlanChange", 7),
+                   ("IterationRecord", 7)]
 
 
 @pytest.mark.parametrize("argv", [["--run-dir", "D", "status"], ["status", "--run-dir", "D"]])

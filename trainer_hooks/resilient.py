@@ -94,6 +94,7 @@ class Resilience:
     last_done: int = -1
     failures: int = 0  # recoveries so far
     history: list[dict[str, Any]] = field(default_factory=list)
+    _last_step_end: float = field(default_factory=time.perf_counter)
     _notice: m.ReconfigCommand | None = None  # the coordinator said a rank died
     _deferred: list[m.ReconfigCommand] = field(default_factory=list)
 
@@ -124,6 +125,7 @@ class Resilience:
             return None
         self.last_done = step
         self.next_step = step + 1
+        self._last_step_end = time.perf_counter()
         return result
 
     # --- commands ---------------------------------------------------------------------
@@ -276,8 +278,10 @@ class Resilience:
                          if self.last_done_before >= restored_from else "no step is lost")
                 why = (f"lost ranks {list(world.failed)}, and no survivor held all of their state: restored from the "
                        f"checkpoint of step {restored_from - 1} ({again}); {plan.reason}")
+            # the job's downtime: from this rank's last completed step (the failed step, the
+            # detection wait and the recovery) to ready on the new plan
             self._adopt(report, "fail-stop" if restored_from is None else "fail-stop-checkpoint", why,
-                        time.perf_counter() - t0)
+                        time.perf_counter() - min(t0, self._last_step_end))
             log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
                         time.perf_counter() - t0, list(world.failed), self.next_step, plan.describe())
             return

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-# Real multi-process jobs (mpirun with ULFM, gloo) on a 2-core machine. Open MPI with ULFM crashes a rank inside MPI_Init about once in six 8-rank starts on this
-# loaded machine (its heartbeat detector reports a peer failed before init completes); two
-# fresh retries keep the suite from failing on it
+# Real multi-process jobs (mpirun with ULFM, gloo) on a 2-core machine. Open MPI with ULFM
+# crashes a rank inside MPI_Init about once in six 8-rank starts on this loaded machine (its
+# heartbeat detector reports a peer failed before init completes); two fresh retries keep
+# the suite from failing on it
 pytestmark = pytest.mark.flaky(reruns=2)
 
 REPO = Path(__file__).resolve().parents[1]

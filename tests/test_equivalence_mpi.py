@@ -71,9 +71,10 @@ def test_layout_matches_single_process_within_1e_5(run_dir: Path, layout: str) -
 
 
 # ResiHP acts only when observed exceeds predicted by > 25 %; the same margins here, since
-# CPU timings of ranks sharing two cores jitter far more than GPU kernels do
+# CPU timings of ranks sharing two cores jitter far more than GPU kernels do (a burst of
+# another process can stretch three iterations in a row: four confirm a finding here)
 DETECT_CONFIG = {"slow_threshold": 0.25, "comm_threshold": 0.3, "dp_threshold": 0.4, "step_threshold": 0.25,
-                 "iteration_threshold": 0.3, "confirm_iters": 3}
+                 "iteration_threshold": 0.3, "confirm_iters": 4}
 QUIET_SPREAD = 1.6  # max/min of per-iteration median compute time a quiet machine stays under
 
 

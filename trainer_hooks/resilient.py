@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -294,7 +294,6 @@ class Resilience:
         if path is None:
             self._stop(f"recovery impossible: {why}; and there is no checkpoint to fall back on "
                        f"(train with checkpoints, e.g. examples/train_gpt.py --checkpoint-dir DIR)")
-            raise AssertionError("unreachable")
         log.warning("rank %d: %s; restoring from %s", self.rc.rank, why, path)
         self.last_done_before = self.last_done
         return restore_live(self.rc, plan, plan.epoch, path, members=world.ranks)
@@ -346,7 +345,7 @@ class Resilience:
                 return None
             time.sleep(0.05)
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str) -> NoReturn:
         log.error("rank %d: the job stops: %s", self.rc.rank, why)
         if self.progress is not None:
             self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)

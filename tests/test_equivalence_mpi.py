@@ -72,9 +72,12 @@ def test_layout_matches_single_process_within_1e_5(run_dir: Path, layout: str) -
 
 # ResiHP acts only when observed exceeds predicted by > 25 %; the same margins here, since
 # CPU timings of ranks sharing two cores jitter far more than GPU kernels do (a burst of
-# another process can stretch three iterations in a row: four confirm a finding here)
+# another process can stretch three iterations in a row: four confirm a finding here).
+# Links are not judged (the CPU policy of `make demo` does the same): over loopback a P2P
+# chunk is a receive wait that includes the sender's lateness and other jobs' bursts, so
+# on a busy CI machine a healthy DP ring read 1.8x "slow" (CI run of 2026-11-29)
 DETECT_CONFIG = {"slow_threshold": 0.25, "comm_threshold": 0.3, "dp_threshold": 0.4, "step_threshold": 0.25,
-                 "iteration_threshold": 0.3, "confirm_iters": 4}
+                 "iteration_threshold": 0.3, "confirm_iters": 4, "link_detection": False}
 QUIET_SPREAD = 1.6  # max/min of per-iteration median compute time a quiet machine stays under
 
 
@@ -117,5 +120,4 @@ def test_throttled_rank_is_found_in_its_trace(run_dir: Path) -> None:
     assert [f["ranks"] for f in compute] == [[THROTTLED_TRACE_RANK]], findings
     assert THROTTLE_AT <= compute[0]["iteration"] <= THROTTLE_AT + 6
     assert 1.5 <= compute[0]["factor"] <= 3.0, compute[0]  # a 2x throttle
-    # P2P chunks are receive waits (trace format 1), so the throttled rank's pipeline
-    # neighbours may also be flagged, as links; never for compute
+    assert findings == compute, findings  # links are not judged (DETECT_CONFIG)

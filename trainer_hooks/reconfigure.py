@@ -87,7 +87,11 @@ def optimizer_steps(rt: Runtime | None) -> float:
 def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
     """Put received shards into ``rt``'s parameters and AdamW state (``step`` = AdamW's count)."""
     for name, p in rt.model.named_parameters():
-        p.copy_(shards["param"][name])
+        got = shards["param"][name]
+        if got.shape == p.shape and got.dtype == p.dtype and got.device == p.device and got.is_contiguous():
+            p.data = got  # the received (or kept) tensor becomes the parameter: no copy
+        else:
+            p.copy_(got)
         if "exp_avg" in shards and step > 0:
             # AdamW keeps the step as a float32 scalar tensor (capturable=False on CPU)
             rt.optimizer.state[p] = {
@@ -239,9 +243,8 @@ class LiveReconfigurer:
         no_init = contextlib.nullcontext() if init_weights else skip_weight_init()
         with group_timeout(self.group_timeout_s), no_init:
             if plan.has_rank(self.rank):
-                rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch)
-                if self._data is not None and self._data.global_microbatches == plan.global_microbatches:
-                    rt.data = self._data  # keep the packed stream: same samples, no re-packing
+                rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch,
+                             data=self._data)  # the packed stream goes on: same samples, no re-packing
                 self._data = rt.data
                 self.runtime = rt
             else:

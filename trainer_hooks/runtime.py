@@ -89,18 +89,24 @@ class Runtime:
     def __init__(
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
         throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
+        data: GlobalBatches | None = None,
     ) -> None:
+        """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
+        the same samples, no re-packing); by default a fresh one from the config's seed."""
         plan.validate_for(spec.num_layers, spec.num_heads)
         self.spec = spec
         self.config = config
         self.rank = rank
         self.device = device or _default_device()
         self.throttle = throttle or Throttle()
-        stream = PackedStream(
-            config.budget, seed=config.seed if config.data_seed < 0 else config.data_seed,
-            root=Path(config.data_root) if config.data_root else None,
-        )
-        self.data = GlobalBatches(stream, plan.global_microbatches)
+        if data is not None and data.global_microbatches == plan.global_microbatches:
+            self.data = data
+        else:
+            stream = PackedStream(
+                config.budget, seed=config.seed if config.data_seed < 0 else config.data_seed,
+                root=Path(config.data_root) if config.data_root else None,
+            )
+            self.data = GlobalBatches(stream, plan.global_microbatches)
         self.plan = plan
         self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants)
         place = self.groups.place

@@ -55,14 +55,14 @@ def _checksum(buf: torch.Tensor, kind: str) -> int:
     head = min(n, -off % 8)
     body = (n - head) // 8 * 8
     total = int(buf[head:head + body].view(torch.int64).sum()) if body else 0
-    rest = torch.cat([buf[:head], buf[head + body:]]).to(torch.int64)
-    if rest.numel():
+    if body != n:  # the executor pads pieces to aligned words, so it never pays for this part
+        rest = torch.cat([buf[:head], buf[head + body:]]).to(torch.int64)
         total += int((rest * torch.arange(1, rest.numel() + 1)).sum()) * 0x9E3779B1
     return (total + (1 << 63)) % (1 << 64) - (1 << 63)  # back into int64 range for the header
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+def _padded(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
 
 
 def _source_piece(t: Transfer, old: Mapping[str, Mapping[str, torch.Tensor]], rank: int) -> torch.Tensor:
@@ -146,31 +146,35 @@ def execute_reshard(
         incoming: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]] = []
         for src, items in sorted(recvs.items()):
             header = torch.empty(1 + 2 * len(items), dtype=torch.int64)
-            data = torch.empty(sum(t.nbytes for t in items), dtype=torch.uint8)
+            data = torch.empty(sum(_padded(t.nbytes) for t in items), dtype=torch.uint8)
             incoming.append((src, items, header, data))
             works.append(pg.recv([header], to_pg(src), _TAG_HEADER))
             works.append(pg.recv([data], to_pg(src), _TAG_DATA))
         keep: list[torch.Tensor] = []  # buffers must outlive their asynchronous sends
         for dst, items in sorted(sends.items()):
-            data = torch.empty(sum(t.nbytes for t in items), dtype=torch.uint8)
+            data = torch.empty(sum(_padded(t.nbytes) for t in items), dtype=torch.uint8)
             crcs, offset = [], 0
             for t in items:
+                # each piece starts on an 8-byte word (any dtype lands aligned) and its padding
+                # is zeroed, so its checksum is one wrapping sum over whole words
                 piece, view = _source_piece(t, old_shards, rank), data[offset:offset + t.nbytes]
-                if offset % piece.element_size() == 0:
-                    view.view(piece.dtype).view(piece.shape).copy_(piece)  # one copy, straight into the buffer
-                else:
-                    view.copy_(_as_bytes(piece))
-                crcs.append(_checksum(view, checksum))
+                view.view(piece.dtype).view(piece.shape).copy_(piece)  # one copy, straight into the buffer
+                padded = data[offset:offset + _padded(t.nbytes)]
+                if t.nbytes % 8:
+                    padded[t.nbytes:].zero_()
+                crcs.append(_checksum(padded, checksum))
                 if fault is not None:
                     fault(t, view)
-                offset += t.nbytes
+                offset += _padded(t.nbytes)
             header = torch.tensor([len(items)] + [t.nbytes for t in items] + crcs, dtype=torch.int64)
             keep += [header, data]
             works.append(pg.send([header], to_pg(dst), _TAG_HEADER))
             works.append(pg.send([data], to_pg(dst), _TAG_DATA))
         # local copies overlap with the wire
         for t in local:
-            _land(new, t, _source_piece(t, old_shards, rank), rank)
+            piece = _source_piece(t, old_shards, rank)
+            # a whole old tensor staying whole is kept as it is (the old runtime only read it)
+            _land(new, t, piece, rank, keep=piece.numel() == old_shards[t.state][t.name].numel())
             covered[(t.state, t.name)] += t.nbytes
         t_packed = time.perf_counter()
         for w in works:
@@ -203,8 +207,8 @@ def execute_reshard(
                     f"rank {rank}: piece {i} from rank {src} ({_where(t)}) is {sizes[i]} bytes, expected {t.nbytes}"
                 )
             buf = data[offset:offset + t.nbytes]
-            offset += t.nbytes
-            got = _checksum(buf, checksum)
+            got = _checksum(data[offset:offset + _padded(t.nbytes)], checksum)
+            offset += _padded(t.nbytes)
             if got != crcs[i]:
                 raise TransferError(
                     f"rank {rank}: piece {i} from rank {src} ({_where(t)}) fails its checksum: {checksum} {got:#x}, "
@@ -212,9 +216,7 @@ def execute_reshard(
                     "recover from a checkpoint"
                 )
             target = new[t.state][t.name]
-            if buf.storage_offset() % target.element_size():
-                buf = buf.clone()  # pieces of mixed dtypes leave later ones unaligned
-            _land(new, t, buf.view(target.dtype).reshape(t.shape), rank)
+            _land(new, t, buf.view(target.dtype).reshape(t.shape), rank, keep=True)
             covered[(t.state, t.name)] += t.nbytes
 
     for s, by_name in new.items():
@@ -232,14 +234,20 @@ def execute_reshard(
     return new
 
 
-def _land(new: Shards, t: Transfer, piece: torch.Tensor, rank: int) -> None:
+def _land(new: Shards, t: Transfer, piece: torch.Tensor, rank: int, keep: bool = False) -> None:
+    """Put ``piece`` where it goes in its new shard. ``keep``: when the piece is the whole new
+    shard, it becomes the shard (a view of the received message, or an old tensor): no copy."""
     try:
         target = new[t.state][t.name]
     except KeyError:
         raise TransferError(
             f"rank {rank}: the plan sends it {_where(t)}, which the new plan does not give this rank"
         ) from None
-    target[t.dst_index] = piece
+    if keep and piece.shape == target.shape and piece.dtype == target.dtype and piece.is_contiguous() and all(
+            s.start in (0, None) and s.stop in (n, None) for s, n in zip(t.dst_index, target.shape)):
+        new[t.state][t.name] = piece
+    else:
+        target[t.dst_index] = piece
 
 
 def reshard_state(

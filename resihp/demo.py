@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slow-at", type=int, default=14, help="step at which the fail-slow is injected")
     ap.add_argument("--kill-rank", type=int, default=5)
     ap.add_argument("--kill-at", type=int, default=42, help="step at which the fail-stop is injected")
+    ap.add_argument("--admin", action="append", default=[], metavar="STEP:ARGS",
+                    help="an operator action at a step, e.g. '20:exclude --rank 3' runs `resihp admin exclude "
+                         "--rank 3` once step 20 is reached (repeatable)")
     ap.add_argument("--no-slow", action="store_true")
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--no-adapt", action="store_true", help="static: detect but do not reconfigure")
@@ -142,7 +145,10 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
         todo.append({"kind": "slow", "rank": args.slow_rank, "factor": args.slow_factor, "step": args.slow_at})
     if not args.no_kill:
         todo.append({"kind": "kill", "rank": args.kill_rank, "step": args.kill_at})
-    done: list[dict[str, Any]] = []
+    todo += [_admin_action(a) for a in args.admin]
+    todo.sort(key=lambda x: int(x["step"]))
+    done: list[dict[str, Any]] = []  # injected faults
+    actions: list[dict[str, Any]] = []  # operator actions (--admin)
     last: dict[str, Any] = {}
     window: list[tuple[float, int]] = []
     try:
@@ -170,12 +176,14 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                 while todo and step + 1 >= todo[0]["step"]:
                     inj = todo.pop(0)
                     extra = ["--factor", str(inj["factor"])] if inj["kind"] == "slow" else []
+                    what = (list(inj["args"]) if inj["kind"] == "admin"
+                            else ["inject", inj["kind"], "--rank", str(inj["rank"]), *extra])
                     inj["time"] = time.time()  # before the call: the coordinator may find it before admin returns
-                    r = subprocess.run(_resihp("admin", "inject", inj["kind"], "--rank", str(inj["rank"]), *extra,
-                                               "--run-dir", str(run)), capture_output=True, text=True, timeout=60)
+                    r = subprocess.run(_resihp("admin", *what, "--run-dir", str(run)), capture_output=True, text=True,
+                                       timeout=60)
                     inj["ok"] = r.returncode == 0
                     inj["admin_output"] = (r.stdout + r.stderr).strip()[:300]
-                    done.append(inj)
+                    (actions if inj["kind"] == "admin" else done).append(inj)
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
@@ -192,7 +200,15 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                          "seq": args.seq, "microbatches": args.microbatches, "seed": args.seed,
                          "adapt": not args.no_adapt, "launch_rc": proc.returncode,
                          "wall_s": round(time.time() - t0, 3)},
-            "injections": done}
+            "injections": done, "operator_actions": actions}
+
+
+def _admin_action(text: str) -> dict[str, Any]:
+    """``STEP:ARGS`` of ``--admin`` → a scheduled ``resihp admin ARGS``."""
+    step, sep, rest = text.partition(":")
+    if not sep or not step.strip().isdigit() or not rest.split():
+        raise SystemExit(f"resihp demo: --admin wants STEP:ARGS, e.g. '20:exclude --rank 3'; got {text!r}")
+    return {"kind": "admin", "args": rest.split(), "step": int(step)}
 
 
 def _trained_any(run: Path) -> bool:

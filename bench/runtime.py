@@ -1,16 +1,27 @@
 """Runtime benchmark: throughput per layout, hook overhead, cost-model error on real runs.
 
-    python bench/runtime.py            # ~2–3 min on 2 cores; a table, then ONE JSON line
+    python bench/runtime.py            # ~4–5 min on 2 cores; tables, then ONE JSON line
 
-One ``mpirun -n 8`` world runs every layout in turn (ranks outside a layout wait, blocked,
-not spinning): TP2×PP2×DP2 (8 ranks), TP2×PP2, PP4, DP4, PP2×DP2 with unequal shares
-(3, 5) (4 ranks each) and a single rank, all on gpt-tiny with 128-token packed micro-batches
-of the stdlib's sources, 8 micro-batches per global batch. Each layout records its trace.
+Two mpirun worlds, each with its own live coordinator and node agent (separate processes):
+
+- **oversubscribed** (``mpirun -n 8`` on the 2 cores): every layout in turn (ranks outside
+  a layout wait, blocked, not spinning): TP2×PP2×DP2 (8 ranks), TP2×PP2, PP4, DP4, PP2×DP2
+  with unequal shares (3, 5) (4 ranks each) and a single rank — their throughput
+  (``tokens_per_s``) and, under ``oversubscribed``, their model errors and hook overhead.
+- **dedicated** (``mpirun -n 2``: one rank per core, the setting the cost model and the
+  schedule simulator describe — a device per rank): TP2, PP2, DP2, DP2 with shares (3, 5),
+  single. The headline ``mtp_mape_real``, ``itp_mape_real`` and ``hook_overhead_ratio``
+  (on PP2) come from here. Even here the two ranks share the machine's caches and memory
+  bandwidth with each other and with the control plane's processes.
+
+All on gpt-tiny with 128-token packed micro-batches of the stdlib's sources, 8 micro-batches
+per global batch. Each layout records its trace.
 
 - ``tokens_per_s``: global-batch tokens over the wall time of the measured steps.
-- ``hook_overhead_ratio``: TP2×PP2×DP2 iteration time with the two calls (reporting to a
-  live node agent of a live coordinator, and the trace) over without, in alternating
-  blocks of iterations (median of per-block means), so machine noise hits both alike.
+- ``hook_overhead_ratio``: iteration time with the two calls (reporting to a live node
+  agent of a live coordinator, and the trace) over without, in alternating blocks of
+  iterations (median of per-block means), so machine noise hits both alike; the table also
+  shows the time of the per-iteration call itself on rank 0.
 - ``mtp_mape_real``: per micro-batch compute time (F + B of one micro-batch on one rank)
   predicted by the cost model (coordinator.costmodel, T = α·tokens + β·Σl² + γ per
   (layout, rank, kind)) calibrated on the first half of the measured iterations, scored on
@@ -40,6 +51,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 MPIRUN = Path(sys.executable).parent / "mpirun"
 LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "pp2dp2_unequal", "single")
+# one rank per core (this machine has two): the setting the cost model and the schedule
+# simulator describe — a device per rank — so their errors are judged here
+DEDICATED = ("tp2", "pp2", "dp2", "dp2_unequal", "single")
 GLOBAL_MB = 8
 SEQ = 128
 
@@ -57,13 +71,22 @@ def _plan(name: str, layers: int) -> Any:
         return u(1, 4, 1, layers, GLOBAL_MB)
     if name == "dp4":
         return u(1, 1, 4, layers, GLOBAL_MB)
-    if name == "pp2dp2_unequal":
-        base = u(1, 2, 2, layers, GLOBAL_MB)
+    if name == "tp2":
+        return u(2, 1, 1, layers, GLOBAL_MB)
+    if name == "pp2":
+        return u(1, 2, 1, layers, GLOBAL_MB)
+    if name == "dp2":
+        return u(1, 1, 2, layers, GLOBAL_MB)
+    if name in ("pp2dp2_unequal", "dp2_unequal"):
+        base = u(1, 2, 2, layers, GLOBAL_MB) if name == "pp2dp2_unequal" else u(1, 1, 2, layers, GLOBAL_MB)
         return Plan(replicas=tuple(PipelinePlan(r.stages, r.layers, s) for r, s in zip(base.replicas, (3, 5))))
-    return u(1, 1, 1, layers, GLOBAL_MB)
+    if name == "single":
+        return u(1, 1, 1, layers, GLOBAL_MB)
+    raise ValueError(f"unknown layout {name!r}")
 
 
-def worker(out: Path, steps: int, warmup: int, blocks: int, block_len: int) -> int:
+def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int, warmup: int, blocks: int,
+           block_len: int) -> int:
     import torch
 
     from resihp.coordinator.spec import preset
@@ -80,7 +103,7 @@ def worker(out: Path, steps: int, warmup: int, blocks: int, block_len: int) -> i
     cfg = TrainConfig(seed=1, max_seq_len=SEQ)
     boot = Bootstrap(timeout_s=300)
     epoch = 0
-    for name in LAYOUTS:
+    for name in layouts:
         plan = _plan(name, spec.num_layers)
         boot.init_epoch(epoch)
         member = plan.has_rank(boot.rank)
@@ -121,8 +144,8 @@ def worker(out: Path, steps: int, warmup: int, blocks: int, block_len: int) -> i
         comm.Free()
         epoch += 1
 
-    # hook overhead: the same TP2×PP2×DP2 job, alternating blocks with and without the two calls
-    plan = _plan("tp2pp2dp2", spec.num_layers)
+    # hook overhead: the whole world's job, alternating blocks with and without the two calls
+    plan = _plan(overhead_layout, spec.num_layers)
     boot.init_epoch(epoch)
     rt = Runtime(spec, plan, boot.rank, cfg, epoch=epoch)
     addr = os.environ.get("RESIHP_AGENT_ADDR", "")
@@ -136,7 +159,7 @@ def worker(out: Path, steps: int, warmup: int, blocks: int, block_len: int) -> i
     for it in range(warmup):
         job.step(rt.train_step(it))
     it = warmup
-    times: dict[str, list[float]] = {"with": [], "without": []}
+    times: dict[str, list[float]] = {"with": [], "without": [], "call": []}
     for b in range(2 * blocks):
         mode = "with" if b % 2 == 0 else "without"
         boot.comm.Barrier()
@@ -144,7 +167,9 @@ def worker(out: Path, steps: int, warmup: int, blocks: int, block_len: int) -> i
         for _ in range(block_len):
             r = rt.train_step(it)
             if mode == "with":
+                t_call = time.perf_counter()
                 job.step(r)  # the per-iteration call (reporting + trace + command poll)
+                times["call"].append(time.perf_counter() - t_call)
             it += 1
         times[mode].append((time.perf_counter() - start) / block_len)
     coll.close()
@@ -227,7 +252,13 @@ def analyse(path: Path) -> dict[str, Any]:
 
 
 # --- driver ----------------------------------------------------------------------------------
-def start_control_plane(run: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+WORLDS = {  # name: (ranks, plan of the coordinator and of the overhead job, layouts)
+    "oversubscribed": (8, (2, 2, 2), LAYOUTS),
+    "dedicated": (2, (1, 2, 1), DEDICATED),
+}
+
+
+def start_control_plane(run: Path, ranks: int, tp: int, pp: int, dp: int) -> tuple[list[subprocess.Popen[bytes]], str]:
     """A live coordinator and one node agent (the control plane's own processes)."""
     env = {**os.environ, "RESIHP_TOKEN": "bench-token-0123456789", "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
@@ -251,13 +282,14 @@ def start_control_plane(run: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
             time.sleep(0.1)
         raise RuntimeError(f"{what} did not start within 60 s")
 
-    coord = spawn("coordinator", ["coordinator", "--run-dir", str(run), "--job", "bench", "-n", "8", "--tp", "2",
-                                  "--pp", "2", "--dp", "2", "--microbatches", str(GLOBAL_MB), "--port", "0",
-                                  "--metrics-port", "-1", "--no-auto-reconfigure", "--log-level", "WARNING"])
+    coord = spawn("coordinator", ["coordinator", "--run-dir", str(run), "--job", "bench", "-n", str(ranks),
+                                  "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--microbatches", str(GLOBAL_MB),
+                                  "--port", "0", "--metrics-port", "-1", "--no-auto-reconfigure",
+                                  "--log-level", "WARNING"])
     addr = wait_file(run / "coordinator.json", coord, "coordinator")["grpc"]
     node = os.uname().nodename
     agent = spawn("agent", ["agent", "--node", node, "--job", "bench", "--coordinator", addr, "--run-dir", str(run),
-                            "--world-size", "8", "--gpu-sampler", "nvml", "--log-level", "WARNING"])
+                            "--world-size", str(ranks), "--gpu-sampler", "nvml", "--log-level", "WARNING"])
     hook = wait_file(run / f"agent-{node}.json", agent, "agent")["hook"]
     return procs, str(hook)
 
@@ -273,81 +305,111 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
                 p.wait(10)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8, help="measured steps per layout")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--blocks", type=int, default=4, help="overhead: blocks per mode")
-    ap.add_argument("--block-len", type=int, default=4)
-    ap.add_argument("--no-agent", action="store_true", help="measure the hooks without a live agent")
-    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        return worker(Path(args.worker), args.steps, args.warmup, args.blocks, args.block_len)
-
-    run = Path(tempfile.mkdtemp(prefix="resihp-bench-runtime-"))
+def run_world(run: Path, world: str, args: argparse.Namespace) -> tuple[float, str]:
+    """One mpirun world (with its own live coordinator and agent): every layout, then the overhead job."""
+    ranks, (tp, pp, dp), layouts = WORLDS[world]
+    run.mkdir(parents=True)
     procs: list[subprocess.Popen[bytes]] = []
-    env = dict(os.environ)
+    env = {**os.environ, "RESIHP_AGENT_ADDR": ""}
     agent_note = "none"
     try:
         if not args.no_agent:
             try:
-                procs, hook = start_control_plane(run)
-                env["RESIHP_AGENT_ADDR"] = hook
-                agent_note = hook
+                procs, hook = start_control_plane(run, ranks, tp, pp, dp)
+                env["RESIHP_AGENT_ADDR"] = agent_note = hook
             except (RuntimeError, OSError) as exc:
                 print(f"warning: no live agent ({exc}); measuring the hooks without one", file=sys.stderr)
-        cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "8",
+        cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(ranks),
                "-x", "RESIHP_AGENT_ADDR", "-x", "PYTHONHASHSEED=0",
-               sys.executable, str(Path(__file__).resolve()), "--worker", str(run), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--blocks", str(args.blocks), "--block-len", str(args.block_len)]
-        env.setdefault("RESIHP_AGENT_ADDR", "")
+               sys.executable, str(Path(__file__).resolve()), "--worker", str(run), "--world", world,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks),
+               "--block-len", str(args.block_len)]
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=str(REPO), timeout=900, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-            return 1
-        total = time.perf_counter() - t
+            raise RuntimeError(f"{world} world failed: {proc.stdout[-3000:]} {proc.stderr[-5000:]}")
+        return time.perf_counter() - t, agent_note
     finally:
         stop(procs)
 
-    rows = []
-    tps: dict[str, float] = {}
-    mtp: list[float] = []
-    mtp_cpu: list[float] = []
-    itp: list[float] = []
-    for name in LAYOUTS:
-        meta = json.loads((run / f"{name}.json").read_text())
-        tps[name] = meta["tokens"] / meta["wall_s"]
-        a = analyse(run / f"{name}.jsonl")
-        mtp_cpu.append(analyse(run / f"{name}.cpu.jsonl")["mtp_mape"])
-        mtp.append(a["mtp_mape"])
-        itp.append(a["itp_mape"])
-        rows.append((name, meta["ranks"], tps[name], a["iteration_s"], a["mtp_mape"], mtp_cpu[-1], a["itp_mape"]))
-    over = json.loads((run / "overhead.json").read_text())
-    ratio = statistics.median(over["with"]) / statistics.median(over["without"])
 
-    print(f"{'layout':<16}{'ranks':>6}{'tokens/s':>11}{'iter s':>9}{'MTP MAPE':>10}{'MTP(cpu)':>10}{'ITP MAPE':>10}")
-    for name, ranks, rate, it_s, m1, m1c, m2 in rows:
-        print(f"{name:<16}{ranks:>6}{rate:>11.0f}{it_s:>9.3f}{m1:>10.3f}{m1c:>10.3f}{m2:>10.3f}")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per layout")
+    ap.add_argument("--dedicated-steps", type=int, default=16, help="measured steps per layout, one rank per core")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=8, help="overhead: blocks per mode")
+    ap.add_argument("--block-len", type=int, default=4)
+    ap.add_argument("--no-agent", action="store_true", help="measure the hooks without a live agent")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--world", default="oversubscribed", choices=sorted(WORLDS), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _, (tp, pp, dp), layouts = WORLDS[args.world]
+        return worker(Path(args.worker), layouts, "tp2pp2dp2" if args.world == "oversubscribed" else "pp2",
+                      args.steps, args.warmup, args.blocks, args.block_len)
+
+    base = Path(tempfile.mkdtemp(prefix="resihp-bench-runtime-"))
+    walls: dict[str, float] = {}
+    agents: dict[str, str] = {}
+    try:
+        walls["oversubscribed"], agents["oversubscribed"] = run_world(base / "oversubscribed", "oversubscribed", args)
+        ded = argparse.Namespace(**{**vars(args), "steps": args.dedicated_steps})
+        walls["dedicated"], agents["dedicated"] = run_world(base / "dedicated", "dedicated", ded)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+
+    def table(world: str) -> tuple[dict[str, float], dict[str, dict[str, float]], float, dict[str, Any]]:
+        run = base / world
+        tps: dict[str, float] = {}
+        errs: dict[str, dict[str, float]] = {}
+        print(f"{'layout':<16}{'ranks':>6}{'tokens/s':>11}{'iter s':>9}{'MTP MAPE':>10}{'MTP(cpu)':>10}{'ITP MAPE':>10}")
+        for name in WORLDS[world][2]:
+            meta = json.loads((run / f"{name}.json").read_text())
+            tps[name] = meta["tokens"] / meta["wall_s"]
+            a = analyse(run / f"{name}.jsonl")
+            cpu = analyse(run / f"{name}.cpu.jsonl")["mtp_mape"]
+            errs[name] = {"mtp": a["mtp_mape"], "mtp_cpu": cpu, "itp": a["itp_mape"]}
+            print(f"{name:<16}{meta['ranks']:>6}{tps[name]:>11.0f}{a['iteration_s']:>9.3f}{a['mtp_mape']:>10.3f}"
+                  f"{cpu:>10.3f}{a['itp_mape']:>10.3f}")
+        over = json.loads((run / "overhead.json").read_text())
+        ratio = statistics.median(over["with"]) / statistics.median(over["without"])
+        print(f"hook overhead ({'TP2xPP2xDP2' if world == 'oversubscribed' else 'PP2'}, agent {agents[world]}, "
+              f"{over['sent']} reports sent by rank 0): with {statistics.median(over['with']):.4f} s/it, "
+              f"without {statistics.median(over['without']):.4f} s/it, ratio {ratio:.4f}; the call itself "
+              f"{statistics.median(over['call']) * 1e3:.2f} ms (median on rank 0)")
+        print(f"mpirun wall time {walls[world]:.0f} s; traces in {run}\n")
+        return tps, errs, ratio, over
+
+    print("== 8 ranks on 2 cores (oversubscribed): throughput of every layout")
+    tps, errs_over, ratio_over, _ = table("oversubscribed")
+    print("== one rank per core: the cost model's and the schedule simulator's error, the hook overhead")
+    tps_ded, errs, ratio, _ = table("dedicated")
     print("MTP(cpu): the same cost model on the same job with compute chunks timed in CPU time "
           "(free of other jobs' load on the shared cores)")
-    print(f"hook overhead (TP2xPP2xDP2, agent {agent_note}, {over['sent']} reports sent by rank 0): "
-          f"with {statistics.median(over['with']):.4f} s/it, without {statistics.median(over['without']):.4f} s/it")
-    print(f"mpirun wall time {total:.0f} s; traces in {run}")
+
+    def mean(d: dict[str, dict[str, float]], key: str) -> float:
+        return round(statistics.mean(v[key] for v in d.values()), 4)
+
     result = {
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "tokens_per_s_dedicated": {k: round(v, 1) for k, v in tps_ded.items()},
         "hook_overhead_ratio": round(ratio, 4),
-        "mtp_mape_real": round(statistics.mean(mtp), 4),
-        "itp_mape_real": round(statistics.mean(itp), 4),
-        "mtp_mape_real_cpu_clock": round(statistics.mean(mtp_cpu), 4),
-        "mtp_mape_by_layout": {n: round(v, 4) for n, v in zip(LAYOUTS, mtp)},
-        "itp_mape_by_layout": {n: round(v, 4) for n, v in zip(LAYOUTS, itp)},
-        "agent": agent_note != "none",
+        "mtp_mape_real": mean(errs, "mtp"),
+        "itp_mape_real": mean(errs, "itp"),
+        "mtp_mape_real_cpu_clock": mean(errs, "mtp_cpu"),
+        "mtp_mape_by_layout": {n: round(v["mtp"], 4) for n, v in errs.items()},
+        "itp_mape_by_layout": {n: round(v["itp"], 4) for n, v in errs.items()},
+        "oversubscribed": {"hook_overhead_ratio": round(ratio_over, 4), "mtp_mape_real": mean(errs_over, "mtp"),
+                           "itp_mape_real": mean(errs_over, "itp"),
+                           "mtp_mape_real_cpu_clock": mean(errs_over, "mtp_cpu"),
+                           "itp_mape_by_layout": {n: round(v["itp"], 4) for n, v in errs_over.items()}},
+        "agent": all(a != "none" for a in agents.values()),
         "seq": SEQ, "global_microbatches": GLOBAL_MB, "model": "gpt-tiny",
     }
     if os.environ.get("RESIHP_BENCH_KEEP", "") != "1":
-        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(result))
     return 0
 

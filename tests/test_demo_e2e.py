@@ -14,13 +14,19 @@ import pytest
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
 STEPS, SLOW_AT, KILL_AT = 30, 8, 20
+# 3x, not the demo's 2x: a sleeping throttle hands its core to the other ranks, and on a
+# loaded 2-core machine a 2x throttle stretched rank 2's chunks only 1.3-1.5x against its
+# calibration (threshold 1.4): found in most runs, missed in some. This test is about the
+# path (detect, re-plan, switch live, survive the kill, same loss); bench/detect.py measures
+# how small a slowdown is found.
+SLOW_FACTOR = 3
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "demo", "--steps", str(STEPS), "--slow-at", str(SLOW_AT), "--kill-at",
+        [sys.executable, "-m", "resihp.cli", "demo", "--steps", str(STEPS), "--slow-at", str(SLOW_AT), "--slow-factor", str(SLOW_FACTOR), "--kill-at",
          str(KILL_AT), "--quiet", "--run-dir", str(out), "--timeout-s", "600"],
         capture_output=True, text=True, timeout=900,
     )

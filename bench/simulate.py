@@ -13,11 +13,14 @@ policy's goodput. The final JSON line holds, per scenario:
   healthy fraction of compute over time (minimum over the models);
 
 plus ``sim_s_per_day_16k``: wall seconds to simulate one day of a 16,384-GPU LLaMA2-70B job
-with resihp on the realistic ``llama3`` scenario. A whole day costs more than this
-benchmark's budget on two shared cores (the real planner's ``decide`` takes seconds at 16K
-devices and runs on every finding), so the day is measured over ``--hours-16k`` hours and
-scaled to 24 h; the JSON says so (``sim_16k_measured_hours``), with the share of that time
-spent inside the planner.
+with resihp on the realistic ``llama3`` scenario (the real detector's delays, the real
+planner's ``decide`` on every finding, repair and recovery). By default the whole day is
+simulated (``--hours-16k 24``); a shorter run is scaled to 24 h and the JSON says so
+(``sim_16k_measured_hours``). ``sim_cpu_s_per_day_16k`` is the process CPU time of the
+same run (the wall time depends on what else the machine runs), with the share of the wall
+time spent inside the planner and the number of planner calls. It runs first, in the fresh
+process a ``resihp simulate`` user starts (after the paper scenarios the same day costs
+≈ 15 % more on this machine).
 
 ``sim_vs_real_mape`` is null: see the ``notes`` key.
 """
@@ -44,13 +47,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--harsh-models", default="llama2-70b",
                     help="models run on the harshest scenario (it is the slowest to simulate)")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--hours-16k", type=float, default=1.5, help="hours of the 16K-GPU day actually simulated")
+    ap.add_argument("--hours-16k", type=float, default=24.0, help="hours of the 16K-GPU day actually simulated")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     harsh_models = [m for m in args.harsh_models.split(",") if m]
     t_start = time.perf_counter()
 
+    # --- one day of a 16,384-GPU job, first: what a fresh `resihp simulate` process meets --------
+    sc = scenarios.get("llama3")
+    job = scenarios.job_for("llama2-70b", 16384)
+    _DECISIONS.clear()
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    cmp = compare(sc, job, args.hours_16k, args.seed, ["resihp"])
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    res = cmp.by_name()["resihp"]
+    per_day = wall * 24.0 / args.hours_16k
+    print(f"16K GPUs, llama3 scenario, {args.hours_16k:g} h simulated in {wall:.1f} s "
+          f"({len(cmp.faults)} faults, resihp goodput {res.goodput:.3f}); scaled to a day: {per_day:.0f} s")
+    pol = cmp.policies["resihp"]
+    planner_s = pol.planner_s if isinstance(pol, ResiHP) else None
+
+    sim16k: dict[str, Any] = {}
+    sim16k["sim_s_per_day_16k"] = round(per_day, 1)
+    sim16k["sim_cpu_s_per_day_16k"] = round(cpu * 24.0 / args.hours_16k, 1)
+    sim16k["sim_16k_measured_hours"] = args.hours_16k
+    sim16k["sim_16k_planner_share"] = None if planner_s is None else round(planner_s / wall, 3)
+    sim16k["sim_16k_planner_calls"] = pol.decisions if isinstance(pol, ResiHP) else None
+    del cmp, pol, res
     out: dict[str, Any] = {}
     print(f"{'scenario':<20} {'model':<13} " + " ".join(f"{n:>10}" for n in (
         "static", "ckpt", "ckpt+spare", "oobleck", "recycle", "greyhound", "adaptra", "resihp")) + f" {'speedup':>8} {'vs bound':>8} {'best baseline':>14}")
@@ -74,24 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     print("(columns per policy: goodput = tokens trained / failure-free tokens)")
 
-    # --- one day of a 16,384-GPU job -----------------------------------------------------------
-    sc = scenarios.get("llama3")
-    job = scenarios.job_for("llama2-70b", 16384)
-    _DECISIONS.clear()
-    t0 = time.perf_counter()
-    cmp = compare(sc, job, args.hours_16k, args.seed, ["resihp"])
-    wall = time.perf_counter() - t0
-    res = cmp.by_name()["resihp"]
-    per_day = wall * 24.0 / args.hours_16k
-    print(f"16K GPUs, llama3 scenario, {args.hours_16k:g} h simulated in {wall:.1f} s "
-          f"({len(cmp.faults)} faults, resihp goodput {res.goodput:.3f}); scaled to a day: {per_day:.0f} s")
-    pol = cmp.policies["resihp"]
-    planner_s = pol.planner_s if isinstance(pol, ResiHP) else None
-
-    out["sim_s_per_day_16k"] = round(per_day, 1)
-    out["sim_16k_measured_hours"] = args.hours_16k
-    out["sim_16k_planner_share"] = None if planner_s is None else round(planner_s / wall, 3)
-    out["sim_16k_planner_calls"] = pol.decisions if isinstance(pol, ResiHP) else None
+    out.update(sim16k)
     out["sim_vs_real_mape"] = None
     out["detector_runs"] = sum(o.runs for o in [oracle_for(scenarios.job_for(m, 256)) for m in models])
     out["hours_per_paper_scenario"] = args.hours
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out["notes"] = (
         "sim_vs_real_mape is null: the real runtime (trainer_hooks/runtime.py) exists, but comparing needs the "
         "simulator's hardware constants calibrated to CPU ranks and a multi-minute mpirun run; not done yet. "
-        "sim_s_per_day_16k is measured over sim_16k_measured_hours and scaled to 24 h."
+        "sim_s_per_day_16k is measured over sim_16k_measured_hours (scaled to 24 h when shorter)."
     )
     print(json.dumps(out, separators=(",", ":"), default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
     return 0

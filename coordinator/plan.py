@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import chain
 from typing import Any, Mapping, Sequence
 
 from .spec import SpecError
@@ -77,7 +78,9 @@ class Plan:
     epoch: int = 0
     spares: tuple[int, ...] = ()  # alive but given no work (e.g. an excluded slow device)
     reason: str = ""
-    _positions: dict[int, RankPosition] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # every rank holding a shard; rank -> (replica, stage, tp index, tp size) is built from
+    # it on first use (planner candidates of 16K ranks are built, scored and dropped without it)
+    _members: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -86,30 +89,30 @@ class Plan:
             raise SpecError(f"plan: virtual_chunks must be >= 1, got {self.virtual_chunks}")
         if self.virtual_chunks > 1 and self.schedule is not Schedule.INTERLEAVED:
             raise SpecError("plan: virtual_chunks > 1 needs the interleaved-1f1b schedule")
-        positions: dict[int, RankPosition] = {}
-        for r_idx, rep in enumerate(self.replicas):
-            if rep.pp < 1:
-                raise SpecError(f"plan: replica {r_idx} has no stages")
-            if len(rep.layers) != rep.pp * self.virtual_chunks:
-                raise SpecError(
-                    f"plan: replica {r_idx} lists {len(rep.layers)} layer counts; expected pp × virtual_chunks = "
-                    f"{rep.pp} × {self.virtual_chunks}"
-                )
-            if any(c < 1 for c in rep.layers):
-                raise SpecError(f"plan: replica {r_idx} has a stage with no layers: {list(rep.layers)}")
-            if rep.microbatches < 0:
-                raise SpecError(f"plan: replica {r_idx} has a negative micro-batch share ({rep.microbatches})")
-            for s_idx, group in enumerate(rep.stages):
-                if not group:
-                    raise SpecError(f"plan: replica {r_idx} stage {s_idx} has an empty TP group")
-                for t_idx, rank in enumerate(group):
-                    if rank in positions:
-                        raise SpecError(f"plan: rank {rank} appears twice (replica {r_idx} stage {s_idx})")
-                    positions[rank] = RankPosition(r_idx, s_idx, t_idx, len(group))
-        overlap = sorted(set(self.spares) & set(positions))
-        if overlap:
-            raise SpecError(f"plan: ranks {overlap} are both spares and members of a stage")
-        object.__setattr__(self, "_positions", positions)
+        v = self.virtual_chunks
+        groups = [g for rep in self.replicas for g in rep.stages]
+        ok = all(rep.stages and len(rep.layers) == len(rep.stages) * v and min(rep.layers) >= 1
+                 and rep.microbatches >= 0 for rep in self.replicas) and all(groups)
+        members: set[int] = set(chain.from_iterable(groups)) if ok else set()
+        if not ok or len(members) != sum(map(len, groups)):
+            _raise_first_problem(self.replicas, v)  # the first problem in plan order, named as always
+        if self.spares:
+            overlap = sorted(members.intersection(self.spares))
+            if overlap:
+                raise SpecError(f"plan: ranks {overlap} are both spares and members of a stage")
+        object.__setattr__(self, "_members", members)
+
+    def _table(self) -> dict[int, tuple[int, int, int, int]]:
+        table: dict[int, tuple[int, int, int, int]] | None = self.__dict__.get("_positions")
+        if table is None:
+            table = {}
+            for r_idx, rep in enumerate(self.replicas):
+                for s_idx, group in enumerate(rep.stages):
+                    k = len(group)
+                    for t_idx, rank in enumerate(group):
+                        table[rank] = (r_idx, s_idx, t_idx, k)
+            self.__dict__["_positions"] = table
+        return table
 
     # --- shape ------------------------------------------------------------------------
     @property
@@ -145,20 +148,33 @@ class Plan:
         return text + (f" spares {','.join(map(str, self.spares))}" if self.spares else "")
 
     def ranks(self) -> tuple[int, ...]:
-        """Every rank that holds a model shard, sorted."""
-        return tuple(sorted(self._positions))
+        """Every rank that holds a model shard, sorted (computed once per plan)."""
+        cached: tuple[int, ...] | None = self.__dict__.get("_sorted_ranks")
+        if cached is None:
+            cached = tuple(sorted(self._members))
+            self.__dict__["_sorted_ranks"] = cached
+        return cached
 
     def position(self, rank: int) -> RankPosition:
         try:
-            return self._positions[rank]
+            return RankPosition(*self._table()[rank])
         except KeyError:
             raise SpecError(f"plan: rank {rank} is not part of this plan (ranks: {list(self.ranks())})") from None
 
+    def position_table(self) -> Mapping[int, tuple[int, int, int, int]]:
+        """rank -> (replica, stage, tp index, tp size) for every rank, without building a
+        RankPosition per rank (the planner reads all 16K of them). Read-only."""
+        return self._table()
+
     def has_rank(self, rank: int) -> bool:
-        return rank in self._positions
+        return rank in self._members
 
     def validate_for(self, num_layers: int, num_heads: int) -> None:
         """Raise SpecError unless every replica runs the whole model with legal TP sizes."""
+        sizes = {len(g) for rep in self.replicas for g in rep.stages}
+        if all(not (k & (k - 1) or num_heads % k) for k in sizes) and all(
+                sum(rep.layers) == num_layers for rep in self.replicas):
+            return  # the common case, checked in bulk; otherwise name the first problem below
         for r_idx, rep in enumerate(self.replicas):
             if sum(rep.layers) != num_layers:
                 raise SpecError(
@@ -249,6 +265,32 @@ class Plan:
             spares=tuple(int(r) for r in data.get("spares", ())),
             reason=str(data.get("reason", "")),
         )
+
+
+def _raise_first_problem(replicas: Sequence[PipelinePlan], v: int) -> None:
+    """Walk the replicas in order and raise on the first problem: the full check, run only
+    when the fast one in ``Plan.__post_init__`` found something wrong."""
+    seen: set[int] = set()
+    for r_idx, rep in enumerate(replicas):
+        if rep.pp < 1:
+            raise SpecError(f"plan: replica {r_idx} has no stages")
+        if len(rep.layers) != rep.pp * v:
+            raise SpecError(
+                f"plan: replica {r_idx} lists {len(rep.layers)} layer counts; expected pp × virtual_chunks = "
+                f"{rep.pp} × {v}"
+            )
+        if any(c < 1 for c in rep.layers):
+            raise SpecError(f"plan: replica {r_idx} has a stage with no layers: {list(rep.layers)}")
+        if rep.microbatches < 0:
+            raise SpecError(f"plan: replica {r_idx} has a negative micro-batch share ({rep.microbatches})")
+        for s_idx, group in enumerate(rep.stages):
+            if not group:
+                raise SpecError(f"plan: replica {r_idx} stage {s_idx} has an empty TP group")
+            for rank in group:
+                if rank in seen:
+                    raise SpecError(f"plan: rank {rank} appears twice (replica {r_idx} stage {s_idx})")
+                seen.add(rank)
+    raise SpecError("plan: invalid layout")  # unreachable: the fast check saw a problem
 
 
 def even_split(total: int, parts: int) -> list[int]:

@@ -15,9 +15,11 @@ Pure: no torch, grpc or MPI.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Sequence
 
-from resihp.coordinator.cluster import Cluster, GlobalBatch
+from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.costmodel import embedding_flops, head_flops, layer_flops
 from resihp.coordinator.memory import MemoryModel, inflight_microbatches, max_layers_fitting, stage_device_bytes
 from resihp.coordinator.plan import Plan, Schedule
@@ -79,6 +81,14 @@ class PipeSig:
 
     stages: tuple[StageKey, ...]
 
+    def __hash__(self) -> int:
+        # hashed for every memo lookup of the search (pipeline times, splits): computed once
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.stages,))  # what the generated __hash__ returns
+            self.__dict__["_hash"] = h
+        return h
+
 
 def bubble_factor(schedule: Schedule, virtual_chunks: int) -> float:
     if schedule is Schedule.INTERLEAVED:
@@ -123,7 +133,7 @@ class Costs:
         self._inflight: dict[tuple[int, int, int], float] = {}
         self._bytes: dict[tuple[int, int, bool, bool, float], float] = {}
         self._tables: tuple[dict[int, float], dict[int, float], dict[int, float]] | None = None
-        self._sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = {}
+        self._sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = cluster_tables(cluster).sigs
         self._pipe_t: dict[tuple[PipeSig, tuple[int, ...], int], float] = {}
         self.profiles: dict[tuple[StageKey, ...], object] = {}  # planner_split.PipeProfile per pipeline
 
@@ -172,11 +182,18 @@ class Costs:
 
     def tables(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
         """(speed, memory, link factor != 1) per rank, built once per Costs."""
-        if self._tables is None:
-            devs = self.cluster.by_rank()
-            self._tables = ({r: d.speed for r, d in devs.items()}, {r: float(d.memory_bytes) for r, d in devs.items()},
-                            {r: d.link_factor for r, d in devs.items() if d.link_factor != 1.0})
+        if self._tables is None:  # shared by every Costs of this cluster object: read-only
+            tab = cluster_tables(self.cluster)
+            self._tables = (tab.speed, tab.memory, tab.slow_links)
         return self._tables
+
+    def sig(self, stages: tuple[tuple[int, ...], ...]) -> PipeSig:
+        """``pipe_sig`` of these stages on this cluster, memoised per cluster object."""
+        hit = self._sigs.get(stages)
+        if hit is None:
+            speed, mem, _ = self.tables()
+            hit = self._sigs[stages] = pipe_sig(speed, mem, stages)
+        return hit
 
     # --- one pipeline -------------------------------------------------------------------
     def inflight(self, p: int, s: int, m: int) -> float:
@@ -233,8 +250,49 @@ class Costs:
         return sum(edge * (max(a, b) - 1.0) for a, b in zip(factors, factors[1:]))
 
 
+@dataclass(frozen=True)
+class ClusterTables:
+    """Per-rank lookups of one cluster, built once per cluster object (a decision asks for
+    them many times, and at 16K devices each build walks every device)."""
+
+    devs: dict[int, DeviceState]
+    node_of: dict[int, object]
+    least_memory: int
+    failed: frozenset[int]
+    speed: dict[int, float]
+    memory: dict[int, float]
+    slow_links: dict[int, float]  # link factor != 1 only
+    index: dict[int, int]  # rank -> its position in cluster.devices
+    sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = field(default_factory=dict)  # stages -> signature
+    one_node: set[tuple[int, ...]] = field(default_factory=set)  # TP groups known to sit in one node
+
+
+_TABLES: dict[int, tuple[Cluster, ClusterTables]] = {}
+
+
+def cluster_tables(cluster: Cluster) -> ClusterTables:
+    hit = _TABLES.get(id(cluster))
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    dl = cluster.devices
+    ranks = list(map(attrgetter("rank"), dl))
+    devs = dict(zip(ranks, dl))
+    mem = list(map(attrgetter("memory_bytes"), dl))
+    links = list(map(attrgetter("link_factor"), dl))
+    failed = list(map(attrgetter("failed"), dl))
+    out = ClusterTables(devs, dict(zip(ranks, map(attrgetter("node"), dl))), min(mem),
+                        frozenset(r for r, f in zip(ranks, failed) if f),
+                        dict(zip(ranks, map(attrgetter("speed"), dl))), dict(zip(ranks, map(float, mem))),
+                        {r: f for r, f in zip(ranks, links) if f != 1.0}, dict(zip(ranks, range(len(ranks)))))
+    if len(_TABLES) >= 8:
+        _TABLES.clear()
+    _TABLES[id(cluster)] = (cluster, out)
+    return out
+
+
 def pipe_sig(speed: dict[int, float], mem: dict[int, float], stages: Sequence[Sequence[int]]) -> PipeSig:
-    return PipeSig(tuple((len(g), min(speed[r] for r in g), min(mem[r] for r in g)) for g in stages))
+    sp, mm = speed.__getitem__, mem.__getitem__
+    return PipeSig(tuple([(len(g), min(map(sp, g)), min(map(mm, g))) for g in stages]))
 
 
 @dataclass(frozen=True)
@@ -254,30 +312,38 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
     """Everything that stops ``plan`` from running on ``cluster``: unknown or failed ranks,
     illegal or cross-node TP groups, wrong layer counts, wrong share sum, memory overflow."""
     out: list[str] = []
-    devs = cluster.by_rank()
-    unknown = [r for r in plan.ranks() if r not in devs]
-    if unknown:
+    tab = cluster_tables(cluster)
+    devs = tab.devs
+    ranks = plan.ranks()
+    if not devs.keys() >= set(ranks):
+        unknown = [r for r in ranks if r not in devs]
         return [f"ranks {unknown} are not in the cluster"]
-    dead = [r for r in plan.ranks() if devs[r].failed]
+    dead = sorted(tab.failed.intersection(ranks))
     if dead:
         out.append(f"ranks {dead} have failed")
     try:
         plan.validate_for(spec.num_layers, spec.num_heads)
     except SpecError as exc:
         out.append(str(exc))
+    node_of = tab.node_of.__getitem__
+    one_node = tab.one_node  # groups already seen inside one node (candidates share most groups)
     for i, rep in enumerate(plan.replicas):
         for s, g in enumerate(rep.stages):
-            node = devs[g[0]].node
-            if any(devs[r].node != node for r in g) and len({str(devs[r].node) for r in g}) > 1:
+            if g in one_node:
+                continue
+            if len(set(map(node_of, g))) > 1 and len({str(devs[r].node) for r in g}) > 1:
                 out.append(f"replica {i} stage {s}: TP group {list(g)} spans nodes")
+            else:
+                one_node.add(g)
     if plan.global_microbatches != batch.microbatches:
         out.append(f"micro-batch shares sum to {plan.global_microbatches}, the global batch has {batch.microbatches}")
     if out:
         return out
     costs = Costs(cluster, spec, batch, config, plan.schedule, plan.virtual_chunks)
     needs: dict[tuple[tuple[int, ...], int, tuple[int, ...]], list[float]] = {}
+    least = tab.least_memory  # a stage needing no more fits anywhere
     for i, rep in enumerate(plan.replicas):
-        shape = (rep.layers, rep.microbatches, tuple(len(g) for g in rep.stages))
+        shape = (rep.layers, rep.microbatches, tuple(map(len, rep.stages)))
         row = needs.get(shape)
         if row is None:  # identical replicas need identical memory
             per_dev = device_layers(rep.layers, rep.pp)
@@ -285,6 +351,8 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
                 costs.stage_bytes(len(g), per_dev[s], s == 0, s == rep.pp - 1, costs.inflight(rep.pp, s, rep.microbatches))
                 for s, g in enumerate(rep.stages)
             ]
+        if max(row) <= least:
+            continue
         for s, g in enumerate(rep.stages):
             need = row[s]
             mem = min(devs[r].memory_bytes for r in g)
@@ -317,21 +385,27 @@ def evaluate_with(costs: Costs, plan: Plan) -> Evaluation:
     speed, mem, slow_links = costs.tables()
     rep_s: list[float] = []
     shards: list[tuple[int, int, bool, bool, float]] = []
+    seen: set[tuple[PipeSig, tuple[int, ...]]] = set()  # identical replicas add identical shards
     worst_link = 1.0
+    sigs = costs._sigs
     for rep in plan.replicas:
-        sig = costs._sigs.get(rep.stages)
+        sig = sigs.get(rep.stages)
         if sig is None:
-            sig = costs._sigs[rep.stages] = pipe_sig(speed, mem, rep.stages)
-        per_dev = device_layers(rep.layers, rep.pp)
+            sig = sigs[rep.stages] = pipe_sig(speed, mem, rep.stages)
+        per_dev = tuple(rep.layers) if len(rep.layers) == rep.pp else tuple(device_layers(rep.layers, rep.pp))
         t = costs.pipeline_time(sig, per_dev, rep.microbatches)
-        if slow_links:  # a communication slowdown stretches this pipeline's p2p, not its compute
+        if slow_links and not slow_links.keys().isdisjoint(chain.from_iterable(rep.stages)):
+            # a communication slowdown stretches this pipeline's p2p, not its compute
             factors = [max(slow_links.get(r, 1.0) for r in g) for g in rep.stages]
             worst_link = max(worst_link, max(factors))
             if rep.microbatches > 0:
                 t += costs.link_extra_s(factors)
         rep_s.append(t)
-        for s, g in enumerate(rep.stages):
-            shards.append((len(g), per_dev[s], s == 0, s == rep.pp - 1, sig.stages[s][1]))
+        if (sig, per_dev) not in seen:
+            seen.add((sig, per_dev))
+            p = rep.pp
+            for s, g in enumerate(rep.stages):
+                shards.append((len(g), per_dev[s], s == 0, s == p - 1, sig.stages[s][1]))
     sync = costs.sync_s(plan.dp, shards, worst_link)
     it = max(rep_s) + sync
     if it == INF:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from resihp.coordinator.cluster import Cluster, GlobalBatch
 from resihp.coordinator.plan import Plan
-from resihp.coordinator.planner_cost import INF, Costs, PlannerConfig, evaluate_with, plan_problems
+from resihp.coordinator.planner_cost import INF, Costs, PlannerConfig, cluster_tables, evaluate_with, plan_problems
 from resihp.coordinator.planner_levels import rebuild, regroup, reshare, resplit
 from resihp.coordinator.planner_move import Move, plan_move
 from resihp.coordinator.planner_search import Searcher
@@ -87,23 +87,38 @@ def apply_finding(cluster: Cluster, finding: Any | None) -> Cluster:
         return cluster
     kind = str(getattr(finding, "kind"))
     ranks: Sequence[int] = tuple(int(r) for r in getattr(finding, "ranks"))
-    known = {d.rank for d in cluster.devices}
-    unknown = sorted(set(ranks) - known)
+    devs = cluster_tables(cluster).devs
+    unknown = sorted(set(ranks).difference(devs))
     if unknown:
         raise SpecError(f"finding: rank(s) {unknown} are not in the cluster")
     if kind == "fail-stop":
-        return cluster.with_failed(ranks)
+        return _edited(cluster, {r: {"failed": True} for r in ranks})
     if kind == "fail-slow":
         factor = float(getattr(finding, "factor", 1.0))
         if not factor > 0:
             raise SpecError(f"finding: factor must be > 0, got {factor}")
         if str(getattr(finding, "cause", "unknown")) == "communication":
             # a sick link: its transfers slow down, its compute does not
-            return cluster.with_links({r: max(cluster.device(r).link_factor, factor, 1.0) for r in ranks})
-        return cluster.with_speeds({r: min(cluster.device(r).speed, 1.0 / factor) for r in ranks})
-    if kind == "recovered":
-        return cluster.with_speeds({r: 1.0 for r in ranks}).with_links({r: 1.0 for r in ranks})
+            return _edited(cluster, {r: {"link_factor": float(max(devs[r].link_factor, factor, 1.0))} for r in ranks})
+        return _edited(cluster, {r: {"speed": float(min(devs[r].speed, 1.0 / factor))} for r in ranks})
+    if kind == "recovered":  # speed and link back to 1
+        return _edited(cluster, {r: {"speed": 1.0, "link_factor": 1.0} for r in ranks})
     raise SpecError(f"finding: unknown kind {kind!r}; expected fail-slow, fail-stop or recovered")
+
+
+def _edited(cluster: Cluster, edits: dict[int, dict[str, Any]]) -> Cluster:
+    """``cluster`` with the given fields of the given ranks replaced (what Cluster.with_failed,
+    with_links and with_speeds do), touching only those devices: at 16K devices a scan per
+    edited rank costs more than the rest of applying a finding. Clusters are values: when
+    nothing changes, the same one is returned."""
+    tab = cluster_tables(cluster)
+    if all(getattr(tab.devs[r], k) == v for r, fields in edits.items() for k, v in fields.items()):
+        return cluster  # the cluster already says so (a caller that applied the finding itself)
+    devs = list(cluster.devices)
+    for r, fields in edits.items():
+        i = tab.index[r]
+        devs[i] = replace(devs[i], **fields)
+    return replace(cluster, devices=tuple(devs))
 
 
 def _mean_s(finding: Any | None, config: PlannerConfig) -> float:
@@ -160,14 +175,16 @@ def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerCon
     bw = costs.cluster.inter_node_bw_Bps
     out: list[Candidate] = []
 
-    def searched() -> tuple[Plan, Move | None]:
+    def searched() -> tuple[Plan, Move | None, float | None]:
         res = searcher.search()
-        return res.plan, res.move  # the search already priced the move from the current plan
+        # the search already priced the move from the current plan, and scored the plan with
+        # a Costs of the same cluster, schedule and chunks as ``costs``: the same evaluation
+        return res.plan, res.move, res.iteration_s
 
-    def plain(build: Callable[[], Plan | None]) -> Callable[[], tuple[Plan | None, Move | None]]:
-        return lambda: (build(), None)
+    def plain(build: Callable[[], Plan | None]) -> Callable[[], tuple[Plan | None, Move | None, float | None]]:
+        return lambda: (build(), None, None)
 
-    builders: tuple[tuple[str, Callable[[], tuple[Plan | None, Move | None]], float], ...] = (
+    builders: tuple[tuple[str, Callable[[], tuple[Plan | None, Move | None, float | None]], float], ...] = (
         ("dp-shares", plain(lambda: reshare(costs, current)), cfg.reshare_latency_s),
         ("layer-split", plain(lambda: resplit(costs, current, searcher)), cfg.reshare_latency_s),
         ("tp-regroup", plain(lambda: regroup(costs, current, searcher)), cfg.regroup_latency_s),
@@ -176,17 +193,17 @@ def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerCon
         ("full-replan", plain(lambda: _without_slow_links(costs, current, cfg)), cfg.regroup_latency_s),
     )
     for level, build, latency in builders:
-        plan, move = build()
+        plan, move, known_s = build()
         if plan is None or plan_problems(plan, costs.cluster, spec, costs.batch, cfg):
             continue
         if cfg.uniform_tp_per_layer and not tp_uniform_per_layer(plan):
             continue
-        ev = evaluate_with(costs, plan)
-        if ev.iteration_s == INF:
+        it_s = evaluate_with(costs, plan).iteration_s if known_s is None else known_s
+        if it_s == INF:
             continue
         if move is None:
             move = plan_move(current, plan, spec, cfg.memory, bw)
-        out.append(Candidate(level, plan, ev.iteration_s, move.bytes_total, move.seconds, move.seconds + latency))
+        out.append(Candidate(level, plan, it_s, move.bytes_total, move.seconds, move.seconds + latency))
     return out
 
 
@@ -206,11 +223,13 @@ def tp_uniform_per_layer(plan: Plan) -> bool:
 def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig) -> Plan | None:
     """The joint search over the devices whose links are healthy (link-slow ones become
     spares); None when no link is slow or nothing else can run the model."""
-    slow = [d.rank for d in costs.cluster.devices if d.link_factor > 1.0 and not d.failed]
+    tab = cluster_tables(costs.cluster)
+    slow = [r for r in tab.slow_links if r not in tab.failed]  # link factors are >= 1: != 1 is > 1
     if not slow:
         return None
     try:
-        return Searcher(costs.cluster.with_failed(slow), costs.spec, costs.batch, current, cfg).search().plan
+        return Searcher(_edited(costs.cluster, {r: {"failed": True} for r in slow}), costs.spec, costs.batch, current,
+                        cfg).search().plan
     except SpecError:
         return None
 
@@ -226,14 +245,15 @@ def decide(
 ) -> Decision:
     cfg = config or PlannerConfig()
     view = apply_finding(cluster, finding)
-    unknown = sorted(set(current.ranks()) - {d.rank for d in view.devices})
+    tab = cluster_tables(view)
+    unknown = sorted(set(current.ranks()).difference(tab.devs))
     if unknown:
         raise SpecError(f"current plan: ranks {unknown} are not in the cluster")
     current.validate_for(model.num_layers, model.num_heads)
     costs = Costs(view, model, batch, cfg, current.schedule, current.virtual_chunks)
     searcher = Searcher(view, model, batch, current, cfg)
     problems = plan_problems(current, view, model, batch, cfg)
-    dead = sorted(set(current.ranks()) & set(view.failed_ranks()))
+    dead = sorted(tab.failed.intersection(current.ranks()))
     before = INF if problems else evaluate_with(costs, current).iteration_s
     tokens = batch.microbatches * batch.tokens_per_microbatch
     tps_before = 0.0 if before == INF else tokens / before

@@ -12,8 +12,10 @@ repair cannot run (a failed rank stays in it, or memory does not fit). Pure.
 """
 from __future__ import annotations
 
+import heapq
+
 from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.planner_cost import Costs, PipeSig, device_layers, pipe_sig
+from resihp.coordinator.planner_cost import Costs, PipeSig, cluster_tables, device_layers
 from resihp.coordinator.planner_shares import Monotone, TimeModel, allocate_shares
 from resihp.coordinator.planner_split import profile
 from resihp.coordinator.planner_search import Searcher
@@ -21,7 +23,7 @@ from resihp.coordinator.planner_search import Searcher
 
 def _tables(costs: Costs) -> tuple[dict[int, float], dict[int, float], set[int]]:
     speed, mem, _ = costs.tables()
-    return speed, mem, set(costs.cluster.failed_ranks())
+    return speed, mem, set(cluster_tables(costs.cluster).failed)
 
 
 def _fixed_model(costs: Costs, sig: PipeSig, layers: tuple[int, ...]) -> TimeModel:
@@ -40,10 +42,57 @@ def _share(costs: Costs, models: list[TimeModel], plan: Plan | list[PipelinePlan
     unit = max(rep.pp for rep in reps) if costs.v > 1 else 1
     if costs.v > 1 and any(rep.pp != unit for rep in reps):
         return None
+    if unit == 1:
+        return one_each_shares(models, costs.batch.microbatches)
     got = allocate_shares(models, [1] * len(models), costs.batch.microbatches, unit)
     if got is None or got[0] == float("inf"):
         return None
     return [row[0] for row in got[1]]
+
+
+def one_each_shares(models: list[TimeModel], total: int) -> list[int] | None:
+    """``allocate_shares(models, [1] * n, total)``'s shares, with replicas that share a model
+    object moved together: the greedy gives the next micro-batch to the replica finishing it
+    earliest, ties to the lower index; with strictly increasing times every replica tied at
+    a time t is served before any at a later time, so a level is handed out to all tied
+    replicas at once and only the last, partial level goes by index. 512 replicas of a few
+    shapes cost a few heap operations per level instead of one per micro-batch."""
+    members: dict[int, list[int]] = {}
+    for i, mod in enumerate(models):
+        members.setdefault(id(mod), []).append(i)
+    level = {cid: 0 for cid in members}
+    model_of = {cid: models[idx[0]] for cid, idx in members.items()}
+    heap = [(model_of[cid].time(1), idx[0], cid) for cid, idx in members.items()]
+    heapq.heapify(heap)
+    shares = [0] * len(models)
+    left = total
+    while left > 0:
+        if not heap or heap[0][0] == float("inf"):
+            return None
+        t = heap[0][0]
+        tied = []
+        while heap and heap[0][0] == t:
+            tied.append(heapq.heappop(heap)[2])
+        n = sum(len(members[cid]) for cid in tied)
+        if n > left:  # the last level: the lowest replica indices among the tied ones
+            for i in sorted(i for cid in tied for i in members[cid])[:left]:
+                shares[i] = 1
+            for cid in tied:
+                heapq.heappush(heap, (t, members[cid][0], cid))  # unchanged level, for the bookkeeping below
+            left = 0
+            break
+        left -= n
+        for cid in tied:
+            level[cid] += 1
+            nxt = model_of[cid].time(level[cid] + 1)
+            if not nxt > t:  # not strictly increasing: the argument above fails, ask the general rule
+                got = allocate_shares(models, [1] * len(models), total)
+                return None if got is None or got[0] == float("inf") else [row[0] for row in got[1]]
+            heapq.heappush(heap, (nxt, members[cid][0], cid))
+    for cid, idx in members.items():
+        for i in idx:
+            shares[i] += level[cid]
+    return shares
 
 
 def reshare(costs: Costs, plan: Plan) -> Plan | None:
@@ -53,7 +102,7 @@ def reshare(costs: Costs, plan: Plan) -> Plan | None:
     models: list[TimeModel] = []
     cache: dict[tuple[object, ...], TimeModel] = {}
     for rep in plan.replicas:
-        sig = pipe_sig(speed, mem, rep.stages)
+        sig = costs.sig(rep.stages)
         layers = tuple(device_layers(rep.layers, rep.pp))
         key = (sig.stages, layers)
         if key not in cache:
@@ -77,7 +126,7 @@ def resplit(costs: Costs, plan: Plan, searcher: Searcher, spares: tuple[int, ...
 
 def _resplit(costs: Costs, reps: list[PipelinePlan], searcher: Searcher) -> tuple[list[PipelinePlan], list[int]] | None:
     speed, mem, _ = _tables(costs)
-    sigs = [pipe_sig(speed, mem, rep.stages) for rep in reps]
+    sigs = [costs.sig(rep.stages) for rep in reps]
     models: list[TimeModel] = [profile(costs, sig) for sig in sigs]
     shares = _share(costs, models, reps)
     if shares is None:
@@ -144,7 +193,7 @@ def rebuild(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
     kept: list[PipelinePlan] = []
     rebuilt: list[PipelinePlan] = []
     freed: set[int] = set()
-    devs = costs.cluster.by_rank()
+    devs = cluster_tables(costs.cluster).devs
     for rep in plan.replicas:
         ranks = rep.ranks()
         if not any(r in dead or speed[r] < top for r in ranks):
@@ -169,13 +218,13 @@ def rebuild(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
     models: list[TimeModel] = []
     cache: dict[tuple[object, ...], TimeModel] = {}
     for rep in kept:
-        sig = pipe_sig(speed, mem, rep.stages)
+        sig = costs.sig(rep.stages)
         layers = tuple(device_layers(rep.layers, rep.pp))
         key = (sig.stages, layers)
         if key not in cache:
             cache[key] = _fixed_model(costs, sig, layers)
         models.append(cache[key])
-    sigs = [pipe_sig(speed, mem, rep.stages) for rep in rebuilt]
+    sigs = [costs.sig(rep.stages) for rep in rebuilt]
     models.extend(profile(costs, sig) for sig in sigs)
     shares = _share(costs, models, reps)
     if shares is None:

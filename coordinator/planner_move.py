@@ -44,6 +44,30 @@ def holdings(plan: Plan, num_layers: int) -> dict[int, Holding]:
     return out
 
 
+_SAME: dict[int, tuple[Plan, int, set[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]]]] = {}
+_GROUPS: dict[int, tuple[Plan, int, dict[tuple[int, ...], tuple[tuple[int, int], ...]]]] = {}
+
+
+def _group_holdings(plan: Plan, num_layers: int) -> dict[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """TP group -> the layer ranges it holds under ``plan``; memoised per plan object."""
+    hit = _GROUPS.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == num_layers:
+        return hit[2]
+    out: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+    memo: dict[tuple[tuple[int, ...], int], list[tuple[tuple[int, int], ...]]] = {}
+    for rep in plan.replicas:
+        per_stage = memo.get((rep.layers, rep.pp))
+        if per_stage is None:  # replicas with one split share the range tuples (compared by identity)
+            ranges = rep.layer_ranges()
+            per_stage = memo[(rep.layers, rep.pp)] = [_stage_ranges(ranges, rep.pp, s, num_layers) for s in range(rep.pp)]
+        for s, group in enumerate(rep.stages):
+            out[group] = per_stage[s]
+    if len(_GROUPS) >= 8:
+        _GROUPS.clear()
+    _GROUPS[id(plan)] = (plan, num_layers, out)
+    return out
+
+
 def _holdings_of(replicas: Sequence[PipelinePlan], num_layers: int) -> dict[int, Holding]:
     out: dict[int, Holding] = {}
     memo: dict[tuple[tuple[int, int], ...], list[tuple[tuple[int, int], ...]]] = {}
@@ -119,21 +143,55 @@ def replicas_move(old: Plan, new: Sequence[PipelinePlan], spec: ModelSpec, mem: 
     """``plan_move`` to a layout given by its replicas (no Plan needs building)."""
     n = spec.num_layers
     before = holdings(old, n)
-    same = {(rep.stages, rep.layers) for rep in old.replicas}
-    # a replica kept with the same groups and split holds what it held: nothing moves
-    after = _holdings_of([rep for rep in new if (rep.stages, rep.layers) not in same], n)
+    old_held = _group_holdings(old, n)
+    same = _SAME[id(old)][2] if id(old) in _SAME and _SAME[id(old)][0] is old else None
+    if same is None:
+        same = {(rep.stages, rep.layers) for rep in old.replicas}
+        if len(_SAME) >= 8:
+            _SAME.clear()
+        _SAME[id(old)] = (old, n, same)
     per_layer = spec.params_per_layer() * mem.moved_bytes_per_param
     per_emb = spec.embedding_params() * mem.moved_bytes_per_param
     total = 0.0
     worst = 0.0
     memo: dict[tuple[object, ...], tuple[int, int]] = {}  # symmetric ranks share range pairs
     flows: dict[tuple[int, int, int, int, int, int], float] = {}  # by identity of the shared range tuples
-    for rank, (ranges, t, k) in after.items():
-        had = before.get(rank)
-        fkey = (id(ranges), t, k, -1, -1, -1) if had is None else (id(ranges), t, k, id(had[0]), had[1], had[2])
-        inflow = flows.get(fkey)
-        if inflow is None:
-            inflow = flows[fkey] = _inflow(ranges, t, k, had, n, per_layer, per_emb, memo)
-        total += inflow
-        worst = max(worst, inflow)
+    stage_memo: dict[tuple[tuple[int, ...], int], list[tuple[tuple[int, int], ...]]] = {}
+    group_flows: dict[tuple[int, int], tuple[list[float], float]] = {}  # by identity of both range tuples
+    get = before.get
+    for rep in new:
+        if (rep.stages, rep.layers) in same:
+            continue  # a replica kept with the same groups and split holds what it held: nothing moves
+        p = rep.pp
+        per_stage = stage_memo.get((rep.layers, p))
+        if per_stage is None:
+            ranges = rep.layer_ranges()
+            per_stage = stage_memo[(rep.layers, p)] = [_stage_ranges(ranges, p, s, n) for s in range(p)]
+        for s, group in enumerate(rep.stages):
+            held = per_stage[s]
+            prior = old_held.get(group)
+            if prior == held:
+                continue  # the same TP group ran the same layers before: each member keeps its slice
+            k = len(group)
+            hid = id(held)
+            if prior is not None:  # the same TP group, other layers: member t held slice t of ``prior``
+                gkey = (hid, id(prior))  # range tuples are shared per split (_group_holdings)
+                got = group_flows.get(gkey)
+                if got is None:
+                    flows_t = [_inflow(held, t, k, (prior, t, k), n, per_layer, per_emb, memo) for t in range(k)]
+                    got = group_flows[gkey] = (flows_t, max(flows_t))
+                for f in got[0]:  # rank by rank, as the general path adds them
+                    total += f
+                if got[1] > worst:
+                    worst = got[1]
+                continue
+            for t, rank in enumerate(group):
+                had = get(rank)
+                fkey = (hid, t, k, -1, -1, -1) if had is None else (hid, t, k, id(had[0]), had[1], had[2])
+                inflow = flows.get(fkey)
+                if inflow is None:
+                    inflow = flows[fkey] = _inflow(held, t, k, had, n, per_layer, per_emb, memo)
+                total += inflow
+                if inflow > worst:
+                    worst = inflow
     return Move(int(total), int(worst), worst / bandwidth_Bps)

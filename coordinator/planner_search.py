@@ -26,13 +26,17 @@ Pure and deterministic.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from functools import lru_cache
+from itertools import chain
+from operator import attrgetter
+from typing import Mapping, Sequence
 
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.plan import PipelinePlan, Plan, Schedule, even_split
-from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey, evaluate_with
+from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey, cluster_tables, evaluate_with
 from resihp.coordinator.planner_move import Move, replicas_move
 from resihp.coordinator.planner_shares import allocate_shares
 from resihp.coordinator.planner_split import profile
@@ -57,8 +61,88 @@ def pow2_pieces(n: int) -> list[int]:
     return out
 
 
+_NODES: dict[int, tuple[Cluster, dict[str, list[DeviceState]]]] = {}
+# (ranks, nodes) of the last cluster grouped and its node boundaries: clusters derived from
+# one another (a finding applied) keep that structure, so grouping them is a comparison
+_LAYOUT: list[tuple[list[int], list[object], list[tuple[str, int, int]]]] = []
+
+
+_RANK = attrgetter("rank")
+_NODE = attrgetter("node")
+
+
+@lru_cache(maxsize=16)
+def _divisors(m: int) -> list[int]:
+    return [d for d in range(1, m + 1) if m % d == 0]
+
+
+def cluster_nodes(cluster: Cluster) -> dict[str, list[DeviceState]]:
+    """``cluster.nodes()``, memoised per cluster object (clusters are frozen; one decision
+    asks several times, and at 16K devices each answer sorts them all). Do not mutate."""
+    hit = _NODES.get(id(cluster))
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    devs = cluster.devices
+    ranks = list(map(_RANK, devs))
+    nodes = list(map(_NODE, devs))
+    if _LAYOUT and _LAYOUT[0][0] == ranks and _LAYOUT[0][1] == nodes:
+        out = {key: list(devs[a:b]) for key, a, b in _LAYOUT[0][2]}
+    else:
+        if any(a > b for a, b in zip(ranks, ranks[1:])):
+            devs = tuple(sorted(devs, key=_RANK))
+        # what Cluster.nodes() returns (devices per str(node), in rank order), in one pass
+        out = {}
+        last: object = None
+        bucket: list[DeviceState] = []
+        for d in devs:
+            if last is None or d.node != last:
+                last = d.node
+                bucket = out.setdefault(str(last), [])
+            bucket.append(d)
+        contiguous = devs is cluster.devices and sum(1 for a, b in zip(nodes, nodes[1:]) if a != b) + 1 == len(out)
+        if contiguous:  # each node's devices are one run of the rank order: remember the runs
+            bounds = []
+            start = 0
+            for key, lst in out.items():
+                bounds.append((key, start, start + len(lst)))
+                start += len(lst)
+            _LAYOUT[:] = [(ranks, nodes, bounds)]
+    if len(_NODES) >= 8:
+        _NODES.clear()
+    _NODES[id(cluster)] = (cluster, out)
+    return out
+
+
+_NO_POSITIONS: Mapping[int, tuple[int, ...]] = {}
+# (id(plan positions), ids of a node's devices) -> (positions, devices, alive devices in
+# search order, their signature): most nodes are unchanged between decisions
+_NODE_ORDER: dict[tuple[int, ...], tuple[Mapping[int, tuple[int, ...]], list[DeviceState], list[DeviceState],
+                                         tuple[tuple[float, float], ...]]] = {}
+
+
+def _order_node(devs: list[DeviceState], pos: Mapping[int, tuple[int, ...]]
+                ) -> tuple[list[DeviceState], tuple[tuple[float, float], ...]]:
+    """A node's healthy devices sorted by speed, memory, then current position, and their
+    (speed, memory) signature."""
+    far = (1 << 30, 0, 0)
+    get = pos.get
+    alive = [d for d in devs if not d.failed]
+    if not alive:
+        return alive, ()
+    first = alive[0]
+    if len({(d.speed, d.memory_bytes) for d in alive}) == 1:
+        # one speed and memory (the common, healthy node): the order is by position,
+        # and rank order already is that order unless the plan placed them otherwise
+        keys = [(get(d.rank, far), d.rank) for d in alive]
+        if keys != sorted(keys):
+            alive.sort(key=lambda d: (get(d.rank, far), d.rank))
+        return alive, ((first.speed, float(first.memory_bytes)),) * len(alive)
+    alive.sort(key=lambda d: (-d.speed, -d.memory_bytes, get(d.rank, far), d.rank))
+    return alive, tuple((d.speed, float(d.memory_bytes)) for d in alive)
+
+
 def legal_tp_sizes(spec: ModelSpec, cluster: Cluster, config: PlannerConfig) -> list[int]:
-    per_node = max(len([d for d in devs if not d.failed]) for devs in cluster.nodes().values())
+    per_node = max(len([d for d in devs if not d.failed]) for devs in cluster_nodes(cluster).values())
     limit = per_node if config.max_tp == 0 else min(per_node, config.max_tp)
     out = []
     k = 1
@@ -164,22 +248,35 @@ class Searcher:
         self.costs = Costs(cluster, spec, batch, config, sched, v if sched is Schedule.INTERLEAVED else 1)
         self.v = self.costs.v
         # healthy devices per node, sorted by speed, memory, then current position
-        pos: dict[int, tuple[int, int, int]] = {}
-        if current is not None:
-            for r in current.ranks():
-                p = current.position(r)
-                pos[r] = (p.replica, p.stage, p.tp_index)
-        far = (1 << 30, 0, 0)
+        # rank -> (replica, stage, tp index, tp size): positions are unique, so ordering by it
+        # orders by (replica, stage, tp index)
+        pos: Mapping[int, tuple[int, ...]] = current.position_table() if current is not None else _NO_POSITIONS
         self.node_devs: list[list[DeviceState]] = []
-        for devs in cluster.nodes().values():
-            alive = [d for d in devs if not d.failed]
-            if alive:
-                alive.sort(key=lambda d: (-d.speed, -d.memory_bytes, pos.get(d.rank, far), d.rank))
-                self.node_devs.append(alive)
-        self.node_sigs = [tuple((d.speed, float(d.memory_bytes)) for d in devs) for devs in self.node_devs]
+        self.node_sigs: list[tuple[tuple[float, float], ...]] = []
+        memo = _NODE_ORDER
+        if len(memo) > 50_000:
+            memo.clear()
+        pid = id(pos)
+        for devs in cluster_nodes(cluster).values():
+            key = (pid, *map(id, devs))  # the same device objects under the same plan order alike
+            entry = memo.get(key)
+            if entry is None or entry[0] is not pos:
+                alive, sig = _order_node(devs, pos)
+                entry = memo[key] = (pos, devs, alive, sig)
+            if entry[2]:
+                self.node_devs.append(list(entry[2]))
+                self.node_sigs.append(entry[3])
+        tab = cluster_tables(cluster)
+        self._alive_ranks = set(tab.devs).difference(tab.failed)
+        # nodes with the same signature form groups alike: pools walk the distinct ones
+        self._sig_count: dict[tuple[tuple[float, float], ...], tuple[int, int]] = {}  # sig -> (first node, count)
+        for i, sig in enumerate(self.node_sigs):
+            hit = self._sig_count.get(sig)
+            self._sig_count[sig] = (i, 1) if hit is None else (hit[0], hit[1] + 1)
         # the worst link slowdown among usable devices: shapes are priced as if their DP ring
         # and one pipeline's p2p cross it (a slow NIC makes DP-heavy layouts pay more)
-        self.link = max((d.link_factor for devs in self.node_devs for d in devs), default=1.0)
+        self.link = max((f for r, f in tab.slow_links.items() if r not in tab.failed), default=1.0) if self.node_devs else 1.0
+        self.link = max(self.link, 1.0)
         self._concrete: dict[tuple[int, str, int, int], dict[StageKey, list[tuple[int, ...]]]] = {}
         if not self.node_devs:
             raise SpecError("planner: no healthy device left in the cluster; nothing can run")
@@ -200,7 +297,8 @@ class Searcher:
     def pool(self, tp: int, variant: str, split: int = 0, depth: int = 1) -> Pool:
         counts: dict[StageKey, int] = {}
         memo: dict[tuple[object, int], list[StageKey]] = {}
-        for devs, sig, size in zip(self.node_devs, self.node_sigs, self._node_tp(tp, split, depth)):
+
+        def keys_of(devs: list[DeviceState], sig: tuple[object, ...], size: int) -> list[StageKey]:
             keys = memo.get((sig, size))
             if keys is None:
                 speeds = [d.speed for d in devs]
@@ -209,8 +307,16 @@ class Searcher:
                     for a, b in node_ranges(speeds, size, variant)
                 ]
                 memo[(sig, size)] = keys
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
+            return keys
+
+        if split == 0:  # every node at tp: one walk per distinct node signature
+            for sig, (first, n) in self._sig_count.items():
+                for key in keys_of(self.node_devs[first], sig, tp):
+                    counts[key] = counts.get(key, 0) + n
+        else:
+            for devs, sig, size in zip(self.node_devs, self.node_sigs, self._node_tp(tp, split, depth)):
+                for key in keys_of(devs, sig, size):
+                    counts[key] = counts.get(key, 0) + 1
         rate = {key: 1.0 / self.costs.per_layer_s(key[0], key[1]) for key in counts}
         types = sorted(counts.items(), key=lambda kv: (-rate[kv[0]], -kv[0][0], -kv[0][2]))
         return Pool(tp, variant, types, rate, split, depth)
@@ -222,14 +328,22 @@ class Searcher:
         if hit is not None:
             return hit
         out: dict[StageKey, list[tuple[int, ...]]] = {}
-        for devs, size in zip(self.node_devs, self._node_tp(pool.tp, pool.split, pool.depth)):
-            speeds = [d.speed for d in devs]
-            for a, b in node_ranges(speeds, size, pool.variant):
-                members = devs[a:b]
-                key = (b - a, min(speeds[a:b]), min(float(d.memory_bytes) for d in members))
-                group = tuple(d.rank for d in sorted(members, key=lambda d: (self._pos.get(d.rank, (1 << 30, 0, 0)), d.rank)))
-                out.setdefault(key, []).append(group)
+        memo: dict[tuple[object, int], list[tuple[int, int, StageKey]]] = {}
         far = (1 << 30, 0, 0)
+        for devs, sig, size in zip(self.node_devs, self.node_sigs, self._node_tp(pool.tp, pool.split, pool.depth)):
+            cuts = memo.get((sig, size))
+            if cuts is None:  # the cuts and types depend only on the node's speeds and memory
+                speeds = [d.speed for d in devs]
+                cuts = memo[(sig, size)] = [
+                    (a, b, (b - a, min(speeds[a:b]), min(float(d.memory_bytes) for d in devs[a:b])))
+                    for a, b in node_ranges(speeds, size, pool.variant)
+                ]
+            uniform = sig[0] == sig[-1] and len(set(sig)) == 1  # already in (position, rank) order
+            for a, b, key in cuts:
+                members = devs[a:b]
+                if not uniform:
+                    members = sorted(members, key=lambda d: (self._pos.get(d.rank, far), d.rank))
+                out.setdefault(key, []).append(tuple(map(_RANK, members)))
         for key in out:
             out[key].sort(key=lambda g: (self._pos.get(g[0], far), g))
         self._concrete[(pool.tp, pool.variant, pool.split, pool.depth)] = out
@@ -314,11 +428,8 @@ class Searcher:
         best_rate = pool.rate[pool.types[0][0]]
         clean = sum(c for key, c in pool.types if pool.rate[key] >= best_rate * (1 - 1e-12)) // pp
         cands = {top, top - 1, top - 2, clean, clean - 1}
-        m = self.batch.microbatches
-        for d in range(top, 0, -1):
-            if m % d == 0:
-                cands.add(d)
-                break
+        divs = _divisors(self.batch.microbatches)
+        cands.add(divs[bisect.bisect_right(divs, top) - 1])  # the largest divisor of the batch <= top
         return sorted(d for d in cands if 1 <= d <= top)
 
     def arrange(self, pool: Pool, pp: int, dp: int, arrangement: str) -> list[tuple[list[StageKey], int]]:
@@ -449,25 +560,26 @@ class Searcher:
     def _parts(self, shape: ShapeResult) -> tuple[list[PipelinePlan], tuple[int, ...]]:
         """The concrete replicas and spares of a shape (a Plan is built only for the chosen one)."""
         queues = self.concrete_groups(shape.pool)
-        cursor = {key: 0 for key in queues}
+        take = {key: iter(q).__next__ for key, q in queues.items()}  # pop each type's groups in order
         replicas: list[PipelinePlan] = []
-        used: set[int] = set()
+        taken: list[tuple[int, ...]] = []
+        splits: dict[tuple[PipeSig, int], tuple[int, ...]] = {}  # identical pipelines share a split
         for (sig, count), row in zip(shape.classes, shape.shares):
+            pops = [take[key] for key in sig.stages]
             for i in range(count):
-                stages = []
-                for key in sig.stages:
-                    group = queues[key][cursor[key]]
-                    cursor[key] += 1
-                    stages.append(group)
-                    used.update(group)
+                stages = [pop() for pop in pops]
+                taken.extend(stages)
                 m = row[i]
-                res = profile(self.costs, sig).best(max(m, 1))
-                assert res is not None
-                replicas.append(PipelinePlan(tuple(stages), self._virtual(res[1]), m))
+                layers = splits.get((sig, m))
+                if layers is None:
+                    res = profile(self.costs, sig).best(max(m, 1))
+                    assert res is not None
+                    layers = splits[(sig, m)] = self._virtual(res[1])
+                replicas.append(PipelinePlan(tuple(stages), layers, m))
         # keep replicas in current order where possible (stable, deterministic)
         far = (1 << 30, 0, 0)
         replicas.sort(key=lambda rep: (self._pos.get(rep.stages[0][0], far), rep.stages[0]))
-        spares = tuple(sorted(d.rank for devs in self.node_devs for d in devs if d.rank not in used))
+        spares = tuple(sorted(self._alive_ranks.difference(chain.from_iterable(taken))))
         return replicas, spares
 
     def _virtual(self, per_device: Sequence[int]) -> tuple[int, ...]:

@@ -84,7 +84,13 @@ class JobSpec:
         return self.seqlens or (self.tokens_per_microbatch,)
 
     def initial_plan(self) -> Plan:
-        return Plan.uniform(self.tp, self.pp, self.dp, self.model.num_layers, self.microbatches, self.schedule)
+        """The uniform starting layout; built once per job (plans are immutable values and
+        a 16K-rank one is costly to build)."""
+        hit = self.__dict__.get("_initial_plan")
+        if not isinstance(hit, Plan):
+            hit = Plan.uniform(self.tp, self.pp, self.dp, self.model.num_layers, self.microbatches, self.schedule)
+            self.__dict__["_initial_plan"] = hit
+        return hit
 
     def batch(self) -> GlobalBatch:
         return GlobalBatch(self.microbatches, self.tokens_per_microbatch, self.seqlens)
@@ -96,11 +102,20 @@ class JobSpec:
         speeds = speeds or {}
         links = links or {}
         dead = set(failed)
-        devs = tuple(
-            DeviceState(r, r // self.gpus_per_node, speeds.get(r, 1.0), r in dead, self.memory_bytes,
-                        links.get(r, 1.0))
-            for r in range(self.world_size)
-        )
+        healthy = self.__dict__.get("_healthy_devices")
+        if not isinstance(healthy, tuple):  # built once; only the devices that differ are replaced
+            healthy = tuple(DeviceState(r, r // self.gpus_per_node, 1.0, False, self.memory_bytes, 1.0)
+                            for r in range(self.world_size))
+            self.__dict__["_healthy_devices"] = healthy
+        changed = sorted(r for r in set(speeds) | set(links) | dead if 0 <= r < self.world_size)
+        if changed:
+            out = list(healthy)
+            for r in changed:
+                out[r] = DeviceState(r, r // self.gpus_per_node, speeds.get(r, 1.0), r in dead, self.memory_bytes,
+                                     links.get(r, 1.0))
+            devs = tuple(out)
+        else:
+            devs = healthy
         return Cluster(
             devs, self.intra_node_bw_Bps, self.inter_node_bw_Bps, self.intra_node_latency_s,
             self.inter_node_latency_s, self.device_flops,
@@ -283,24 +298,37 @@ class _PlanInfo:
         stage_nodes: list[list[frozenset[int]]] = []
         worst = 0.0
         active_nodes: set[int] = set()
+        params_per_layer = job.model.params_per_layer()
+        emb = job.model.embedding_params()
+        one: dict[int, frozenset[int]] = {}  # node -> {node}, shared by the groups inside it
         for rep in plan.replicas:
-            sn = [frozenset(r // per for r in g) for g in rep.stages]
+            sn = []
+            for g in rep.stages:
+                nodes_g = {r // per for r in g}
+                if len(nodes_g) == 1:
+                    (n,) = nodes_g
+                    f = one.get(n)
+                    if f is None:
+                        f = one[n] = frozenset(nodes_g)
+                    sn.append(f)
+                else:
+                    sn.append(frozenset(nodes_g))
             stage_nodes.append(sn)
-            rs = frozenset(rep.ranks())
+            rs = frozenset(r for g in rep.stages for r in g)
             ranks.append(rs)
-            ns = frozenset().union(*sn)
-            nodes.append(ns)
+            ns_all = frozenset().union(*sn)
+            nodes.append(ns_all)
             # structure up to renaming of nodes: which stage edges cross a node boundary
             cross = tuple(
                 (bool(sn[s] ^ sn[s + 1]) if s + 1 < rep.pp else False, len(sn[s]) > 1) for s in range(rep.pp)
             )
-            sigs.append((tuple(len(g) for g in rep.stages), rep.layers, cross))
+            sigs.append((tuple(map(len, rep.stages)), rep.layers, cross))
             if rep.microbatches > 0:
-                active_nodes |= ns
+                active_nodes |= ns_all
                 for s, group in enumerate(rep.stages):
-                    params = rep.layers[s] * job.model.params_per_layer()
+                    params = rep.layers[s] * params_per_layer
                     if s == 0 or s == rep.pp - 1:
-                        params += job.model.embedding_params()
+                        params += emb
                     worst = max(worst, params / len(group))
         active = sum(1 for rep in plan.replicas if rep.microbatches > 0)
         return cls(plan, sigs, ranks, nodes, stage_nodes, frozenset(active_nodes), active, worst)

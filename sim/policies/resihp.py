@@ -39,6 +39,7 @@ from resihp.sim.policies.base import Policy, Settings, node_ranks
 from resihp.sim.world import FailSlow, FailStop, WorldEvent
 
 _DECISIONS: dict[tuple[object, ...], Any] = {}
+_CLUSTERS: dict[tuple[object, ...], tuple[JobSpec, Any]] = {}
 
 
 def oracle_for(job: JobSpec) -> DetectionOracle:
@@ -90,8 +91,16 @@ class ResiHP(Policy):
         return speeds, links
 
     def _cluster(self) -> Any:
+        """The planner's view as a Cluster; the same view gives the same (immutable) object,
+        so the planner's per-cluster tables are built once per distinct view."""
         speeds, links = self._view()
-        return self.job.cluster(speeds, sorted(self.known_dead), links)
+        key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), tuple(sorted(links.items())))
+        hit = _CLUSTERS.get(key)
+        if hit is None or hit[0] is not self.job:
+            if len(_CLUSTERS) > 64:
+                _CLUSTERS.clear()
+            hit = _CLUSTERS[key] = (self.job, self.job.cluster(speeds, sorted(self.known_dead), links))
+        return hit[1]
 
     def _decide(self, finding: Finding | None, now: float) -> Any:
         """planner.decide, memoised on its inputs (it is a pure function; the simulated
@@ -100,11 +109,14 @@ class ResiHP(Policy):
 
         speeds, links = self._view()
         fkey = None if finding is None else (finding.kind, finding.ranks, round(finding.factor, 6), finding.cause)
-        key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), tuple(sorted(links.items())), self.plan, fkey)
+        # the current plan by identity (hashing a 16K-rank plan costs more than the lookup
+        # saves); the entry holds the plan, so its id cannot be reused while cached
+        key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), tuple(sorted(links.items())), id(self.plan),
+               fkey)
         hit = _DECISIONS.get(key)
-        if hit is not None:
+        if hit is not None and hit[0] is self.plan:
             self.cache_hits += 1
-            return hit
+            return hit[1]
         t0 = time.perf_counter()
         try:
             d = self._planner.decide(self._cluster(), self.job.model, self.job.batch(), self.plan, finding, now,
@@ -114,7 +126,7 @@ class ResiHP(Policy):
             self.decisions += 1
         if len(_DECISIONS) > 4096:
             _DECISIONS.clear()
-        _DECISIONS[key] = d
+        _DECISIONS[key] = (self.plan, d)
         return d
 
     def _apply(self, finding: Finding | None, now: float, note: str, stalled_before: bool) -> Reaction:

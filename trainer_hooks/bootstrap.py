@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import logging
 import os
 import socket
@@ -85,6 +86,21 @@ def _parse_addr(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+_frozen = False
+
+
+def _freeze_startup_objects() -> None:
+    """Move what start-up created (torch's, numpy's and MPI's modules, classes and tables:
+    ~170K objects, alive as long as the process) out of the cyclic collector's reach, once
+    per process, before any model exists. A full collection then scans only what the job
+    allocates (146 -> 56 ms measured here), so its pauses weigh less on steps and on live
+    reconfigurations (it used to fall inside a switch's downtime)."""
+    global _frozen
+    if not _frozen:
+        gc.freeze()
+        _frozen = True
+
+
 class Bootstrap:
     """One rank's MPI identity and its current torch.distributed world (one per process)."""
 
@@ -105,6 +121,7 @@ class Bootstrap:
         )
         self.job_start_s: float = float(self.comm.bcast(time.time() if self.rank == 0 else None, root=0))
         self.epoch = -1
+        _freeze_startup_objects()
 
     def _agree_store(self) -> str:
         env = os.environ.get(STORE_ENV, "").strip()

@@ -211,6 +211,17 @@ def _admin_action(text: str) -> dict[str, Any]:
     return {"kind": "admin", "args": rest.split(), "step": int(step)}
 
 
+def _set_aside(run: Path) -> None:
+    """Move a failed start's files to RUN/failed-start/, so the retry starts from a clean run
+    directory: its coordinator must not resume the failed job's journal (a resumed coordinator
+    expects every rank back within the heartbeat timeout, which a slow start-up can miss)."""
+    dest = run / "failed-start"
+    dest.mkdir(exist_ok=True)
+    for path in run.iterdir():
+        if path.name not in ("profile", dest.name):
+            path.replace(dest / path.name)
+
+
 def _trained_any(run: Path) -> bool:
     return any(rec.get("type") == "step" for rec in Follower(run / "progress.jsonl").new())
 
@@ -249,7 +260,7 @@ def main(argv: list[str]) -> int:
             # Open MPI with ULFM on a loaded machine sometimes loses a rank inside MPI_Init (a
             # segfault before any training): that is not the scenario, so start over once
             print("resihp demo: a rank crashed while MPI started, before any step; starting again", flush=True)
-            (run / "launch.log").replace(run / "launch-failed-start.log")
+            _set_aside(run)
             demo = run_job(args, run)
     except (TimeoutError, OSError) as exc:
         print(f"resihp demo: {exc}", file=sys.stderr)

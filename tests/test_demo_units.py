@@ -1,0 +1,32 @@
+"""resihp demo's driver pieces that need no job: operator actions and a failed start set aside."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resihp.demo import _admin_action, _set_aside
+
+
+def test_admin_action_parses_step_and_arguments() -> None:
+    assert _admin_action("20:exclude --rank 3") == {"kind": "admin", "args": ["exclude", "--rank", "3"], "step": 20}
+
+
+@pytest.mark.parametrize("text", ["exclude --rank 3", "x:exclude", "20:", " :readmit --rank 1"])
+def test_admin_action_refuses_malformed_text_and_says_the_form(text: str) -> None:
+    with pytest.raises(SystemExit, match=r"--admin wants STEP:ARGS, e.g. '20:exclude --rank 3'"):
+        _admin_action(text)
+
+
+def test_a_failed_start_is_set_aside_so_the_retry_starts_clean(tmp_path: Path) -> None:
+    # the coordinator's journal of the failed start must not be resumed by the retry's coordinator
+    for name in ("journal.jsonl", "events.jsonl", "launch.log", "token"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "cluster.json").write_text("{}")
+    _set_aside(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["failed-start", "profile"]
+    assert sorted(p.name for p in (tmp_path / "failed-start").iterdir()) == [
+        "events.jsonl", "journal.jsonl", "launch.log", "token"]
+    assert (tmp_path / "failed-start" / "journal.jsonl").read_text() == "journal.jsonl"
+    assert (tmp_path / "profile" / "cluster.json").exists()

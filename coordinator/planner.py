@@ -26,7 +26,8 @@ from resihp.coordinator.planner_cost import (
 )
 from resihp.coordinator.planner_decision import Candidate, Decision, apply_finding, decide
 from resihp.coordinator.planner_move import Move, plan_move
-from resihp.coordinator.planner_search import Searcher, SearchResult, search_plan
+from resihp.coordinator.planner_groups import SearchResult
+from resihp.coordinator.planner_search import Searcher, search_plan
 from resihp.coordinator.schedule import IterationResult, ReplicaWork, simulate_iteration
 from resihp.coordinator.spec import ModelSpec, SpecError
 

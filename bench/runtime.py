@@ -62,26 +62,13 @@ SEQ = 128
 def _plan(name: str, layers: int) -> Any:
     from resihp.coordinator.plan import PipelinePlan, Plan
 
-    u = Plan.uniform
-    if name == "tp2pp2dp2":
-        return u(2, 2, 2, layers, GLOBAL_MB)
-    if name == "tp2pp2":
-        return u(2, 2, 1, layers, GLOBAL_MB)
-    if name == "pp4":
-        return u(1, 4, 1, layers, GLOBAL_MB)
-    if name == "dp4":
-        return u(1, 1, 4, layers, GLOBAL_MB)
-    if name == "tp2":
-        return u(2, 1, 1, layers, GLOBAL_MB)
-    if name == "pp2":
-        return u(1, 2, 1, layers, GLOBAL_MB)
-    if name == "dp2":
-        return u(1, 1, 2, layers, GLOBAL_MB)
-    if name in ("pp2dp2_unequal", "dp2_unequal"):
-        base = u(1, 2, 2, layers, GLOBAL_MB) if name == "pp2dp2_unequal" else u(1, 1, 2, layers, GLOBAL_MB)
+    uniform = {"tp2pp2dp2": (2, 2, 2), "tp2pp2": (2, 2, 1), "pp4": (1, 4, 1), "dp4": (1, 1, 4), "tp2": (2, 1, 1),
+               "pp2": (1, 2, 1), "dp2": (1, 1, 2), "single": (1, 1, 1)}  # (tp, pp, dp)
+    if name in uniform:
+        return Plan.uniform(*uniform[name], layers, GLOBAL_MB)
+    if name in ("pp2dp2_unequal", "dp2_unequal"):  # two replicas with shares (3, 5)
+        base = Plan.uniform(1, 2 if name == "pp2dp2_unequal" else 1, 2, layers, GLOBAL_MB)
         return Plan(replicas=tuple(PipelinePlan(r.stages, r.layers, s) for r, s in zip(base.replicas, (3, 5))))
-    if name == "single":
-        return u(1, 1, 1, layers, GLOBAL_MB)
     raise ValueError(f"unknown layout {name!r}")
 
 

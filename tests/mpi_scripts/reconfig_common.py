@@ -1,7 +1,9 @@
 """Shared pieces of the reconfiguration MPI scripts: the tiny job, full-state gathering."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+import os
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -98,3 +100,13 @@ def set_threads() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
+
+
+def report_and_exit(out: str, rank: int, report: dict[str, Any]) -> NoReturn:
+    """Write OUT/RANK.json atomically (the test polls for it), then leave without MPI
+    finalisation, which can hang after a failure (the test ends mpirun)."""
+    tmp = os.path.join(out, f".{rank}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(report, fh)
+    os.replace(tmp, os.path.join(out, f"{rank}.json"))
+    os._exit(0)

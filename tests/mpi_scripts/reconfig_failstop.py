@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, gather_full, set_threads
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, gather_full, report_and_exit, set_threads
 from resihp.coordinator.plan import Plan
 from resihp.trainer_hooks.groups import destroy_groups
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, init_world
@@ -152,11 +152,7 @@ def main() -> None:
                 world.comm.send(last, dest=i, tag=END_TAG)
     report = {"rank": me, "final_step": last, "members": list(world.ranks), "records": records,
               "recoveries": recoveries, "ref_losses": ref_losses}
-    tmp = os.path.join(out, f".{me}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(report, fh)
-    os.replace(tmp, os.path.join(out, f"{me}.json"))
-    os._exit(0)
+    report_and_exit(out, me, report)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ finalisation (which can hang after a failure); the test ends mpirun.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 from dataclasses import replace
 from typing import Any
 
-from reconfig_common import CONFIG, GLOBAL_MB, SPEC, set_threads
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, report_and_exit, set_threads
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.trainer_hooks import hooks
@@ -129,11 +128,7 @@ def main() -> None:
     report = {"rank": me, "records": records, "history": res.history, "acks": tx.acks, "ref_losses": ref_losses,
               "members": list(res.world.ranks), "plan": res.rc.plan.describe(), "final_step": res.last_done, "next_step": res.next_step,
               "role": "member" if res.rc.runtime is not None else "spare"}
-    tmp = os.path.join(out, f".{me}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(report, fh)
-    os.replace(tmp, os.path.join(out, f"{me}.json"))
-    os._exit(0)
+    report_and_exit(out, me, report)
 
 
 if __name__ == "__main__":

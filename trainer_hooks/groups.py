@@ -21,6 +21,8 @@ one group.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -191,3 +193,31 @@ def destroy_groups(groups: EpochGroups) -> None:
         if group is not None and group is not dist.group.WORLD:
             dist.destroy_process_group(group)
     groups._by_ranks.clear()
+
+
+_graveyard: queue.SimpleQueue[Any] | None = None
+_graveyard_lock = threading.Lock()
+
+
+def retire(obj: Any) -> None:
+    """Let go of ``obj`` (an old runtime and the process groups it holds) on a background thread.
+
+    Dropping the last reference to a gloo group runs its destructor, which closes the group's
+    connections and waits for its peers to do the same (15–25 ms per switch measured on this
+    machine) without holding the GIL. Nothing of the new epoch needs that wait: it leaves
+    the switch's critical path. The caller must hold no other reference it expects to free.
+    """
+    global _graveyard
+    if obj is None:
+        return
+    with _graveyard_lock:
+        if _graveyard is None:
+            _graveyard = queue.SimpleQueue()
+            threading.Thread(target=_bury, args=(_graveyard,), name="resihp-retire", daemon=True).start()
+    _graveyard.put(obj)
+
+
+def _bury(graves: queue.SimpleQueue[Any]) -> None:
+    while True:
+        obj = graves.get()
+        del obj  # the destructors run here, on this thread

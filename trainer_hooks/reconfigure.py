@@ -39,11 +39,11 @@ import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
-from resihp.trainer_hooks.groups import destroy_groups, make_groups
+from resihp.trainer_hooks.groups import StagePlace, destroy_groups, make_groups, place_of, retire
 from resihp.trainer_hooks.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.model import GPTStage
 from resihp.trainer_hooks.reshard import STATES, ReshardPlan, plan_reshard
-from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig
+from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig, build_stage
 from resihp.trainer_hooks.throttle import Throttle
 from resihp.trainer_hooks.transfer import Shards, execute_reshard
 
@@ -60,6 +60,11 @@ def renumber(plan: Plan, mapping: Mapping[int, int]) -> Plan:
         for rep in plan.replicas
     )
     return replace(plan, replicas=reps, spares=tuple(mapping[r] for r in plan.spares))
+
+
+def _stage_key(place: StagePlace) -> tuple[Any, ...]:
+    """What a stage module's structure depends on."""
+    return (place.layer_range, place.first, place.last, place.tp_index, place.tp_size)
 
 
 def runtime_shards(rt: Runtime, *, clone: bool = False) -> Shards:
@@ -103,22 +108,6 @@ def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
 
 
 @contextlib.contextmanager
-def skip_weight_init() -> Iterator[None]:
-    """Build a Runtime without drawing initial weights (the reshard overwrites every one).
-
-    Runtime.__init__ always calls ``GPTStage.init_from_seed`` (random full tensors, sliced):
-    about half of its cost. Until the runtime takes an ``init_weights=False`` argument, the
-    method is disabled for the duration of the construction (trainer ranks build runtimes
-    on one thread)."""
-    saved = GPTStage.init_from_seed
-    GPTStage.init_from_seed = lambda self, seed: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        GPTStage.init_from_seed = saved  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
 def group_timeout(timeout_s: float | None) -> Iterator[None]:
     """Sub-groups made inside get ``timeout_s`` (torch's ``new_group`` default for gloo is 30 min,
     far too long to notice a dead peer; groups.make_groups has no timeout argument yet)."""
@@ -150,7 +139,12 @@ def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: fl
 
     ``store``: a TCPStore client, or its ``host:port`` (then a new client is made)."""
     if dist.is_initialized():
+        # the old group's destructor waits ~20 ms for its threads and peers: hold the last
+        # reference past destroy_process_group and let it go on the retire thread
+        old = c10d._get_default_group()
         dist.destroy_process_group()
+        retire(old)
+        del old
     if isinstance(store, str):
         store = connect_store(store, timeout_s)
     dist.init_process_group(
@@ -214,6 +208,7 @@ class LiveReconfigurer:
         self.history: list[ReconfigReport] = []
         self._prepared: dict[Any, ReshardPlan] = {}
         self._store: Any = None  # client of the job's store, kept across epochs
+        self._stage: tuple[tuple[Any, ...], GPTStage] | None = None  # the next plan's module, built ahead
         self.runtime: Runtime | None = runtime
         self._data: Any = runtime.data if runtime is not None else None
         if runtime is None:
@@ -240,24 +235,48 @@ class LiveReconfigurer:
     def _build(self, plan: Plan, *, init_weights: bool = True) -> None:
         """Runtime (member) or bare group creation (spare) for ``plan``; collective."""
         local = renumber(plan, self.pg_rank_of())
-        no_init = contextlib.nullcontext() if init_weights else skip_weight_init()
-        with group_timeout(self.group_timeout_s), no_init:
+        with group_timeout(self.group_timeout_s):
             if plan.has_rank(self.rank):
+                place = place_of(local, self.pg_rank)
+                stage, self._stage = self._stage, None
+                if stage is not None and stage[0] != _stage_key(place):
+                    stage = None
+                old, self.runtime = self.runtime, None
+                retire(old)  # its groups' teardown waits for peers: not on the switch's path
+                del old
                 rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch,
-                             data=self._data)  # the packed stream goes on: same samples, no re-packing
+                             data=self._data,  # the packed stream goes on: same samples, no re-packing
+                             model=stage[1] if stage is not None else None, init_weights=init_weights)
                 self._data = rt.data
                 self.runtime = rt
             else:
+                old, self.runtime = self.runtime, None
+                retire(old)
+                del old
                 make_groups([local], self.pg_rank)
-                self.runtime = None
+
+    def _build_stage_ahead(self, new_plan: Plan) -> None:
+        """Build this rank's stage module of ``new_plan`` now (undrawn weights, TP group pending),
+        so the switch only binds groups and loads state. Worth it where the command comes
+        ahead of its ``apply_at``; empty parameters cost no memory until written, and the
+        received shards replace them without a copy."""
+        if not new_plan.has_rank(self.rank):
+            self._stage = None
+            return
+        place = place_of(new_plan, self.rank)  # the structure does not depend on the numbering
+        if self._stage is None or self._stage[0] != _stage_key(place):
+            device = self.runtime.device if self.runtime is not None else None
+            self._stage = (_stage_key(place), build_stage(self.spec, self.config.max_seq_len, place, device=device))
 
     def prepare(self, new_plan: Plan, alive: Sequence[int] | None = None,
                 states: Sequence[str] = STATES) -> ReshardPlan:
         """The reshard plan from the current plan to ``new_plan`` (pure, deterministic; cached).
 
         A command arrives before its ``apply_at``: calling this on receipt takes the planning
-        (tens of ms of Python) out of the downtime. ``apply`` reuses a prepared plan."""
+        (tens of ms of Python) and the construction of this rank's new stage module out of
+        the downtime. ``apply`` reuses what was prepared."""
         who = tuple(alive if alive is not None else self.members)
+        self._build_stage_ahead(new_plan)
         key = (self.plan, replace(new_plan, epoch=0, reason=""), who, tuple(states))
         cached = self._prepared.get(key)
         if cached is None:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import SpecError
+from resihp.trainer_hooks.groups import retire
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
 from resihp.trainer_hooks.reshard import ReshardError
@@ -132,6 +133,16 @@ class Resilience:
         return result
 
     # --- commands ---------------------------------------------------------------------
+    def on_command_received(self, job: Job, cmd: m.ReconfigCommand) -> None:
+        """Job.on_command_received: prepare a planned switch while its apply_at is ahead (the
+        reshard plan and the new stage module); the switch itself redoes whatever this could
+        not (a plan the current world cannot take is refused there, with its reason)."""
+        if cmd.reason.startswith("fail-stop"):
+            return  # the recovery plans on the survivors it finds
+        try:
+            self.rc.prepare(cmd.plan)
+        except SpecError as exc:
+            log.info("rank %d: could not prepare epoch %d ahead: %s", self.rc.rank, cmd.epoch, exc)
     def on_reconfigure(self, job: Job, cmd: m.ReconfigCommand) -> bool:
         """Job.on_reconfigure: False defers the acknowledgement (a fail-stop plan is applied by
         the recovery, which acknowledges it)."""
@@ -172,6 +183,8 @@ class Resilience:
         dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
         self.next_step = int(nxt.item())
         self._adopt(report, "planned", cmd.reason, time.perf_counter() - t0)
+        retire(before)  # the old runtime's last reference: its groups' teardown runs off this thread
+        del before
         return True
 
     def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float, attempts: int = 1) -> None:
@@ -306,6 +319,8 @@ class Resilience:
                         time.perf_counter() - min(t0, self._last_step_end), attempts=attempt)
             log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
                         time.perf_counter() - t0, sorted(lost), self.next_step, plan.describe())
+            retire(before)
+            del before
             return
         self._stop(f"{self.max_recoveries} failures in a row during recovery")
 

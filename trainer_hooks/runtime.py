@@ -21,10 +21,11 @@ import torch.distributed as dist
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.data import GlobalBatches, PackedStream
-from resihp.trainer_hooks.groups import EpochGroups, build_groups
+from resihp.trainer_hooks.groups import EpochGroups, StagePlace, build_groups
 from resihp.trainer_hooks.model import GPTStage
 from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
 from resihp.trainer_hooks.throttle import Throttle
+from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,29 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def build_stage(spec: ModelSpec, max_seq_len: int, place: StagePlace, tp: TPContext | None = None,
+                device: torch.device | None = None) -> GPTStage:
+    """The stage module of ``place`` with undrawn weights. Without ``tp`` its TP group is
+    pending (``bind_tp`` gives it the real one once the groups exist)."""
+    with torch.device(device or torch.device("cpu")):
+        return GPTStage(spec, max_seq_len, place.layer_range, place.first, place.last,
+                        tp or pending_tp(place.tp_index, place.tp_size))
+
+
 class Runtime:
     """One rank's share of the model under the current plan, and its optimizer."""
 
     def __init__(
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
         throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
-        data: GlobalBatches | None = None,
+        data: GlobalBatches | None = None, model: GPTStage | None = None, init_weights: bool = True,
     ) -> None:
         """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
-        the same samples, no re-packing); by default a fresh one from the config's seed."""
+        the same samples, no re-packing); by default a fresh one from the config's seed.
+        ``model``: this rank's stage module built ahead (``build_stage`` with a pending TP
+        place, e.g. while a reconfiguration command waits for its ``apply_at``); it gets the
+        new groups here. ``init_weights=False`` leaves the weights undrawn (the caller loads
+        every one, as a reshard does)."""
         plan.validate_for(spec.num_layers, spec.num_heads)
         self.spec = spec
         self.config = config
@@ -110,9 +124,19 @@ class Runtime:
         self.plan = plan
         self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants)
         place = self.groups.place
-        self.model = GPTStage(spec, config.max_seq_len, place.layer_range, place.first, place.last, self.groups.tp)
-        self.model.init_from_seed(config.seed)
-        self.model.to(self.device)
+        if model is None:
+            model = build_stage(spec, config.max_seq_len, place, self.groups.tp, self.device)
+        else:
+            want = (place.layer_range, place.first, place.last)
+            if (model.layer_range, model.first, model.last) != want:
+                raise SpecError(f"runtime: the module built ahead holds layers {model.layer_range} "
+                                f"(first={model.first}, last={model.last}); this place needs {want}")
+            bind_tp(model, self.groups.tp)
+        self.model = model
+        if init_weights:
+            self.model.init_from_seed(config.seed)
+        if any(p.device != self.device for p in self.model.parameters()):
+            self.model.to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
             weight_decay=config.weight_decay,

@@ -37,6 +37,30 @@ class TPContext:
 SINGLE = TPContext(group=None)
 
 
+class _PendingGroup:
+    """Stands for a TP group that does not exist yet: a stage built ahead of a switch (before
+    the new epoch's groups) holds it until ``bind_tp``. Any collective on it is a bug."""
+
+    def __repr__(self) -> str:
+        return "<TP group not bound yet>"
+
+
+def pending_tp(index: int, size: int) -> TPContext:
+    """The TP place of a stage module built before its groups exist (see ``bind_tp``)."""
+    return TPContext(group=_PendingGroup() if size > 1 else None, index=index, size=size)
+
+
+def bind_tp(module: nn.Module, tp: TPContext) -> None:
+    """Give every layer of ``module`` its real TP group; the place must match the one it was built for."""
+    for sub in module.modules():
+        old = getattr(sub, "tp", None)
+        if isinstance(old, TPContext):
+            if (old.index, old.size) != (tp.index, tp.size):
+                raise ValueError(f"a module built for TP place {old.index}/{old.size} cannot take place "
+                                 f"{tp.index}/{tp.size}")
+            sub.tp = tp
+
+
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce of the input gradient backward."""
 

@@ -19,6 +19,19 @@ noisy iteration is never a finding), ``recover_iters`` consecutive normal iterat
 recover it. Fail-stop: an exit event confirms at once; a rank whose heartbeats stop for
 ``heartbeat_timeout_s`` is declared dead at the next ``tick(now)``.
 
+After a plan change (``set_plan``) a layout's op times need not scale as the cost model's
+features say (kernel shapes, overlap, contention on shared CPUs). A rank whose work changed
+(``rank_work``: layer range, TP size or group, stage, pipeline depth, micro-batch share,
+schedule; or it was a spare) gets fresh cost keys, and they, like any uncalibrated key of
+the new plan (a new DP degree), re-warm: they learn from every sample of ``rewarm_iters``
+iterations after the switch iteration and are then fitted on all of them; evidence using a
+re-warming key (a rank's compute, or its P2P / DP ring) cannot make it a suspect. Unchanged
+ranks keep their calibration (a device turning slow where it was is caught at once), and
+fail-stop detection never pauses. States carry over. A confirmed-slow rank that moved stays
+slow, factor frozen, through its window; its new keys learn from healthy TP partners, or
+without one from its own times divided by its factor, so afterwards it stays slow if still
+slow, or recovers after ``recover_iters`` normal iterations. A moved suspect is cleared.
+
 Pure: numpy only, deterministic, time comes in as ``now``.
 """
 from __future__ import annotations
@@ -33,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector_evidence import (
-    BWD, FWD, IterationTimings, PlanIndex, batch_features, timings_from_record,
+    BWD, FWD, IterationTimings, PlanIndex, batch_features, rank_work, timings_from_record,
 )
 from resihp.coordinator.detector_model import Predictor, fill_nan, nanmedian, trimmed_ratio
 from resihp.coordinator.plan import Plan
@@ -106,6 +119,9 @@ class DetectorConfig:
     calib_every: int = 4  # after warm-up, learn from every calib_every-th iteration
     calib_window: int = 192  # samples kept per cost key
     calib_samples_per_key: int = 4  # TP groups sampled per key from each calibrating post-warm-up iteration
+    # learning iterations of a key whose work changed with a plan change. 8 as warmup_iters: even
+    # at one micro-batch per iteration that is min_samples, and one odd iteration is 1/8 of a robust fit
+    rewarm_iters: int = 8
     heartbeat_timeout_s: float = 30.0
     # False: judge compute only. For jobs whose P2P timings include waiting for the sender
     # (CPU / gloo over loopback): a slow rank's neighbours would otherwise look link-slow
@@ -121,7 +137,8 @@ class DetectorConfig:
                 f"DetectorConfig.recover_threshold ({self.recover_threshold}) must be in [0, slow_threshold "
                 f"({self.slow_threshold})]: a rank cannot count as recovered while it still looks slow"
             )
-        for name in ("confirm_iters", "recover_iters", "warmup_iters", "refit_every", "calib_every", "calib_samples_per_key"):
+        for name in ("confirm_iters", "recover_iters", "warmup_iters", "refit_every", "calib_every",
+                     "calib_samples_per_key", "rewarm_iters"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
@@ -159,6 +176,13 @@ class Detector:
         self._last_iter = -1
         self._pending: tuple[FloatArray, FloatArray] | None = None
         self.last: dict[str, float] = {}  # the latest iteration's predictions (for tools and benchmarks)
+        # re-warming: each rank's work and calibration tag, the plan generation, the first
+        # iteration re-warming keys learn from, the job-level key's learning iterations left
+        self._work = rank_work(header.plan)
+        self._tags: dict[int, tuple[int, int]] = {}
+        self._gen = 0
+        self._rw_from = 0
+        self._job_left = 0
         self._alloc()
 
     # --- plan -----------------------------------------------------------------------------
@@ -179,11 +203,30 @@ class Detector:
             self._factor[r] = float(self.score[i])
             self._cause[r] = "communication" if int(self.cause_code[i]) else "compute"
 
-    def set_plan(self, plan: Plan) -> None:
-        """Adopt a new layout (after a reconfiguration); rank states and calibration carry over."""
+    def set_plan(self, plan: Plan, iteration: int | None = None) -> None:
+        """Adopt a new layout whose first iteration is ``iteration`` (default: the next);
+        ranks whose work changed re-warm (module docstring). Adopting the current plan again
+        changes nothing (the coordinator's engine gets set_plan, then the PlanChange record)."""
         self._sync_out()
-        self.index = PlanIndex(plan, self._nodes)
+        work = rank_work(plan)
+        changed = sorted(r for r, w in work.items() if self._work.get(r) != w)
+        self._tags = {r: t for r, t in self._tags.items() if r in work}
+        if changed:
+            self._gen += 1
+            for r in changed:
+                self._tags[r] = (self._gen, work[r][4])  # + micro-batch share: replicas with other shares do not pool
+            self.predictor.iter_key = ("iter", self._gen)
+            self._job_left = self.config.rewarm_iters
+        self._work = work
+        self.index = PlanIndex(plan, self._nodes, self._tags)
         self.predictor.reindex(self.index)
+        if changed or iteration is not None:
+            # the switch iteration itself (state transfer, new communicators, cold caches)
+            # is judged by nobody and teaches nothing
+            first = self._last_iter + 1 if iteration is None else iteration
+            self._rw_from = max(self._rw_from, first + 1) if not changed else first + 1
+        if changed:
+            self.predictor.start_rewarm(self.config.rewarm_iters)
         self._alloc()
         self._job = _Track()
 
@@ -197,7 +240,7 @@ class Detector:
         if isinstance(record, ExitEvent):
             return self._exit(record, now)
         if isinstance(record, PlanChange):
-            self.set_plan(record.plan)
+            self.set_plan(record.plan, record.iteration)
             return []
         raise TypeError(f"Detector.observe: not a trace record: {record!r}")
 
@@ -266,8 +309,17 @@ class Detector:
             self._level, self._seen = level, 0
         self._seen += 1
         alive = self.state != RankState.DEAD
+        learn_rw = t.iteration >= self._rw_from
+        if level == "iteration" and self._job_left > 0:  # the job-level key re-warms as a whole
+            if learn_rw:
+                pred.calibrate(t, tok, ssq, alive, warm=True)
+                self._job_left -= 1
+            return []
         if self._seen <= self.config.warmup_iters or not pred.ready(level):
-            pred.calibrate(t, tok, ssq, alive, warm=True)
+            rw = pred.rewarming
+            got = pred.calibrate(t, tok, ssq, alive, warm=True, only=None if learn_rw or not rw else ~pred.rewarm_keys())
+            if rw and learn_rw:
+                pred.tick_rewarm(got)
             if self._seen == self.config.warmup_iters:
                 pred.refit_all()  # the models so far saw only the first iterations
             return []
@@ -286,12 +338,18 @@ class Detector:
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
         in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
         in_b = trimmed_ratio(t.p2p[:, :, BWD, :], p_p2p[:, :, BWD, :])
+        dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
+        hold = None
+        if pred.rewarming:  # evidence on a re-warming key says nothing yet
+            rw_c, rw_m, _ = pred.rank_rewarm()
+            comp = np.where(rw_c, np.nan, comp)
+            in_f, in_b, dp_ratio = (np.where(rw_m, np.nan, x) for x in (in_f, in_b, dp_ratio))
+            hold = np.where(self.cause_code > 0, rw_m, rw_c)
         out_f = np.where(ix.fwd_recv >= 0, in_f[ix.fwd_recv], np.nan)
         out_b = np.where(ix.bwd_recv >= 0, in_b[ix.bwd_recv], np.nan)
         # a slow NIC slows every cross-node transfer of its rank: P2P in and out, and its DP
         # ring. Both ends of a slow P2P link see it; the culprit is slow in every direction,
         # a neighbour only in those that touch the culprit: take the smallest ratio.
-        dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
         dirs = np.stack([
             np.where(ix.cross_bwd, in_f, np.nan), np.where(ix.cross_fwd, in_b, np.nan),
             np.where(ix.cross_fwd, out_f, np.nan), np.where(ix.cross_bwd, out_b, np.nan),
@@ -330,22 +388,39 @@ class Detector:
             fill_nan(comm, 1.0) < 1 + np.maximum(c.recover_threshold, comm_thr / 2))
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
-        found = self._advance(t, suspect, normal, score, is_comm, ev, now)
+        found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold)
+        rw = pred.rewarming
         if t.iteration % c.calib_every == 0:
             healthy = (self.state == RankState.HEALTHY) & ~suspect
-            self.predictor.calibrate(t, tok, ssq, healthy, warm=False)
+            pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
+        if rw:
+            self._rewarm_learn(t, tok, ssq)
         return found
+
+    def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
+        if t.iteration >= self._rw_from:  # not the switch iteration, nor records of the old plan
+            st = self.state
+            self.predictor.rewarm_calibrate(t, tok, ssq, st != RankState.DEAD, st == RankState.SLOW,
+                                            self.cause_code > 0, self.score)
 
     def _judge_steps(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.rank_step is not None
         c = self.config
+        pred = self.predictor
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = t.rank_step / self.predictor.rank_step(tok, ssq)
+            ratio = t.rank_step / pred.rank_step(tok, ssq)
+        rw = pred.rewarming
+        hold = None
+        if rw:
+            hold = pred.rank_rewarm()[2]
+            ratio = np.where(hold, np.nan, ratio)
         suspect = fill_nan(ratio, 0.0) > 1 + c.step_threshold
         normal = fill_nan(ratio, 1.0) < 1 + c.recover_threshold
-        found = self._advance(t, suspect, normal, fill_nan(ratio, 1.0), None, {"step_ratio": ratio}, now)
+        found = self._advance(t, suspect, normal, fill_nan(ratio, 1.0), None, {"step_ratio": ratio}, now, hold)
         healthy = (self.state == RankState.HEALTHY) & ~suspect
-        self.predictor.calibrate(t, tok, ssq, healthy, warm=False)
+        pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
+        if rw:
+            self._rewarm_learn(t, tok, ssq)
         return found
 
     def _judge_iteration(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
@@ -381,7 +456,9 @@ class Detector:
     # --- the state machine, vectorised over ranks --------------------------------------------
     def _advance(self, t: IterationTimings, suspect: npt.NDArray[np.bool_], normal: npt.NDArray[np.bool_],
                  score: FloatArray, is_comm: npt.NDArray[np.bool_] | None,
-                 ev: dict[str, FloatArray], now: float) -> list[Finding]:
+                 ev: dict[str, FloatArray], now: float, hold: npt.NDArray[np.bool_] | None = None) -> list[Finding]:
+        """``hold``: ranks whose evidence is re-warming; a slow one among them neither
+        recovers nor updates its factor (a healthy or suspect one has suspect False)."""
         c = self.config
         st = self.state
         live = st != RankState.DEAD
@@ -396,6 +473,8 @@ class Detector:
         st[watching & ~suspect] = RankState.HEALTHY
         confirm = watching & ((self.run >= c.confirm_iters) | (self.run_m >= c.confirm_iters))
         slow = live & (st == RankState.SLOW)
+        if hold is not None:
+            slow &= ~hold
         self.ok_run = np.where(slow & normal, self.ok_run + 1, np.where(slow, 0, self.ok_run))
         recover = slow & (self.ok_run >= c.recover_iters)
         # a slow rank's factor follows its latest ratios

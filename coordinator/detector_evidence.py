@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Mapping
+from typing import Hashable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -49,8 +49,13 @@ class IterationTimings:
 class PlanIndex:
     """Everything about a plan the detector needs per iteration, precomputed as arrays."""
 
-    def __init__(self, plan: Plan, nodes: Mapping[int, str] | None = None) -> None:
+    def __init__(self, plan: Plan, nodes: Mapping[int, str] | None = None,
+                 tags: Mapping[int, Hashable] | None = None) -> None:
+        """``tags``: rank -> a calibration tag appended to every cost key of that rank. The
+        detector tags ranks whose work changed with a plan change, so their keys are fresh
+        and re-learn, while the keys of untagged (unchanged) ranks keep their calibration."""
         self.plan = plan
+        tag_of = dict(tags or {})
         node_of = dict(nodes or {})
         self.ranks: tuple[int, ...] = plan.ranks()
         self.pos: dict[int, int] = {r: i for i, r in enumerate(self.ranks)}
@@ -103,6 +108,8 @@ class PlanIndex:
         self.okey = np.zeros(n, dtype=np.int64)
         ranges = [rep.layer_ranges() for rep in plan.replicas]
         for i, p in enumerate(positions):
+            tag = tag_of.get(self.ranks[i])
+            own: tuple[object, ...] = () if tag is None else (tag,)
             rep = plan.replicas[p.replica]
             n_virtual = rep.pp * self.V
             for v in range(self.V):
@@ -112,18 +119,18 @@ class PlanIndex:
                 for k in range(3):
                     if k == 2 and not self.split_backward:
                         continue
-                    self.ckey[i, v, k] = kid(("compute", KINDS[k], lo, hi, where, p.tp_size))
+                    self.ckey[i, v, k] = kid(("compute", KINDS[k], lo, hi, where, p.tp_size) + own)
                 me = node_of.get(self.ranks[i])
                 # an activation comes from the rank we send gradients to, and vice versa
                 if j > 0:
                     src = self.ranks[int(self.bwd_recv[i])]
-                    self.pkey[i, v, FWD] = kid(("p2p", "F", lo, p.tp_size, node_of.get(src) != me))
+                    self.pkey[i, v, FWD] = kid(("p2p", "F", lo, p.tp_size, node_of.get(src) != me) + own)
                 if j < n_virtual - 1:
                     src = self.ranks[int(self.fwd_recv[i])]
-                    self.pkey[i, v, BWD] = kid(("p2p", "B", hi, p.tp_size, node_of.get(src) != me))
+                    self.pkey[i, v, BWD] = kid(("p2p", "B", hi, p.tp_size, node_of.get(src) != me) + own)
             mine = tuple(ranges[p.replica][v * rep.pp + p.stage] for v in range(self.V))
-            self.dkey[i] = kid(("dp", mine, p.tp_size, plan.dp))
-            self.okey[i] = kid(("opt", mine, p.tp_size))
+            self.dkey[i] = kid(("dp", mine, p.tp_size, plan.dp) + own)
+            self.okey[i] = kid(("opt", mine, p.tp_size) + own)
         self.n_keys = len(self.keys)
         # one compiled schedule per replica; replicas that share one are evaluated together
         self.programs: dict[tuple[int, int], ScheduleProgram] = {}
@@ -148,6 +155,22 @@ class PlanIndex:
         prog = self.programs[shape]
         dev, kind, mb, vstage = program_arrays(prog)
         return prog, dev, kind, mb, vstage
+
+
+def rank_work(plan: Plan) -> dict[int, tuple[str, int, int, int, int, tuple[tuple[int, int], ...], tuple[int, ...]]]:
+    """rank -> what its cost keys measure beyond the batch: schedule, chunks per device,
+    pipeline depth, stage, micro-batch share (index 4), its chunks' layer ranges and its
+    TP group. A rank whose tuple changes with a plan change re-warms its keys."""
+    out = {}
+    v = plan.virtual_chunks
+    for rep in plan.replicas:
+        ranges = rep.layer_ranges()
+        for s, group in enumerate(rep.stages):
+            work = (plan.schedule.value, v, rep.pp, s, rep.microbatches,
+                    tuple(ranges[k * rep.pp + s] for k in range(v)), group)
+            for r in group:
+                out[r] = work
+    return out
 
 
 def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimings:

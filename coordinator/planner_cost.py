@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
-from typing import Sequence
+from typing import Collection, Sequence
 
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.costmodel import embedding_flops, head_flops, layer_flops
@@ -308,9 +308,11 @@ class Evaluation:
         return not self.problems
 
 
-def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, config: PlannerConfig) -> list[str]:
+def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, config: PlannerConfig,
+                  excluded: Collection[int] = ()) -> list[str]:
     """Everything that stops ``plan`` from running on ``cluster``: unknown or failed ranks,
-    illegal or cross-node TP groups, wrong layer counts, wrong share sum, memory overflow."""
+    illegal or cross-node TP groups, wrong layer counts, wrong share sum, memory overflow.
+    ``excluded``: failed devices that are alive but taken out by the operator (named so)."""
     out: list[str] = []
     tab = cluster_tables(cluster)
     devs = tab.devs
@@ -320,7 +322,7 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
         return [f"ranks {unknown} are not in the cluster"]
     dead = sorted(tab.failed.intersection(ranks))
     if dead:
-        out.append(f"ranks {dead} have failed")
+        out.append(failed_text(dead, excluded, "are"))
     try:
         plan.validate_for(spec.num_layers, spec.num_heads)
     except SpecError as exc:
@@ -361,6 +363,15 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
                     f"replica {i} stage {s}: needs {need / 2**30:.1f} GiB per device, has {mem / 2**30:.1f} GiB"
                 )
     return out
+
+
+def failed_text(ranks: Sequence[int], excluded: Collection[int], verb: str = "were") -> str:
+    """"ranks [5] have failed", "ranks [3] <verb> excluded by the operator", or both: the
+    planner marks both unavailable, but an operator's exclusion is not a fault."""
+    out = [r for r in ranks if r in excluded]
+    gone = [r for r in ranks if r not in excluded]
+    parts = ([f"ranks {gone} have failed"] if gone else []) + ([f"ranks {out} {verb} excluded by the operator"] if out else [])
+    return " and ".join(parts)
 
 
 def device_layers(virtual_layers: Sequence[int], pp: int) -> list[int]:

@@ -22,11 +22,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from resihp.coordinator.cluster import Cluster, GlobalBatch
 from resihp.coordinator.plan import Plan
-from resihp.coordinator.planner_cost import INF, Costs, PlannerConfig, cluster_tables, evaluate_with, plan_problems
+from resihp.coordinator.planner_cost import (
+    INF, Costs, PlannerConfig, cluster_tables, evaluate_with, failed_text, plan_problems,
+)
 from resihp.coordinator.planner_levels import rebuild, regroup, reshare, resplit
 from resihp.coordinator.planner_move import Move, plan_move
 from resihp.coordinator.planner_search import Searcher
@@ -242,7 +244,10 @@ def decide(
     finding: Any | None,
     now: float,
     config: PlannerConfig | None = None,
+    excluded: Collection[int] = (),
 ) -> Decision:
+    """``excluded``: ranks the cluster marks failed because the operator took them out
+    (alive, not faulty): the reason names them as excluded, not as failed."""
     cfg = config or PlannerConfig()
     view = apply_finding(cluster, finding)
     tab = cluster_tables(view)
@@ -252,7 +257,8 @@ def decide(
     current.validate_for(model.num_layers, model.num_heads)
     costs = Costs(view, model, batch, cfg, current.schedule, current.virtual_chunks)
     searcher = Searcher(view, model, batch, current, cfg)
-    problems = plan_problems(current, view, model, batch, cfg)
+    excluded = frozenset(excluded)
+    problems = plan_problems(current, view, model, batch, cfg, excluded)
     dead = sorted(tab.failed.intersection(current.ranks()))
     before = INF if problems else evaluate_with(costs, current).iteration_s
     tokens = batch.microbatches * batch.tokens_per_microbatch
@@ -264,7 +270,7 @@ def decide(
     # a transient fault's re-plan is undone when it ends: that second move is charged too
     transient = finding is not None and str(getattr(finding, "kind", "")) == "fail-slow"
     undo = cfg.revert_weight if transient else 0.0
-    what = _describe(finding, dead, problems)
+    what = _describe(finding, dead, problems, excluded)
 
     def keep(reason: str) -> Decision:
         return Decision(False, current, reason, before, before, tps_before, tps_before, 0, 0.0, "none", tuple(cands))
@@ -327,10 +333,10 @@ def _act(c: Candidate, reason: str, before: float, tps_before: float, tokens: in
                     c.move_bytes, c.move_s, c.level, tuple(cands))
 
 
-def _describe(finding: Any | None, dead: list[int], problems: list[str]) -> str:
+def _describe(finding: Any | None, dead: list[int], problems: list[str], excluded: frozenset[int] = frozenset()) -> str:
     if finding is None:
         if dead:
-            return f"ranks {dead} have failed"
+            return failed_text(dead, excluded)
         if problems:
             return "the current plan cannot run (" + "; ".join(problems) + ")"
         return "no finding; checking the current plan against the cluster"

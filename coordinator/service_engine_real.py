@@ -87,7 +87,7 @@ class RealEngine:
         return self.detector.rank_speed()
 
     def set_plan(self, plan: Plan, iteration: int) -> None:
-        self.detector.set_plan(plan)
+        self.detector.set_plan(plan, iteration)  # its first iteration: the detector re-warms from there
         self._rules.set_plan(plan, iteration)
 
     # --- planning ----------------------------------------------------------------------------
@@ -134,8 +134,12 @@ class RealEngine:
                               finding.replica, None, finding.factor, finding.cause, finding.reason, {}, finding.time_s)
         # the real runtime needs every replica to split a layer over the same TP size
         config = pl.PlannerConfig(uniform_tp_per_layer=True) if hasattr(pl, "PlannerConfig") else None
+        # unavailable = excluded by the operator or dead; the detector is told of every
+        # death (exit events, heartbeat timeouts), so an unavailable rank it has alive was
+        # excluded: the planner says so instead of calling it failed
+        excluded = frozenset(r for r in unavailable if speeds.get(r, 1.0) > 0)
         try:
-            d = pl.decide(cluster, self.header.model, batch, current, raw, now, config)
+            d = pl.decide(cluster, self.header.model, batch, current, raw, now, config, excluded=excluded)
         except SpecError as exc:  # no layout of the healthy devices can run the model
             broken = any(r in unavailable or speeds.get(r, 1.0) <= 0 for r in current.ranks())
             return EngineDecision(False, current, f"planner: {exc}", "none", fatal=broken)

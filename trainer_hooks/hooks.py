@@ -76,6 +76,9 @@ class Job:
     runtime: Runtime | None = None
     trace: TraceCollector | None = None
     on_reconfigure: Callable[[Job, m.ReconfigCommand], bool | None] | None = None  # False: ack later
+    # called once when a reconfiguration arrives before its apply_at: work that does not need
+    # the new groups (the reshard plan, the new stage module) is done then, not in the downtime
+    on_command_received: Callable[[Job, m.ReconfigCommand], None] | None = None
     resilience: Resilience | None = None
     progress: ProgressLog | None = None
     dropped_reports: int = 0
@@ -154,8 +157,14 @@ class Job:
 
     def _apply_commands(self, iteration: int, force: bool = False) -> StepOutcome:
         """Apply the commands due after ``iteration`` (all of them with ``force``: an idle spare)."""
-        self._pending.extend(self.transport.poll_commands())
+        arrived = self.transport.poll_commands()
+        self._pending.extend(arrived)
         next_it = iteration + 1
+        if self.on_command_received is not None and not force:
+            for cmd in arrived:
+                if isinstance(cmd, m.ReconfigCommand) and cmd.apply_at > next_it and cmd.epoch > self.epoch \
+                        and m.command_targets(cmd, self.rank):
+                    self.on_command_received(self, cmd)
 
         def is_due(c: m.Command) -> bool:
             # a plan already in force (applied by a fail-stop recovery) only needs its acknowledgement
@@ -279,6 +288,7 @@ def init(
         job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
                                         checkpoint_root=checkpoint_dir or None)
         job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
+        job_obj.on_command_received = job_obj.resilience.on_command_received
     if env_throttle is not None:
         factor, at = env_throttle
         job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,

@@ -4,12 +4,14 @@ policy is judged by.
 Stage compute comes from the real cost model (``resihp.coordinator.costmodel.stage_flops``)
 divided by the device's sustained FLOP/s and its current speed (a TP group runs at its
 slowest member). Each stage also pays its tensor-parallel all-reduces (2 forward, 2
-backward per layer, ring over the group's links) and the point-to-point send of its
+backward per layer, ring over the group's links: 2(tp−1) latencies each) and the point-to-point send of its
 activations (forward) or gradients (backward) to the neighbour stage, slowed by the worse
 of the two nodes' network factors. Pipeline makespan under 1F1B is Oobleck's closed form
 for unequal stages from ``resihp.coordinator.schedule`` (other schedules run the schedule
 simulator); the iteration is the slowest replica plus the data-parallel gradient
-all-reduce (ring across replicas, slowed by the slowest NIC taking part).
+all-reduce (ring across replicas, slowed by the slowest NIC taking part) plus, when the job
+describes it (``optimizer_bytes_per_param`` > 0), the memory-bound optimizer step of the
+largest shard. Activations and gradients are ``activation_bytes_per_value`` wide (bf16: 2).
 
 ``overlap_p2p=True`` models a runtime that takes send/recv off the compute stream (Adaptra's
 CPU-side RDMA): a stage then costs max(compute, p2p) instead of their sum.
@@ -54,11 +56,22 @@ class JobSpec:
     inter_node_latency_s: float = 20e-6
     memory_bytes: int = 80 * GiB
     grad_bytes_per_param: float = 2.0  # bf16 gradient all-reduce
+    activation_bytes_per_value: float = 2.0  # bf16 activations between stages and in TP all-reduces
+    # optimizer step: memory-bound, bytes it touches per parameter of the device's shard over
+    # the device's memory bandwidth (fp32 AdamW: 28). 0 = not modelled (the default: < 0.2 %
+    # of an iteration at cluster scale; it matters for small models, e.g. CPU runs)
+    optimizer_bytes_per_param: float = 0.0
+    device_mem_bw_Bps: float = 2.0e12
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "microbatches", "tokens_per_microbatch", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise SpecError(f"job: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.activation_bytes_per_value > 0 or not self.optimizer_bytes_per_param >= 0:
+            raise SpecError("job: activation_bytes_per_value must be > 0 and optimizer_bytes_per_param >= 0, got "
+                            f"{self.activation_bytes_per_value} and {self.optimizer_bytes_per_param}")
+        if not self.device_mem_bw_Bps > 0:
+            raise SpecError(f"job: device_mem_bw_Bps must be > 0, got {self.device_mem_bw_Bps}")
         if self.world_size % self.gpus_per_node:
             raise SpecError(
                 f"job: tp×pp×dp = {self.world_size} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes"
@@ -152,11 +165,13 @@ class PerfModel:
         job = self.job
         fl = self._flops(layers, tp, first, last)
         rate = job.device_flops * speed
-        act_bytes = 2.0 * job.tokens_per_microbatch * job.model.hidden
-        # TP: 2 all-reduces of the activations forward and 2 backward per layer (ring)
+        act_bytes = job.activation_bytes_per_value * job.tokens_per_microbatch * job.model.hidden
+        # TP: 2 all-reduces of the activations forward and 2 backward per layer; a ring takes
+        # 2(tp-1) steps, each paying the link latency (as the DP all-reduce and the planner's model)
         tp_comm = 0.0
         if tp > 1:
-            tp_comm = 2.0 * layers * (2.0 * (tp - 1) / tp * act_bytes / job.intra_node_bw_Bps + job.intra_node_latency_s)
+            tp_comm = 2.0 * layers * (2.0 * (tp - 1) / tp * act_bytes / job.intra_node_bw_Bps
+                                      + 2.0 * (tp - 1) * job.intra_node_latency_s)
         if cross_node_p2p:
             p2p = act_bytes / job.inter_node_bw_Bps * p2p_factor + job.inter_node_latency_s
         else:
@@ -235,6 +250,13 @@ class PerfModel:
         return (2.0 * (d - 1) / d * info.worst_grad_params * self.job.grad_bytes_per_param / self.job.inter_node_bw_Bps
                 * factor + 2 * (d - 1) * self.job.inter_node_latency_s)
 
+    def optimizer_s(self, plan: Plan) -> float:
+        """The optimizer step after the DP sync: every device steps its own shard at once,
+        so the iteration waits for the largest one."""
+        if self.job.optimizer_bytes_per_param <= 0.0:
+            return 0.0
+        return self._info(plan).worst_grad_params * self.job.optimizer_bytes_per_param / self.job.device_mem_bw_Bps
+
     def replica_s(self, plan: Plan, replica: int, world: World, overlap_p2p: bool = False) -> float:
         rep = plan.replicas[replica]
         if rep.microbatches == 0:
@@ -248,7 +270,8 @@ class PerfModel:
         if isinstance(hit, float):
             return hit
         try:
-            t = max(self.replica_s(plan, i, world, overlap_p2p) for i in range(plan.dp)) + self.dp_sync_s(plan, world)
+            t = (max(self.replica_s(plan, i, world, overlap_p2p) for i in range(plan.dp)) + self.dp_sync_s(plan, world)
+                 + self.optimizer_s(plan))
         except DeadRankError:
             t = math.inf
         if len(self._cache) > 200_000:

@@ -44,6 +44,9 @@ class AgentConfig:
     nvml_deadline_s: float = 2.0
     buffer_items: int = 10000
     exit_when_ranks_done: bool = False  # stop once every rank that said hello has exited
+    # CPU niceness added at start (0..19): the agent then runs in the ranks' idle time (pipeline
+    # bubbles, communication waits) instead of preempting a training rank on a busy node
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if not self.node:
@@ -51,6 +54,8 @@ class AgentConfig:
         for name in ("sample_interval_s", "heartbeat_interval_s", "nvml_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be 0..19 (added niceness; 0 = unchanged), got {self.nice}")
         if self.buffer_items < 16:
             raise ValueError(f"buffer_items must be >= 16, got {self.buffer_items}")
 
@@ -89,6 +94,8 @@ class AgentDaemon:
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.nice:
+            os.nice(self.cfg.nice)  # the whole process: every thread started after this inherits it
         self.hook_server.start()
         self.uplink.start()
         self._ticker.start()

@@ -1,7 +1,7 @@
 """``resihp agent``: run a node's sidecar agent until SIGTERM / SIGINT.
 
 Configuration precedence: CLI > env (RESIHP_COORDINATOR, RESIHP_TOKEN, RESIHP_JOB,
-RESIHP_NODE, RESIHP_AGENT_ADDR, RESIHP_RUN_DIR) > defaults. Writes
+RESIHP_NODE, RESIHP_AGENT_ADDR, RESIHP_RUN_DIR, RESIHP_AGENT_NICE) > defaults. Writes
 ``<run-dir>/agent-<node>.json`` with the bound hook address once it serves.
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nvml-deadline-s", type=float, default=2.0, help="deadline of every NVML call")
     p.add_argument("--exit-when-ranks-done", action="store_true",
                    help="stop once every rank that said hello has exited")
+    p.add_argument("--nice", type=int, default=int(env.get("RESIHP_AGENT_NICE", "0")),
+                   help="CPU niceness to add (0..19): run in the training ranks' idle time (env RESIHP_AGENT_NICE)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -52,7 +54,7 @@ def main(argv: list[str]) -> int:
                           world_size=args.world_size, sample_interval_s=args.sample_interval_s,
                           heartbeat_interval_s=args.heartbeat_interval_s, gpu_sampler=args.gpu_sampler,
                           nvml_deadline_s=args.nvml_deadline_s,
-                          exit_when_ranks_done=args.exit_when_ranks_done)
+                          exit_when_ranks_done=args.exit_when_ranks_done, nice=args.nice)
         daemon = AgentDaemon(cfg)
     except (AuthError, ValueError, OSError) as exc:
         print(f"resihp agent: {exc}", file=sys.stderr)

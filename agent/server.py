@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from resihp.coordinator import codec
 from resihp.coordinator import messages as m
+from resihp.coordinator import service_wire as wire
 from resihp.coordinator.codec import ValidationError
 from resihp.coordinator.service import SERVER_OPTIONS
 from resihp.proto import resihp_pb2 as pb
@@ -159,7 +160,7 @@ class HookServicer(pbg.HookServicer):
         reports, heartbeats = request.reports, request.heartbeats
         if len(reports) + len(heartbeats) > MAX_HOOK_BATCH:
             raise ValidationError(f"report batch holds more than {MAX_HOOK_BATCH} items; send smaller batches")
-        check = codec.check_report_pb
+        check = wire.check_report  # packed or per-chunk form
         seen = [check(r, f"reports[{i}]") for i, r in enumerate(reports)]
         beats = [codec.check_heartbeat_pb(h, f"heartbeats[{i}]") for i, h in enumerate(heartbeats)]
         check_rank = self.sink.check_rank

@@ -21,7 +21,10 @@ per global batch. Each layout records its trace.
 - ``hook_overhead_ratio``: iteration time with the two calls (reporting to a live node
   agent of a live coordinator, and the trace) over without, in alternating blocks of
   iterations (median of per-block means), so machine noise hits both alike; the table also
-  shows the time of the per-iteration call itself on rank 0.
+  shows the time of the per-iteration call itself on rank 0. The hooks report in batches
+  (one flush a second), so the agent and the coordinator handle a block's reports up to a
+  flush later: a block lasts at least ``BLOCK_FLUSHES`` flushes, else that work would land
+  in the next block without the calls and the ratio would hide it.
 - ``mtp_mape_real``: per micro-batch compute time (F + B of one micro-batch on one rank)
   predicted by the cost model (coordinator.costmodel, T = α·tokens + β·Σl² + γ per
   (layout, rank, kind)) calibrated on the first half of the measured iterations, scored on
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -56,6 +60,7 @@ LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "pp2dp2_unequal", "single")
 DEDICATED = ("tp2", "pp2", "dp2", "dp2_unequal", "single")
 GLOBAL_MB = 8
 SEQ = 128
+BLOCK_FLUSHES = 3  # overhead blocks last at least this many of the hooks' flush intervals
 
 
 # --- worker (runs under mpirun) ------------------------------------------------------------
@@ -143,9 +148,19 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
     coll = TraceCollector(boot.comm, boot.rank, 0, plan, every=20, out=fh, header=header)
     job = Job(boot=boot, model=spec, plan=plan, config=cfg, transport=transport, throttle=Throttle(), runtime=rt,
               trace=coll)
+    step_s = 0.0
     for it in range(warmup):
-        job.step(rt.train_step(it))
+        r = rt.train_step(it)
+        job.step(r)
+        step_s = r.time_s
     it = warmup
+    # The hooks send reports in batches every flush_s; the agent and coordinator do a with-block's
+    # work when its batches arrive, up to flush_s after the iterations. A block much shorter than
+    # that would push its control-plane work into the next without-block and hide it, so blocks
+    # span at least BLOCK_FLUSHES flush intervals (rank 0's warm-up step time decides, for all).
+    flush_s = float(getattr(getattr(transport, "client", None), "flush_s", 0.0))
+    step_s = boot.comm.bcast(step_s, root=0)
+    block_len = max(block_len, math.ceil(BLOCK_FLUSHES * flush_s / step_s)) if step_s > 0 else block_len
     times: dict[str, list[float]] = {"with": [], "without": [], "call": []}
     for b in range(2 * blocks):
         mode = "with" if b % 2 == 0 else "without"
@@ -163,7 +178,7 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
     if fh:
         fh.close()
     if boot.rank == 0:
-        (out / "overhead.json").write_text(json.dumps({**times, "agent": addr,
+        (out / "overhead.json").write_text(json.dumps({**times, "agent": addr, "block_len": block_len, "flush_s": flush_s,
                                                         "sent": getattr(getattr(transport, "client", None), "sent", 0)}))
     transport.close()
     destroy_groups(rt.groups)
@@ -325,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="measured steps per layout")
     ap.add_argument("--dedicated-steps", type=int, default=16, help="measured steps per layout, one rank per core")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--blocks", type=int, default=8, help="overhead: blocks per mode")
-    ap.add_argument("--block-len", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=6, help="overhead: blocks per mode")
+    ap.add_argument("--block-len", type=int, default=4,
+                    help="overhead: iterations per block, at least (blocks span BLOCK_FLUSHES report flushes)")
     ap.add_argument("--no-agent", action="store_true", help="measure the hooks without a live agent")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--world", default="oversubscribed", choices=sorted(WORLDS), help=argparse.SUPPRESS)
@@ -363,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         over = json.loads((run / "overhead.json").read_text())
         ratio = statistics.median(over["with"]) / statistics.median(over["without"])
         print(f"hook overhead ({'TP2xPP2xDP2' if world == 'oversubscribed' else 'PP2'}, agent {agents[world]}, "
-              f"{over['sent']} reports sent by rank 0): with {statistics.median(over['with']):.4f} s/it, "
+              f"{over['sent']} reports sent by rank 0, {len(over['with'])}x2 blocks of {over['block_len']} iterations, "
+              f"hooks flush every {over['flush_s']:g} s): with {statistics.median(over['with']):.4f} s/it, "
               f"without {statistics.median(over['without']):.4f} s/it, ratio {ratio:.4f}; the call itself "
               f"{statistics.median(over['call']) * 1e3:.2f} ms (median on rank 0)")
         print(f"mpirun wall time {walls[world]:.0f} s; traces in {run}\n")

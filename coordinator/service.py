@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from resihp.coordinator import codec
 from resihp.coordinator import messages as m
+from resihp.coordinator import service_wire as wire
 from resihp.coordinator.auth import TokenInterceptor, server_credentials
 from resihp.coordinator.codec import ValidationError
 from resihp.coordinator.journal import Journal
@@ -89,7 +90,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
         failure: list[str] = []
 
         def apply(msg: pb.AgentMessage) -> None:
-            self.core.on_batch(conn, codec.agent_batch_from_pb(msg))
+            self.core.on_batch(conn, wire.agent_batch_from_wire(msg))
 
         def reader() -> None:
             try:
@@ -281,6 +282,8 @@ class CoordinatorServer:
                 log.exception("tick failed")
 
     def start(self) -> None:
+        if self.cfg.nice:
+            os.nice(self.cfg.nice)  # the whole process (gRPC's threads included): yield to training ranks
         self.server.start()
         if self.metrics is not None:
             self.metrics.start()

@@ -50,6 +50,9 @@ class CoordinatorConfig:
     auto_reconfigure: bool = True
     max_workers: int = 64
     policy: dict[str, str] = field(default_factory=dict)  # engine policy overrides
+    # CPU niceness the coordinator process adds at start (0..19; env RESIHP_COORDINATOR_NICE): where
+    # it shares cores with training ranks it then runs in their idle time, not on their critical path
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -76,6 +79,8 @@ class CoordinatorConfig:
             )
         if self.apply_margin < 1:
             raise ConfigError(f"apply_margin must be >= 1 iteration, got {self.apply_margin}")
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"nice must be 0..19 (niceness to add; 0 = unchanged), got {self.nice}")
         if self.engine not in ("auto", "real", "rules"):
             raise ConfigError(f"engine must be auto, real or rules, got {self.engine!r}")
         if not (0 <= self.port < 65536):

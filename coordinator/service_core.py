@@ -14,6 +14,7 @@ import math
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -25,13 +26,19 @@ from resihp.coordinator.plan import Plan
 from resihp.coordinator.service_admin import CoordinatorAdmin, Refused
 from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine
+from resihp.coordinator.service_tracefmt import record_line
 from resihp.coordinator.joiner import Joiner
 from resihp.coordinator.statemachine import State, Trigger, can, step
 from resihp.coordinator.trace import (
-    ExitEvent, IterationRecord, PlanChange, Record, TraceHeader, header_to_dict, record_to_dict,
+    ExitEvent, IterationRecord, PlanChange, Record, TraceHeader, header_to_dict,
 )
 
 log = logging.getLogger(__name__)
+# _apply_at: a report's end time says how far the ranks got since, for up to REPORT_LAG_S (the
+# hooks' 1 s flush + linger + transit; more is a stall, not lag); one older than
+# MAX_EXTRAPOLATE_S (or from the future) says nothing about now
+REPORT_LAG_S = 2.0
+MAX_EXTRAPOLATE_S = 10.0
 
 
 @dataclass
@@ -43,6 +50,7 @@ class RankInfo:
     last_seen: float | None = None  # coordinator clock
     iteration: int = -1
     step_s: float = 0.0
+    iteration_end_s: float = 0.0  # wall clock (the rank's) at which ``iteration`` ended
     dead: bool = False
     finished: bool = False
     dead_reason: str = ""
@@ -77,10 +85,14 @@ class TraceSink:
     on the new plan (from its ``apply_at`` on, or earlier when a fail-stop recovery resumed
     before it: a record already shaped like the new plan)."""
 
+    FLUSH_S = 1.0  # iteration records reach the file within this (the core's tick flushes too)
+
     def __init__(self, path: Any, header: TraceHeader, append: bool = False) -> None:
-        self._fh = open(path, "a" if append else "w", encoding="utf-8")
+        self._fh = open(path, "a" if append else "w", encoding="utf-8", buffering=1 << 16)
         self._dp = header.plan.dp
         self._held: list[PlanChange] = []
+        self._flushed = time.monotonic()
+        self._dirty = False
         if not append:
             self._fh.write(json.dumps(header_to_dict(header), separators=(",", ":")) + "\n")
             self._fh.flush()
@@ -97,15 +109,31 @@ class TraceSink:
                     self._dp = pc.plan.dp
                     self._line(PlanChange(min(pc.iteration, rec.iteration), pc.plan))
         self._line(rec)
+        # iteration records are buffered (one write per second or so, not one per iteration);
+        # exits and plan changes, rare and what a reader waits for, go out at once
+        if not isinstance(rec, IterationRecord) or time.monotonic() - self._flushed >= self.FLUSH_S:
+            self.flush()
 
     def _line(self, rec: Record) -> None:
         try:
-            self._fh.write(json.dumps(record_to_dict(rec), separators=(",", ":")) + "\n")
-            self._fh.flush()
+            self._fh.write(record_line(rec) + "\n")
+            self._dirty = True
         except (TypeError, ValueError, OSError) as exc:  # a trace problem must not stop the control plane
             log.warning("trace: could not write %s: %s", type(rec).__name__, exc)
 
+    def flush(self, stale_s: float = 0.0) -> None:
+        """Write out what is buffered (with ``stale_s``: only if the last flush is that old)."""
+        if not self._dirty or time.monotonic() - self._flushed < stale_s:
+            return
+        try:
+            self._fh.flush()
+        except (ValueError, OSError) as exc:
+            log.warning("trace: could not flush: %s", exc)
+        self._flushed = time.monotonic()
+        self._dirty = False
+
     def close(self) -> None:
+        self.flush()
         self._fh.close()
 
 
@@ -332,6 +360,8 @@ class CoordinatorCore:
             log.warning("dropped report of rank %d: unknown epoch %d (current %d)", rep.rank, rep.epoch, self.epoch)
             return
         info = self.ranks[rep.rank]
+        if rep.iteration >= info.iteration:
+            info.iteration_end_s = rep.start_s + rep.step_s
         info.last_seen, info.iteration, info.step_s = now, max(info.iteration, rep.iteration), rep.step_s
         self.metrics.inc("resihp_reports_total", 1, {"job": self.config.job})
         self.metrics.set("resihp_rank_step_duration_seconds", rep.step_s,
@@ -493,11 +523,24 @@ class CoordinatorCore:
 
     def _apply_at(self) -> int:
         """An iteration every live rank reaches only after the command has arrived: the newest
-        reported one plus a margin of iterations that covers ``apply_lead_s`` at the current pace."""
-        newest = max([self.ranks[r].iteration for r in self._live_ranks()] + [self.last_iteration, -1])
-        steps = [self.ranks[r].step_s for r in self._live_ranks() if self.ranks[r].step_s > 0]
+        reported one, plus the iterations run since it ended, plus a margin of iterations that
+        covers ``apply_lead_s`` at the current pace.
+
+        Reports reach the coordinator up to the hooks' flush interval (about a second) after
+        their iteration ended, so the ranks are already further on: how far is extrapolated
+        from the newest report's end time (its wall clock) at the fastest rank's pace. A
+        report that ended in the future or long ago (clock skew, a stalled job) adds nothing."""
+        live = self._live_ranks()
+        newest = max([self.ranks[r].iteration for r in live] + [self.last_iteration, -1])
+        steps = [self.ranks[r].step_s for r in live if self.ranks[r].step_s > 0]
         lead = math.ceil(self.config.apply_lead_s / max(steps)) if steps else 0
-        return max(newest + max(int(self.policy["apply_margin"]), lead), 0)
+        ahead = 0
+        ends = [self.ranks[r].iteration_end_s for r in live if self.ranks[r].iteration == newest]
+        if steps and ends and max(ends) > 0:
+            since = self.clock() - max(ends)
+            if 0.0 < since <= MAX_EXTRAPOLATE_S:
+                ahead = math.ceil(min(since, REPORT_LAG_S) / min(steps))  # rounded up: a boundary too late is safe
+        return max(newest + ahead + max(int(self.policy["apply_margin"]), lead), 0)
 
     def _journal_command(self, cmd: m.Command, await_acks: bool) -> None:
         body: dict[str, Any] = {"seq": cmd.seq, "epoch": cmd.epoch, "kind": m.command_kind(cmd),
@@ -575,6 +618,8 @@ class CoordinatorCore:
             self._findings(found, now)
             for rec in self.joiner.flush(now, self.live_set()):
                 self._on_record(rec, now)
+            if self.trace is not None:
+                self.trace.flush(stale_s=TraceSink.FLUSH_S)
             pend = self.pending
             if pend is not None and now - pend.issued_at > float(self.policy["ack_timeout_s"]):
                 self.pending = None

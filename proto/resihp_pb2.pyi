@@ -28,8 +28,22 @@ class MicroBatch(_message.Message):
     seqlens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seqlens: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PackedChunks(_message.Message):
+    __slots__ = ("kinds", "microbatch", "chunk", "start_s", "end_s")
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
+    kinds: str
+    microbatch: _containers.RepeatedScalarFieldContainer[int]
+    chunk: _containers.RepeatedScalarFieldContainer[int]
+    start_s: _containers.RepeatedScalarFieldContainer[float]
+    end_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, kinds: _Optional[str] = ..., microbatch: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Iterable[int]] = ..., start_s: _Optional[_Iterable[float]] = ..., end_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class RankReport(_message.Message):
-    __slots__ = ("rank", "epoch", "iteration", "start_s", "step_s", "microbatches", "chunks")
+    __slots__ = ("rank", "epoch", "iteration", "start_s", "step_s", "microbatches", "chunks", "seqlens_count", "seqlens_flat", "packed_chunks")
     RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +51,9 @@ class RankReport(_message.Message):
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SEQLENS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SEQLENS_FLAT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     epoch: int
     iteration: int
@@ -44,7 +61,10 @@ class RankReport(_message.Message):
     step_s: float
     microbatches: _containers.RepeatedCompositeFieldContainer[MicroBatch]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkTiming]
-    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., start_s: _Optional[float] = ..., step_s: _Optional[float] = ..., microbatches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkTiming, _Mapping]]] = ...) -> None: ...
+    seqlens_count: _containers.RepeatedScalarFieldContainer[int]
+    seqlens_flat: _containers.RepeatedScalarFieldContainer[int]
+    packed_chunks: PackedChunks
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., start_s: _Optional[float] = ..., step_s: _Optional[float] = ..., microbatches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkTiming, _Mapping]]] = ..., seqlens_count: _Optional[_Iterable[int]] = ..., seqlens_flat: _Optional[_Iterable[int]] = ..., packed_chunks: _Optional[_Union[PackedChunks, _Mapping]] = ...) -> None: ...
 
 class RankHeartbeat(_message.Message):
     __slots__ = ("rank", "time_s", "iteration")

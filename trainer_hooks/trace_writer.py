@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from resihp.coordinator.plan import Plan
+from resihp.coordinator.service_tracefmt import dumps, iteration_dict, rows_of
 from resihp.coordinator.spec import ModelSpec
 from resihp.coordinator.trace import (
     ChunkTiming, DeviceInfo, IterationRecord, PlanChange, TraceHeader, header_to_dict, record_to_dict,
@@ -37,23 +38,39 @@ class RankIteration:
     chunks: tuple[tuple[str, int, int, float, float], ...]  # relative to this rank's start
 
 
+def _replica_seqlens(parts: list[RankIteration], plan: Plan) -> list[tuple[tuple[int, ...], ...]]:
+    seqlens: list[tuple[tuple[int, ...], ...]] = []
+    for r_idx, rep in enumerate(plan.replicas):
+        mine = [p for p in parts if p.replica == r_idx]
+        seqlens.append(mine[0].seqlens if mine else tuple(() for _ in range(rep.microbatches)))
+    return seqlens
+
+
 def join_iteration(iteration: int, parts: list[RankIteration], plan: Plan) -> IterationRecord:
     """Join every rank's part of one iteration into one trace record."""
     start = min(p.wall_start_s for p in parts)
     end = max(p.wall_start_s + p.time_s for p in parts)
-    seqlens: list[tuple[tuple[int, ...], ...]] = []
-    for r_idx, rep in enumerate(plan.replicas):
-        mine = [p for p in sorted(parts, key=lambda p: p.rank) if p.replica == r_idx]
-        seqlens.append(mine[0].seqlens if mine else tuple(() for _ in range(rep.microbatches)))
+    parts = sorted(parts, key=lambda p: p.rank)
     chunks = []
-    for p in sorted(parts, key=lambda p: p.rank):
+    for p in parts:
         shift = p.wall_start_s - start
         for kind, mb, chunk, s, e in p.chunks:
             chunks.append(ChunkTiming(p.rank, kind, mb, chunk, max(0.0, s + shift), max(0.0, e + shift)))
     return IterationRecord(
-        iteration=iteration, start_s=max(0.0, start), time_s=end - start, seqlens=tuple(seqlens),
+        iteration=iteration, start_s=max(0.0, start), time_s=end - start, seqlens=tuple(_replica_seqlens(parts, plan)),
         chunks=tuple(chunks), rank_step_s={p.rank: p.time_s for p in parts},
     )
+
+
+def iteration_line(iteration: int, parts: list[RankIteration], plan: Plan) -> str:
+    """The trace line of ``join_iteration(iteration, parts, plan)``, written without building
+    the record (the writer rank does this every iteration, on its critical path)."""
+    start = min(p.wall_start_s for p in parts)
+    end = max(p.wall_start_s + p.time_s for p in parts)
+    parts = sorted(parts, key=lambda p: p.rank)
+    rows = rows_of((p.rank, p.wall_start_s - start, p.chunks) for p in parts)
+    return dumps(iteration_dict(iteration, max(0.0, start), end - start, _replica_seqlens(parts, plan), rows,
+                                {p.rank: p.time_s for p in parts}))
 
 
 @dataclass
@@ -137,8 +154,7 @@ class TraceCollector:
             for change in [c for c in self._plan_changes if c.iteration <= it]:
                 self.out.write(_dumps(record_to_dict(change)) + "\n")
                 self._plan_changes.remove(change)
-            rec = join_iteration(it, [p for r, p in parts.items() if r in ranks], self.plan)
-            self.out.write(_dumps(record_to_dict(rec)) + "\n")
+            self.out.write(iteration_line(it, [p for r, p in parts.items() if r in ranks], self.plan) + "\n")
             self._written_through = it
             del self._pending[it]
         self.out.flush()

@@ -25,7 +25,7 @@ def test_mpirun_line_carries_ulfm_flags_and_root_permission() -> None:
     line = mpirun_command("mpirun", 4, ["RESIHP_JOB"], ["python", "train.py"], as_root=True)
     assert line[:3] == ["mpirun", "--allow-run-as-root", "--oversubscribe"]
     joined = " ".join(line)
-    assert " ".join(ULFM_FLAGS) in joined and "--mca mpi_ft_detector_thread true" in joined
+    assert " ".join(ULFM_FLAGS) in joined and "--with-ft ulfm" in joined and "mpi_ft_detector" not in joined
     assert line[-4:] == ["-x", "RESIHP_JOB", "python", "train.py"] and "-n 4" in joined
     assert "--allow-run-as-root" not in mpirun_command("mpirun", 2, [], ["x"], as_root=False)
 

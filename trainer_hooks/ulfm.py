@@ -36,15 +36,13 @@ log = logging.getLogger(__name__)
 STORE_ENV = "RESIHP_STORE_ADDR"  # host:port of the job's TCPStore, set by the launcher
 
 # mpirun arguments for a job that survives dead ranks. A killed rank is reported by the
-# runtime within milliseconds; the heartbeat detector only matters for ranks that hang, and
-# its default 10 s timeout falsely declared live ranks dead on an overloaded 2-core machine
-# (even with the detector thread), so the timeout is raised.
-FT_MPIRUN_ARGS: tuple[str, ...] = (
-    "--with-ft", "ulfm",
-    "--mca", "mpi_ft_detector", "true",
-    "--mca", "mpi_ft_detector_thread", "true",
-    "--mca", "mpi_ft_detector_timeout", "60",
-)
+# runtime (PRRTE sees its child exit) within milliseconds, with or without ULFM's heartbeat
+# detector. The detector is off: its thread (mpi_ft_detector_thread) segfaulted ranks in
+# MPI start-up (8 of 8 eight-rank starts on 2026-11-30, 0 of 8 with the thread off or the
+# detector off), and without its thread it declares a rank dead that spends its timeout
+# outside MPI calls (a rank computing in torch, a spare waiting). Hung ranks are the
+# coordinator's heartbeat timeout's to find.
+FT_MPIRUN_ARGS: tuple[str, ...] = ("--with-ft", "ulfm")
 
 
 class RecoveryError(RuntimeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -14,6 +15,20 @@ VENV_BIN = Path(sys.executable).parent
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture
+def world1() -> Iterator[None]:
+    """A one-rank gloo world in this process (the runtime needs an initialised default group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,19 +202,6 @@ def test_every_and_spares(tmp_path: Path) -> None:
 
 
 # --- a real runtime, one process --------------------------------------------------------------
-
-@pytest.fixture
-def world1() -> Iterator[None]:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_real_runtime_save_then_load_into_resumes_bitwise(tmp_path: Path, world1: None) -> None:
     from resihp.trainer_hooks.runtime import Runtime

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
@@ -16,18 +14,6 @@ from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp
 
 SPEC = ModelSpec("unit", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 CONFIG = TrainConfig(seed=3, max_seq_len=64, lr=1e-3)
-
-
-@pytest.fixture
-def world() -> Iterator[None]:
-    """A one-rank gloo world, as the runtime needs an initialised default group."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_pending_tp_place_is_sized_but_has_no_usable_group() -> None:
@@ -51,7 +37,7 @@ def test_a_stage_built_ahead_has_the_places_shapes_and_takes_its_group_later() -
         bind_tp(stage, TPContext(group=object(), index=0, size=2))
 
 
-def test_runtime_adopts_a_module_built_ahead_and_trains_like_a_fresh_one(world: None) -> None:
+def test_runtime_adopts_a_module_built_ahead_and_trains_like_a_fresh_one(world1: None) -> None:
     plan = Plan.uniform(1, 1, 1, SPEC.num_layers, 2)
     fresh = Runtime(SPEC, plan, 0, CONFIG)
     ahead = Runtime(SPEC, plan, 0, CONFIG, model=build_stage(SPEC, CONFIG.max_seq_len, place_of(plan, 0)),
@@ -62,7 +48,7 @@ def test_runtime_adopts_a_module_built_ahead_and_trains_like_a_fresh_one(world: 
     assert fresh.train_step(0).loss == pytest.approx(ahead.train_step(0).loss, rel=1e-6)
 
 
-def test_runtime_refuses_a_module_built_for_another_place(world: None) -> None:
+def test_runtime_refuses_a_module_built_for_another_place(world1: None) -> None:
     plan = Plan.uniform(1, 1, 1, SPEC.num_layers, 2)
     other = build_stage(SPEC, CONFIG.max_seq_len, place_of(Plan.uniform(1, 2, 1, SPEC.num_layers, 2), 0))
     with pytest.raises(SpecError, match=r"holds layers \(0, 2\).*needs \(\(0, 4\), True, True\)"):

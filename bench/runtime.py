@@ -77,13 +77,29 @@ def _plan(name: str, layers: int) -> Any:
     raise ValueError(f"unknown layout {name!r}")
 
 
+def enter_layout(boot: Any, spec: Any, cfg: Any, name: str, epoch: int) -> tuple[Any, Any, Any]:
+    """Start layout ``name`` in the world (collective): (plan, communicator of its members or of
+    the ranks it leaves out, this rank's Runtime or None where the layout leaves it out)."""
+    from resihp.trainer_hooks.groups import make_groups
+    from resihp.trainer_hooks.runtime import Runtime
+
+    plan = _plan(name, spec.num_layers)
+    boot.init_epoch(epoch)
+    member = plan.has_rank(boot.rank)
+    comm = boot.comm.Split(0 if member else 1, boot.rank)
+    if not member:
+        make_groups([plan], boot.rank)  # every rank creates every group
+        return plan, comm, None
+    return plan, comm, Runtime(spec, plan, boot.rank, cfg, epoch=epoch)
+
+
 def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int, warmup: int, blocks: int,
            block_len: int) -> int:
     import torch
 
     from resihp.coordinator.spec import preset
     from resihp.trainer_hooks.bootstrap import Bootstrap
-    from resihp.trainer_hooks.groups import destroy_groups, make_groups
+    from resihp.trainer_hooks.groups import destroy_groups
     from resihp.trainer_hooks.hooks import Job
     from resihp.trainer_hooks.reporter import AgentTransport, NullTransport, Transport
     from resihp.trainer_hooks.runtime import Runtime, TrainConfig
@@ -96,14 +112,9 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
     boot = Bootstrap(timeout_s=300)
     epoch = 0
     for name in layouts:
-        plan = _plan(name, spec.num_layers)
-        boot.init_epoch(epoch)
-        member = plan.has_rank(boot.rank)
-        comm = boot.comm.Split(0 if member else 1, boot.rank)
-        if not member:
-            make_groups([plan], boot.rank)
-        else:
-            rt = Runtime(spec, plan, boot.rank, cfg, epoch=epoch)
+        plan, comm, maybe_rt = enter_layout(boot, spec, cfg, name, epoch)
+        if maybe_rt is not None:
+            rt = maybe_rt
             local = comm.Get_rank()
             t0 = comm.bcast(time.time() if local == 0 else None, root=0)
 

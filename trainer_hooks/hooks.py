@@ -30,6 +30,8 @@ from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError, preset
 from resihp.coordinator.trace import ChunkTiming
+from resihp.trainer_hooks.agreement import is_agreed_command
+from resihp.trainer_hooks.agreement import is_due as agreed_due
 from resihp.trainer_hooks.bootstrap import STORE_ENV, Bootstrap
 from resihp.trainer_hooks.reporter import Transport, connect
 from resihp.trainer_hooks.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
@@ -162,13 +164,22 @@ class Job:
         next_it = iteration + 1
         if self.on_command_received is not None and not force:
             for cmd in arrived:
-                if isinstance(cmd, m.ReconfigCommand) and cmd.apply_at > next_it and cmd.epoch > self.epoch \
-                        and m.command_targets(cmd, self.rank):
+                # (a resilient member never applies a command at the boundary it arrived: see agreement.py)
+                if isinstance(cmd, m.ReconfigCommand) and cmd.epoch > self.epoch and m.command_targets(cmd, self.rank) \
+                        and (cmd.apply_at > next_it or self.resilience is not None):
                     self.on_command_received(self, cmd)
+
+        # a resilient member applies planned switches and drains where every member does
+        agree = self.resilience is not None and not force and self.runtime is not None
+        agreed = self.resilience.agreed_at(iteration) if agree and self.resilience is not None else None
 
         def is_due(c: m.Command) -> bool:
             # a plan already in force (applied by a fail-stop recovery) only needs its acknowledgement
-            return force or c.apply_at <= next_it or (isinstance(c, m.ReconfigCommand) and c.epoch <= self.epoch)
+            if force or (isinstance(c, m.ReconfigCommand) and c.epoch <= self.epoch):
+                return True
+            if agree and is_agreed_command(c):
+                return agreed_due(c, next_it, agreed)
+            return c.apply_at <= next_it
 
         due = [c for c in self._pending if is_due(c)]
         self._pending = [c for c in self._pending if not is_due(c)]
@@ -198,6 +209,8 @@ class Job:
                 continue
             self.transport.ack(cmd, next_it)
             applied.append(kind)
+        if agree and self.resilience is not None and not stop:
+            self.resilience.post_round(iteration, self._pending)
         return StepOutcome(iteration, tuple(applied), stop)
 
     def close(self) -> None:
@@ -212,6 +225,8 @@ class Job:
         if self.progress is not None and self.plan.has_rank(self.rank) and self.rank == loss_rank(self.plan):
             self.progress.write("end", step=self._iteration, epoch=self.epoch, plan=self.plan.describe())
         self.transport.close()
+        if self.resilience is not None and self.resilience.agreement is not None:
+            self.resilience.agreement.close()
         # after a failure the MPI world is broken: no closing barrier (the store is external)
         self.boot.close(barrier=self.resilience is None)
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, StoreProcess
 
@@ -157,6 +157,44 @@ class _JobFinishedWatch:
         return self.finished or self.aborted
 
 
+class _ProgressWatch:
+    """Whether the job still makes progress: some file the job writes as it trains grew.
+
+    The coordinator writes every reported iteration to ``trace.jsonl`` (within a second),
+    the loss rank writes ``progress.jsonl``, and every command, ack and finding goes to
+    ``events.jsonl``. When none of them grew for ``timeout_s`` the ranks are stuck (for
+    example alive but hung, which MPI does not detect without ULFM's detector thread), and a
+    job that never ends is worse than one that stops with a reason. ``clock``: injected for
+    tests."""
+
+    NAMES = ("trace.jsonl", "progress.jsonl", "events.jsonl")
+
+    def __init__(self, run: Path, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.run = run
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._sizes: tuple[int, ...] = self._measure()
+        self._since = clock()
+
+    def _measure(self) -> tuple[int, ...]:
+        out = []
+        for name in self.NAMES:
+            try:
+                out.append((self.run / name).stat().st_size)
+            except OSError:
+                out.append(-1)
+        return tuple(out)
+
+    def stalled_s(self) -> float | None:
+        """Seconds without progress once past ``timeout_s`` (else None; never with timeout 0)."""
+        now, sizes = self.clock(), self._measure()
+        if sizes != self._sizes:
+            self._sizes, self._since = sizes, now
+        if self.timeout_s <= 0 or now - self._since < self.timeout_s:
+            return None
+        return now - self._since
+
+
 def main(argv: list[str]) -> int:
     if "--" in argv:
         split = argv.index("--")
@@ -179,6 +217,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu-sampler", choices=["nvml", "off", "fake"], default="nvml")
     p.add_argument("--finalize-grace-s", type=float, default=5.0,
                    help="after the last rank exits, how long mpirun may take before it is ended")
+    p.add_argument("--stall-timeout-s", type=float, default=600.0,
+                   help="end the job when none of trace.jsonl, progress.jsonl, events.jsonl grew for this long "
+                        "(ranks alive but stuck); 0 = never")
     p.add_argument("--coordinator-arg", action="append", default=[], help="extra argument for the coordinator")
     args = p.parse_args(mine)
     if not cmd:
@@ -256,6 +297,8 @@ def main(argv: list[str]) -> int:
         seen_ranks = False
         idle_since: float | None = None
         finished = _JobFinishedWatch(run / "events.jsonl")
+        progress = _ProgressWatch(run, args.stall_timeout_s)
+        stalled: float | None = None
         while mpi.poll() is None and not interrupted:
             time.sleep(0.2)
             live = _rank_processes(mpi.pid)
@@ -268,8 +311,16 @@ def main(argv: list[str]) -> int:
                     _stop(mpi, 2.0, group=True)
             else:
                 idle_since = None
+            stalled = progress.stalled_s()
+            if stalled is not None:
+                print(f"resihp launch: no progress for {stalled:.0f} s (none of {', '.join(_ProgressWatch.NAMES)} grew "
+                      f"in {run}); the ranks are stuck, ending the job (--stall-timeout-s sets how long to wait)",
+                      file=sys.stderr)
+                break
         rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
-        if finished.aborted:
+        if stalled is not None:
+            rc = 1
+        elif finished.aborted:
             print(f"resihp launch: the coordinator aborted the job; see {run / 'events.jsonl'}", file=sys.stderr)
             rc = 1
         elif rc != 0 and finished.poll() and not interrupted:

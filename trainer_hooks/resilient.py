@@ -36,8 +36,9 @@ import torch.distributed as dist
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import SpecError
+from resihp.trainer_hooks.agreement import BoundaryAgreement, Holding, holding_of
 from resihp.trainer_hooks.groups import retire
-from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport
+from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, connect_store
 from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
 from resihp.trainer_hooks.reshard import ReshardError
 from resihp.trainer_hooks.runtime import StepResult
@@ -101,6 +102,16 @@ class Resilience:
     # the newest epoch any switch attempt used (a failed attempt's store prefix is never reused)
     _tried_epoch: int = -1
     _adopted_seq: int | None = None  # the coordinator command whose plan the last recovery took
+    # members agree at which boundary a command applies (trainer_hooks/agreement.py)
+    agreement: BoundaryAgreement | None = None
+    _round_epoch: int | None = None  # the epoch of the round collected at this boundary
+    _stall: BaseException | None = None  # the members went silent at a boundary: recover
+
+    def __post_init__(self) -> None:
+        if self.agreement is None:
+            timeout = max(4.0 * self.rc.timeout_s, 30.0)
+            self.agreement = BoundaryAgreement(lambda: connect_store(self.rc.store_addr, timeout), self.rc.rank,
+                                               timeout)
 
     # --- the loop ---------------------------------------------------------------------
     def iterations(self, total: int, start: int = 0) -> Iterator[int]:
@@ -119,6 +130,10 @@ class Resilience:
         if self._notice is not None:  # the coordinator saw a rank die before any collective did
             self._recover(RuntimeError(f"coordinator notice: {self._notice.reason}"))
             return None
+        if self._stall is not None:
+            stall, self._stall = self._stall, None
+            self._recover(stall)
+            return None
         self.guard.before_step(self.rc, step)
         try:
             result = self.rc.train_step(step)
@@ -133,6 +148,34 @@ class Resilience:
         return result
 
     # --- commands ---------------------------------------------------------------------
+    def agreed_at(self, iteration: int) -> Holding | None:
+        """What every member held at the previous boundary (None: no round outstanding, e.g. just
+        after a switch, or the coordinator reported a death while we waited)."""
+        assert self.agreement is not None
+        self._round_epoch = self.rc.epoch
+        try:
+            return self.agreement.collect(give_up=self._death_reported)
+        except Exception as exc:  # noqa: BLE001 - silent members: treated as a failed peer
+            log.warning("rank %d: at boundary %d: %s", self.rc.rank, iteration, exc)
+            self._stall = exc
+            return None
+
+    def post_round(self, iteration: int, pending: list[m.Command]) -> None:
+        """Post this member's holding at boundary ``iteration``, unless this boundary switched
+        plans or found a failure (then every member starts over at its next boundary)."""
+        assert self.agreement is not None
+        if self.rc.runtime is None or self.rc.epoch != self._round_epoch or self._notice is not None \
+                or self._stall is not None:
+            self.agreement.reset()
+            return
+        self.agreement.post(self.rc.epoch, iteration, self.rc.plan.ranks(),
+                            holding_of(pending, self.rc.epoch, self.rc.rank))
+
+    def _death_reported(self) -> bool:
+        self.job._pending.extend(self.job.transport.poll_commands())
+        return any(isinstance(c, m.ReconfigCommand) and c.reason.startswith("fail-stop") and c.epoch > self.rc.epoch
+                   for c in self.job._pending)
+
     def on_command_received(self, job: Job, cmd: m.ReconfigCommand) -> None:
         """Job.on_command_received: prepare a planned switch while its apply_at is ahead (the
         reshard plan and the new stage module); the switch itself redoes whatever this could
@@ -251,6 +294,8 @@ class Resilience:
         log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
                     str(cause)[:160])
         self._abort_groups()  # peers blocked on this rank fail at once instead of at their timeout
+        assert self.agreement is not None
+        self.agreement.reset()
         member = self.rc.runtime is not None
         last = self.last_done if member else SPARE_STEP
         shards: Shards | None = None

@@ -1,0 +1,109 @@
+"""A command that reaches the ranks at different boundaries: every rank still switches at one.
+
+    RESIHP_STORE=host:port mpirun --with-ft ulfm ... -n 4 python reconfig_late_command.py OUT
+
+Epoch 0: an uninterrupted TP2×DP2 reference of STEPS steps (its losses). Then the same job from
+the same seed runs resilient through ``hooks.init`` with a scripted agent transport:
+
+1. a switch to PP2×DP2 with ``apply_at`` LATE_AT reaches rank 0 at its first boundary, far
+   ahead, and ranks 1-3 only at boundary LATE_ARRIVES, *after* its apply_at — the race a
+   lagging coordinator can cause. Without an agreement rank 0 would switch before step
+   LATE_AT while the others ran it, and each would wait on the other until gloo timed out;
+2. a switch back to TP2×DP2 reaches every rank at boundary ON_TIME_ARRIVES, two boundaries
+   before its ``apply_at`` ON_TIME_AT (the coordinator's margin): it applies exactly there.
+
+Every rank writes OUT/RANK.json: its committed steps, the resilient loop's history and the
+acknowledgements (command seq, iteration, ok).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, report_and_exit, set_threads
+from resihp.coordinator import messages as m
+from resihp.coordinator.plan import Plan
+from resihp.trainer_hooks import hooks
+from resihp.trainer_hooks.bootstrap import STORE_ENV
+from resihp.trainer_hooks.groups import destroy_groups
+from resihp.trainer_hooks.reconfigure import LiveReconfigurer, init_world
+from resihp.trainer_hooks.ulfm import ft_world
+
+STEPS = 14
+LATE_AT, LATE_ARRIVES = 4, 6
+ON_TIME_AT, ON_TIME_ARRIVES = 11, 9
+START = Plan.uniform(2, 1, 2, SPEC.num_layers, GLOBAL_MB)
+PP2DP2 = Plan.uniform(1, 2, 2, SPEC.num_layers, GLOBAL_MB)
+
+
+class ScriptedTransport:
+    """The agent's side of the hooks: each command reaches this rank at a chosen boundary
+    (the boundary after step N is the poll that follows step N)."""
+
+    def __init__(self, rank: int) -> None:
+        self.job: hooks.Job | None = None
+        late_arrival = 0 if rank == 0 else LATE_ARRIVES
+        self.script = [
+            (late_arrival, m.ReconfigCommand(epoch=10, plan=replace(PP2DP2, epoch=10), apply_at=LATE_AT,
+                                             reason="planned: PP2xDP2", seq=1)),
+            (ON_TIME_ARRIVES, m.ReconfigCommand(epoch=11, plan=replace(START, epoch=11), apply_at=ON_TIME_AT,
+                                                reason="planned: back to TP2xDP2", seq=2)),
+        ]
+        self.acks: list[tuple[int, int, bool, str]] = []
+        self.arrived: list[tuple[int, int]] = []  # (seq, boundary)
+
+    def report(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def poll_commands(self) -> list[m.Command]:
+        boundary = self.job._iteration if self.job is not None else -1
+        due = [(at, c) for at, c in self.script if at <= boundary]
+        self.script = [(at, c) for at, c in self.script if at > boundary]
+        self.arrived += [(c.seq, boundary) for _, c in due]
+        return [c for _, c in due]
+
+    def ack(self, command: m.Command, iteration: int, ok: bool = True, error: str = "") -> None:
+        self.acks.append((command.seq, iteration, ok, error))
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    out = sys.argv[1]
+    set_threads()
+    store = os.environ[STORE_ENV]
+    world = ft_world()
+    me, size = world.rank, world.size
+    if size != 4:
+        raise SystemExit(f"run with 4 ranks, got {size}")
+
+    init_world(store, 0, me, size, 120.0)  # the reference: uninterrupted
+    ref = LiveReconfigurer(SPEC, START, me, CONFIG, store, timeout_s=120.0)
+    ref_losses = [r.loss if r else None for r in (ref.train_step(s) for s in range(STEPS))]
+    gathered = world.comm.allgather(ref_losses)
+    ref_losses = [next((v[i] for v in gathered if v[i] is not None), None) for i in range(STEPS)]
+    assert ref.runtime is not None
+    destroy_groups(ref.runtime.groups)
+
+    tx = ScriptedTransport(me)
+    job = hooks.init(SPEC, replace(START, epoch=1), config=CONFIG, transport=tx, trace="", resilient=True,
+                     failure_timeout_s=5.0)
+    tx.job = job
+    res = job.resilience
+    assert res is not None
+    records: list[dict[str, Any]] = []
+    for it in job.iterations(STEPS):
+        r = job.train_step(it)
+        if r is not None:
+            records.append({"step": it, "epoch": res.rc.epoch, "loss": r.loss, "samples": list(r.sample_ids)})
+        job.step(r)
+    report = {"rank": me, "records": records, "history": res.history, "acks": tx.acks, "arrived": tx.arrived,
+              "ref_losses": ref_losses, "failures": res.failures}
+    report_and_exit(out, me, report)
+
+
+if __name__ == "__main__":
+    main()

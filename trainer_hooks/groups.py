@@ -21,6 +21,7 @@ one group.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -98,7 +99,16 @@ def param_names(place: StagePlace) -> list[str]:
 
 
 def shard_holders(plan: Plan) -> dict[tuple[str, int, int], tuple[int, ...]]:
-    """(param name, tp_index, tp_size) → the ranks holding that shard (one per replica)."""
+    """(param name, tp_index, tp_size) → the ranks holding that shard (one per replica).
+    Cached per layout (callers must not modify it): a switch asks for it several times, and
+    ``LiveReconfigurer.prepare`` asks ahead, under another epoch."""
+    return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks)
+
+
+@functools.lru_cache(maxsize=16)
+def _shard_holders(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int
+                   ) -> dict[tuple[str, int, int], tuple[int, ...]]:
+    plan = Plan(replicas, schedule, virtual_chunks)
     holders: dict[tuple[str, int, int], list[int]] = {}
     sizes: dict[str, int] = {}
     for rank in plan.ranks():
@@ -133,12 +143,18 @@ class EpochGroups:
         return self._by_ranks.get(ranks)
 
 
-def rank_sets(plan: Plan) -> set[tuple[int, ...]]:
-    """Every rank set that needs a group under ``plan`` (TP, DP holders, loss)."""
+def rank_sets(plan: Plan) -> frozenset[tuple[int, ...]]:
+    """Every rank set that needs a group under ``plan`` (TP, DP holders, loss); cached per layout."""
+    return _rank_sets(plan.replicas, plan.schedule, plan.virtual_chunks)
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_sets(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int) -> frozenset[tuple[int, ...]]:
+    plan = Plan(replicas, schedule, virtual_chunks)
     sets: set[tuple[int, ...]] = {tuple(sorted(g)) for rep in plan.replicas for g in rep.stages}
     sets |= set(shard_holders(plan).values())
     sets.add(tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1])))
-    return sets
+    return frozenset(sets)
 
 
 def make_groups(plans: Sequence[Plan], rank: int) -> dict[tuple[int, ...], Any]:

@@ -39,13 +39,13 @@ import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
-from resihp.trainer_hooks.groups import StagePlace, destroy_groups, make_groups, place_of, retire
+from resihp.trainer_hooks.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.model import GPTStage
 from resihp.trainer_hooks.reshard import STATES, ReshardPlan, plan_reshard
 from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig, build_stage
 from resihp.trainer_hooks.throttle import Throttle
-from resihp.trainer_hooks.transfer import Shards, execute_reshard
+from resihp.trainer_hooks.transfer import Shards, execute_reshard, prepare_rank
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +282,9 @@ class LiveReconfigurer:
         if cached is None:
             cached = plan_reshard(self.plan, new_plan, self.specs, who, states=states)
             self._prepared = {key: cached}  # only the next switch is worth keeping
+            prepare_rank(cached, self.rank, new_plan, self.specs)  # this rank's part of it, too
+            with contextlib.suppress(SpecError):  # the groups' rank sets (cached), in group numbering
+                rank_sets(renumber(new_plan, self.pg_rank_of()))
         return cached
 
     def _release(self) -> None:
@@ -351,8 +354,9 @@ class LiveReconfigurer:
             downtime_s=t3 - t0, reshard=rplan,
         )
         self.history.append(report)
-        log.info("[rank %d epoch %d] reconfigured (%s): %s; %.3f s", self.rank, epoch, report.role,
-                 rplan.summary(), report.downtime_s)
+        if log.isEnabledFor(logging.INFO):  # the summary walks every transfer
+            log.info("[rank %d epoch %d] reconfigured (%s): %s; %.3f s", self.rank, epoch, report.role,
+                     rplan.summary(), report.downtime_s)
         return report
 
     def on_reconfigure(self) -> Callable[[Any, Any], None]:

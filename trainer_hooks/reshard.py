@@ -18,8 +18,10 @@ Pure: no torch, grpc or MPI; deterministic for equal inputs.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Mapping, Sequence
 
 from resihp.coordinator.plan import Plan
@@ -58,9 +60,13 @@ class Transfer:
     def is_local(self) -> bool:
         return self.src == self.dst
 
-    @property
-    def shape(self) -> tuple[int, ...]:
+    @cached_property
+    def shape(self) -> tuple[int, ...]:  # cached: the executor asks for it per piece, per switch
         return tuple(s.stop - s.start for s in self.index)
+
+    @cached_property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {

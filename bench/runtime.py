@@ -110,6 +110,9 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
     spec = preset("gpt-tiny")
     cfg = TrainConfig(seed=1, max_seq_len=SEQ)
     boot = Bootstrap(timeout_s=300)
+    busy = busy_probe(boot.comm)
+    if boot.rank == 0:
+        (out / "busy.json").write_text(json.dumps(busy))
     epoch = 0
     for name in layouts:
         plan, comm, maybe_rt = enter_layout(boot, spec, cfg, name, epoch)
@@ -197,15 +200,85 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
     return 0
 
 
+def busy_probe(comm: Any, seconds: float = 1.0) -> dict[str, Any]:
+    """The share of a core a plain busy loop gets (CPU time over wall time, no torch): one rank
+    alone, then every rank at once — what this machine gives a rank when its neighbours
+    compute too. Measured, not fitted: the shared-host model's only input about the machine."""
+    def spin() -> float:
+        t0, c0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            pass
+        return (time.process_time() - c0) / (time.perf_counter() - t0)
+
+    comm.Barrier()
+    alone = spin() if comm.Get_rank() == 0 else 0.0
+    comm.Barrier()
+    together = spin()
+    comm.Barrier()
+    return {"alone": alone, "together": comm.allgather(together), "ranks": comm.Get_size()}
+
+
+def host_speed(busy: dict[str, Any]) -> list[float]:
+    """A rank's speed while k ranks compute (k = 1..ranks), relative to a rank alone: the host
+    gives k busy ranks its throughput (the probe's total with every rank busy) shared
+    equally, and never more than one rank alone gets."""
+    alone = float(busy["alone"])
+    together = [float(x) for x in busy["together"]]
+    throughput = sum(together) / alone  # in units of "one rank alone"
+    return [min(1.0, throughput / k) for k in range(1, len(together) + 1)]
+
+
 # --- analysis (pure numpy + the cost model and simulator) ----------------------------------
 def mape(pred: list[float], obs: list[float]) -> float:
     return sum(abs(p - o) / o for p, o in zip(pred, obs)) / max(1, len(obs))
 
 
-def analyse(path: Path) -> dict[str, Any]:
-    """Calibrate on the first half of a layout's trace, score micro-batch and iteration time on the rest."""
+BUSY_KINDS = ("F", "B", "OPT")  # chunks that compute on the rank's core (P2P and DP wait, mostly)
+
+
+def _busy(rec: Any) -> dict[int, list[tuple[float, float]]]:
+    out: dict[int, list[tuple[float, float]]] = {}
+    for c in rec.chunks:
+        if c.kind in BUSY_KINDS and c.end_s > c.start_s:
+            out.setdefault(c.rank, []).append((c.start_s, c.end_s))
+    return out
+
+
+def mean_speed(rank: int, start: float, end: float, busy: dict[int, list[tuple[float, float]]],
+               speed: list[float]) -> float:
+    """The mean speed ``rank`` ran at over [start, end): speed[k-1] while k ranks of the host
+    (this one included) were busy, from the other ranks' recorded compute chunks."""
+    from resihp.coordinator.schedule_shared import speed_for
+
+    if end <= start:
+        return 1.0
+    edges = [(start, 0), (end, 0)]
+    for r, spans in busy.items():
+        if r == rank:
+            continue
+        for s, e in spans:
+            if e > start and s < end:
+                edges += [(max(s, start), 1), (min(e, end), -1)]
+    edges.sort()
+    total, others, t = 0.0, 0, start
+    for at, delta in edges:
+        total += (at - t) * speed_for(speed, 1 + others)
+        t, others = at, others + delta
+    return total / (end - start)
+
+
+def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
+    """Calibrate on the first half of a layout's trace, score micro-batch and iteration time on
+    the rest. ``speed`` (the host's, ``host_speed``): the shared-host model — chunk costs are
+    calibrated as a rank alone would run them and predicted through the processor-sharing
+    simulator (coordinator.schedule_shared); without it every rank is a device of its own
+    (coordinator.schedule.simulate_iteration)."""
     from resihp.coordinator.costmodel import Calibrator
+    from resihp.coordinator.plan import Schedule
     from resihp.coordinator.schedule import ReplicaWork, simulate_iteration
+    from resihp.coordinator.schedule_orders import B as KIND_B
+    from resihp.coordinator.schedule_orders import F as KIND_F
+    from resihp.coordinator.schedule_shared import simulate_shared
     from resihp.coordinator.trace import IterationRecord, load_trace
 
     header, recs = load_trace(str(path))
@@ -218,18 +291,20 @@ def analyse(path: Path) -> dict[str, Any]:
     dp_s: list[float] = []
     opt_s: list[float] = []
 
-    def per_mb(rec: IterationRecord) -> dict[tuple[int, int], dict[str, float]]:
-        out: dict[tuple[int, int], dict[str, float]] = {}
+    def per_mb(rec: IterationRecord) -> dict[tuple[int, int], dict[str, Any]]:
+        out: dict[tuple[int, int], dict[str, Any]] = {}
         for c in rec.chunks:
             if c.kind in ("F", "B"):
-                out.setdefault((c.rank, c.microbatch), {})[c.kind] = c.duration_s
+                out.setdefault((c.rank, c.microbatch), {})[c.kind] = c
         return out
 
     for rec in train:
+        busy = _busy(rec) if speed else {}
         for (rank, mb), kinds in per_mb(rec).items():
             lens = rec.seqlens[plan.position(rank).replica][mb]
-            for kind, d in kinds.items():
-                cal.add((rank, kind), lens, d)
+            for kind, c in kinds.items():
+                solo = c.duration_s * (mean_speed(rank, c.start_s, c.end_s, busy, speed) if speed else 1.0)
+                cal.add((rank, kind), lens, solo)
         by_rank_dp = [c.duration_s for c in rec.chunks if c.kind == "DP"]
         if by_rank_dp:
             dp_s.append(min(by_rank_dp))  # the last rank to arrive waits least: the all-reduce itself
@@ -237,28 +312,45 @@ def analyse(path: Path) -> dict[str, Any]:
         p2p += [c.duration_s for c in rec.chunks if c.kind == "P2P" and c.microbatch >= 0]
     p2p_lat = sorted(p2p)[len(p2p) // 10] if p2p else 0.0  # a transfer nobody waited for
     dp_lat, opt_lat = (statistics.median(dp_s) if dp_s else 0.0), (statistics.median(opt_s) if opt_s else 0.0)
+    dp_sync = dp_lat if plan.dp > 1 else 0.0
     mb_pred: list[float] = []
     mb_obs: list[float] = []
     it_pred: list[float] = []
     it_obs: list[float] = []
     for rec in test:
+        live = [(r_idx, rep) for r_idx, rep in enumerate(plan.replicas) if rep.microbatches]
+        tables = {r_idx: ([[cal.predict((g[0], "F"), rec.seqlens[r_idx][i]) for i in range(rep.microbatches)]
+                           for g in rep.stages],
+                          [[cal.predict((g[0], "B"), rec.seqlens[r_idx][i]) for i in range(rep.microbatches)]
+                           for g in rep.stages]) for r_idx, rep in live}
+        if speed:
+            res = simulate_shared(Schedule(plan.schedule), [tables[r][0] for r, _ in live],
+                                  [tables[r][1] for r, _ in live], host_of=[[0] * rep.pp for _, rep in live],
+                                  width=[[len(g) for g in rep.stages] for _, rep in live], host_speed=speed,
+                                  p2p_s=p2p_lat, dp_sync_s=dp_sync, optimizer_s=opt_lat)
+            it_pred.append(res.iteration_s)
+            where = {r: i for i, (r, _) in enumerate(live)}
+
+            def predicted(rank: int, mb: int) -> float:
+                pos = plan.position(rank)
+                i, pp = where[pos.replica], plan.replicas[pos.replica].pp
+                fs, fe = res.op_span(i, KIND_F, pos.stage, mb, pp)
+                bs, be = res.op_span(i, KIND_B, pos.stage, mb, pp)
+                return (fe - fs) + (be - bs)
+        else:
+            works = [ReplicaWork(f=tables[r][0], b=tables[r][1], pp=rep.pp) for r, rep in live]
+            it_pred.append(simulate_iteration(plan.schedule, works, dp_sync_s=dp_sync, optimizer_s=opt_lat,
+                                              p2p_s=p2p_lat).iteration_s)
+
+            def predicted(rank: int, mb: int) -> float:
+                lens = rec.seqlens[plan.position(rank).replica][mb]
+                return float(cal.predict((rank, "F"), lens) + cal.predict((rank, "B"), lens))
+        it_obs.append(rec.time_s)
         for (rank, mb), kinds in per_mb(rec).items():
             if set(kinds) != {"F", "B"}:
                 continue
-            lens = rec.seqlens[plan.position(rank).replica][mb]
-            mb_pred.append(cal.predict((rank, "F"), lens) + cal.predict((rank, "B"), lens))
-            mb_obs.append(kinds["F"] + kinds["B"])
-        works = []
-        for r_idx, rep in enumerate(plan.replicas):
-            lens_list = rec.seqlens[r_idx]
-            f = [[cal.predict((g[0], "F"), lens_list[i]) for i in range(rep.microbatches)] for g in rep.stages]
-            b = [[cal.predict((g[0], "B"), lens_list[i]) for i in range(rep.microbatches)] for g in rep.stages]
-            if rep.microbatches:
-                works.append(ReplicaWork(f=f, b=b, pp=rep.pp))
-        res = simulate_iteration(plan.schedule, works, dp_sync_s=dp_lat if plan.dp > 1 else 0.0,
-                                 optimizer_s=opt_lat, p2p_s=p2p_lat)
-        it_pred.append(res.iteration_s)
-        it_obs.append(rec.time_s)
+            mb_pred.append(predicted(rank, mb))
+            mb_obs.append(kinds["F"].duration_s + kinds["B"].duration_s)
     return {"mtp_mape": mape(mb_pred, mb_obs), "itp_mape": mape(it_pred, it_obs),
             "mb_samples": len(mb_obs), "iterations": len(it_obs),
             "iteration_s": statistics.median(r.time_s for r in its)}
@@ -378,15 +470,21 @@ def main(argv: list[str] | None = None) -> int:
         run = base / world
         tps: dict[str, float] = {}
         errs: dict[str, dict[str, float]] = {}
-        print(f"{'layout':<16}{'ranks':>6}{'tokens/s':>11}{'iter s':>9}{'MTP MAPE':>10}{'MTP(cpu)':>10}{'ITP MAPE':>10}")
+        speed = host_speed(json.loads((run / "busy.json").read_text()))
+        print(f"host: a busy rank's speed while k = 1..{len(speed)} ranks compute: "
+              f"{', '.join(f'{x:.2f}' for x in speed)} (busy-loop probe)")
+        print(f"{'layout':<16}{'ranks':>6}{'tokens/s':>11}{'iter s':>9}{'MTP MAPE':>10}{'MTP(cpu)':>10}{'ITP MAPE':>10}"
+              f"{'MTP ded.':>10}{'ITP ded.':>10}")
         for name in WORLDS[world][2]:
             meta = json.loads((run / f"{name}.json").read_text())
             tps[name] = meta["tokens"] / meta["wall_s"]
-            a = analyse(run / f"{name}.jsonl")
-            cpu = analyse(run / f"{name}.cpu.jsonl")["mtp_mape"]
-            errs[name] = {"mtp": a["mtp_mape"], "mtp_cpu": cpu, "itp": a["itp_mape"]}
+            a = analyse(run / f"{name}.jsonl", speed)
+            d = analyse(run / f"{name}.jsonl")
+            cpu = analyse(run / f"{name}.cpu.jsonl")["mtp_mape"]  # CPU time: each rank's own work, unshared
+            errs[name] = {"mtp": a["mtp_mape"], "mtp_cpu": cpu, "itp": a["itp_mape"], "mtp_ded": d["mtp_mape"],
+                          "itp_ded": d["itp_mape"]}
             print(f"{name:<16}{meta['ranks']:>6}{tps[name]:>11.0f}{a['iteration_s']:>9.3f}{a['mtp_mape']:>10.3f}"
-                  f"{cpu:>10.3f}{a['itp_mape']:>10.3f}")
+                  f"{cpu:>10.3f}{a['itp_mape']:>10.3f}{d['mtp_mape']:>10.3f}{d['itp_mape']:>10.3f}")
         over = json.loads((run / "overhead.json").read_text())
         ratio = statistics.median(over["with"]) / statistics.median(over["without"])
         print(f"hook overhead ({'TP2xPP2xDP2' if world == 'oversubscribed' else 'PP2'}, agent {agents[world]}, "
@@ -401,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     tps, errs_over, ratio_over, _ = table("oversubscribed")
     print("== one rank per core: the cost model's and the schedule simulator's error, the hook overhead")
     tps_ded, errs, ratio, _ = table("dedicated")
-    print("MTP(cpu): the same cost model on the same job with compute chunks timed in CPU time "
-          "(free of other jobs' load on the shared cores)")
+    print("MTP / ITP: the shared-host model (chunk costs as a rank alone runs them, predicted by the "
+          "processor-sharing simulator at the probed host speed); ded.: every rank a device of its own.\n"
+          "MTP(cpu): the dedicated model on the same job with compute chunks timed in CPU time")
 
     def mean(d: dict[str, dict[str, float]], key: str) -> float:
         return round(statistics.mean(v[key] for v in d.values()), 4)
@@ -414,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         "mtp_mape_real": mean(errs, "mtp"),
         "itp_mape_real": mean(errs, "itp"),
         "mtp_mape_real_cpu_clock": mean(errs, "mtp_cpu"),
+        "mtp_mape_real_dedicated_model": mean(errs, "mtp_ded"),
+        "itp_mape_real_dedicated_model": mean(errs, "itp_ded"),
         "mtp_mape_by_layout": {n: round(v["mtp"], 4) for n, v in errs.items()},
         "itp_mape_by_layout": {n: round(v["itp"], 4) for n, v in errs.items()},
         "oversubscribed": {"hook_overhead_ratio": round(ratio_over, 4), "mtp_mape_real": mean(errs_over, "mtp"),

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import GLOBAL_MB, MPIRUN, REPO, SEQ, _plan, enter_layout  # noqa: E402  (bench/runtime.py)
+from runtime import GLOBAL_MB, MPIRUN, REPO, SEQ, _plan, busy_probe, enter_layout  # noqa: E402  (bench/runtime.py)
 
 from resihp.coordinator import costmodel  # noqa: E402
 from resihp.coordinator.spec import ModelSpec, SpecError, preset  # noqa: E402
@@ -242,25 +242,6 @@ def _allreduce_probe(reps: int) -> list[tuple[float, float]]:
     return out
 
 
-def _busy_probe(rank: int, seconds: float = 1.0) -> dict[str, float]:
-    """CPU share a plain busy loop gets, alone (rank 0 only) and with both ranks busy at
-    once: what the machine gives one rank per core, free of the model and of torch."""
-    import torch.distributed as dist
-
-    def spin() -> float:
-        t0, c0 = time.perf_counter(), time.process_time()
-        while time.perf_counter() - t0 < seconds:
-            pass
-        return (time.process_time() - c0) / (time.perf_counter() - t0)
-
-    dist.barrier()
-    alone = spin() if rank == 0 else 0.0
-    dist.barrier()
-    both = spin()
-    dist.barrier()
-    return {"alone": alone, "both": both}
-
-
 def worker(out: Path, layouts: Sequence[str], steps: int, warmup: int) -> int:
     import torch
 
@@ -275,10 +256,9 @@ def worker(out: Path, layouts: Sequence[str], steps: int, warmup: int) -> int:
     boot.init_epoch(0)
     ping = _pingpong(boot.rank, 40)
     probe = _allreduce_probe(30)
-    busy = _busy_probe(boot.rank)
-    gathered = boot.comm.gather(busy["both"], root=0)
+    busy = busy_probe(boot.comm)
     if boot.rank == 0:
-        (out / "busy.json").write_text(json.dumps({"alone": busy["alone"], "both": gathered}))
+        (out / "busy.json").write_text(json.dumps({"alone": busy["alone"], "both": busy["together"]}))
         (out / "pingpong.json").write_text(json.dumps(ping))
         (out / "allreduce.json").write_text(json.dumps(probe))
     for epoch, name in enumerate(layouts, start=1):

@@ -269,12 +269,14 @@ class LiveReconfigurer:
             self._stage = (_stage_key(place), build_stage(self.spec, self.config.max_seq_len, place, device=device))
 
     def prepare(self, new_plan: Plan, alive: Sequence[int] | None = None,
-                states: Sequence[str] = STATES) -> ReshardPlan:
+                states: Sequence[str] = STATES, *, stock: bool = True) -> ReshardPlan:
         """The reshard plan from the current plan to ``new_plan`` (pure, deterministic; cached).
 
         A command arrives before its ``apply_at``: calling this on receipt takes the planning
         (tens of ms of Python) and the construction of this rank's new stage module out of
-        the downtime. ``apply`` reuses what was prepared."""
+        the downtime. ``apply`` reuses what was prepared. ``stock``: also allocate this rank's
+        message buffers and new shards now (paging in fresh memory cost the switch more than
+        copying into it); they are held until the switch."""
         who = tuple(alive if alive is not None else self.members)
         self._build_stage_ahead(new_plan)
         key = (self.plan, replace(new_plan, epoch=0, reason=""), who, tuple(states))
@@ -282,9 +284,9 @@ class LiveReconfigurer:
         if cached is None:
             cached = plan_reshard(self.plan, new_plan, self.specs, who, states=states)
             self._prepared = {key: cached}  # only the next switch is worth keeping
-            prepare_rank(cached, self.rank, new_plan, self.specs)  # this rank's part of it, too
             with contextlib.suppress(SpecError):  # the groups' rank sets (cached), in group numbering
                 rank_sets(renumber(new_plan, self.pg_rank_of()))
+        prepare_rank(cached, self.rank, new_plan, self.specs, stock=stock)  # this rank's part of it
         return cached
 
     def _release(self) -> None:
@@ -332,7 +334,7 @@ class LiveReconfigurer:
         have_opt = float(vote[0]) == -1.0
         agreed_step = float(vote[1])
         states = STATES if have_opt else ("param",)
-        rplan = self.prepare(new_plan, alive if alive is not None else self.members, states)
+        rplan = self.prepare(new_plan, alive if alive is not None else self.members, states, stock=False)
         new_shards = execute_reshard(
             rplan, self.rank, {s: shards.get(s, {}) for s in states}, new_plan, self.specs, dist.group.WORLD,
             pg_rank_of=self.pg_rank_of(), timeout=timedelta(seconds=self.timeout_s), stats=stats,

@@ -16,7 +16,7 @@ import math
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -141,6 +141,39 @@ class _RankView:
         # messages whose pieces are all whole words: packed and unpacked without padding
         self.send_aligned = {dst: all(t.nbytes % 8 == 0 for t in items) for dst, items in self.sends.items()}
         self.recv_aligned = {src: all(t.nbytes % 8 == 0 for t in items) for src, items in self.recvs.items()}
+        self._stock: _Stock | None = None
+
+    def stock(self, dtype: torch.dtype = torch.float32) -> None:
+        """Allocate (and touch) the buffers and new shards of one execution now: fresh memory
+        is paged in on first write, which cost the switch more than the copies themselves.
+        Held until ``take_stock``; the execution owns them after (received pieces become shards)."""
+        if self._stock is not None:
+            return
+        touched = lambda n, dt=torch.uint8: torch.empty(n, dtype=dt).zero_()  # noqa: E731
+        self._stock = _Stock(
+            send={dst: touched(sum(_padded(t.nbytes) for t in items)) for dst, items in self.sends.items()},
+            recv={src: touched(sum(_padded(t.nbytes) for t in items)) for src, items in self.recvs.items()},
+            shards={(s, name): touched(shape, dtype) for name, shape in self.new_shapes for s in self.states
+                    if (s, name) not in self.whole})
+
+    def take_stock(self) -> _Stock:
+        stock, self._stock = self._stock, None
+        return stock if stock is not None else _Stock({}, {}, {})
+
+
+@dataclass
+class _Stock:
+    send: dict[int, torch.Tensor]
+    recv: dict[int, torch.Tensor]
+    shards: dict[tuple[str, str], torch.Tensor]
+
+    def buffer(self, pool: dict[int, torch.Tensor], peer: int, nbytes: int) -> torch.Tensor:
+        got = pool.pop(peer, None)
+        return got if got is not None and got.numel() == nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+    def shard(self, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        got = self.shards.pop(key, None)
+        return got if got is not None and got.shape == shape and got.dtype == dtype else torch.empty(shape, dtype=dtype)
 
 
 def _rank_view(plan: ReshardPlan | Sequence[Transfer], rank: int, new_plan: Plan,
@@ -155,9 +188,13 @@ def _rank_view(plan: ReshardPlan | Sequence[Transfer], rank: int, new_plan: Plan
     return view
 
 
-def prepare_rank(plan: ReshardPlan, rank: int, new_plan: Plan, specs: Sequence[TensorSpec]) -> None:
-    """Work out ``rank``'s part of ``plan`` ahead of the switch (``execute_reshard`` reuses it)."""
-    _rank_view(plan, rank, new_plan, specs)
+def prepare_rank(plan: ReshardPlan, rank: int, new_plan: Plan, specs: Sequence[TensorSpec], *,
+                 stock: bool = True) -> None:
+    """Work out ``rank``'s part of ``plan`` ahead of the switch, and with ``stock`` allocate its
+    buffers and new shards (``execute_reshard`` uses both)."""
+    view = _rank_view(plan, rank, new_plan, specs)
+    if stock:
+        view.stock()
 
 
 def execute_reshard(
@@ -193,17 +230,18 @@ def execute_reshard(
     # the word-sum checksum of pieces of whole words, with no fault hook: one copy per message
     fast = checksum == "sum64" and fault is None
 
-    # allocate the new shards (not those a single piece fills whole: that piece becomes the shard)
+    def dtype_of(state: str, name: str) -> torch.dtype:  # a new shard keeps its old dtype
+        like = old_shards.get(state, {}).get(name)
+        return like.dtype if like is not None else dtype
+
+    # the new shards (not those a single piece fills whole: that piece becomes the shard), and
+    # the message buffers: allocated by prepare_rank where it ran, else now
+    stock = rv.take_stock()
     new: Shards = {s: {} for s in rv.states}
     for name, shape in rv.new_shapes:
         for s in rv.states:
             if (s, name) not in rv.whole:
-                like = old_shards.get(s, {}).get(name)
-                new[s][name] = torch.empty(shape, dtype=like.dtype if like is not None else dtype)
-
-    def dtype_of(state: str, name: str) -> torch.dtype:  # a new shard keeps its old dtype
-        like = old_shards.get(state, {}).get(name)
-        return like.dtype if like is not None else dtype
+                new[s][name] = stock.shard((s, name), shape, dtype_of(s, name))
 
     # A dead peer can surface while a message is posted as well as while it is awaited
     # (gloo fails a recv at once if the connection is already closed): one handler for both.
@@ -213,13 +251,13 @@ def execute_reshard(
         incoming: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]] = []
         for src, items in sorted(recvs.items()):
             header = torch.empty(1 + 2 * len(items), dtype=torch.int64)
-            data = torch.empty(sum(_padded(t.nbytes) for t in items), dtype=torch.uint8)
+            data = stock.buffer(stock.recv, src, sum(_padded(t.nbytes) for t in items))
             incoming.append((src, items, header, data))
             works.append(pg.recv([header], to_pg(src), _TAG_HEADER))
             works.append(pg.recv([data], to_pg(src), _TAG_DATA))
         keep: list[torch.Tensor] = []  # buffers must outlive their asynchronous sends
         for dst, items in sorted(sends.items()):
-            data = torch.empty(sum(_padded(t.nbytes) for t in items), dtype=torch.uint8)
+            data = stock.buffer(stock.send, dst, sum(_padded(t.nbytes) for t in items))
             pieces = [_source_piece(t, old_shards, rank) for t in items] if fast and rv.send_aligned[dst] else []
             if pieces and len({p.dtype for p in pieces}) == 1:
                 # one copy of every piece into the buffer (whole words: no padding to zero)

@@ -244,6 +244,21 @@ def _busy(rec: Any) -> dict[int, list[tuple[float, float]]]:
     return out
 
 
+def _op_gaps(rec: Any) -> list[float]:
+    """Per rank, the time of its step outside every recorded chunk, per F or B op: the runtime's
+    own work between ops (Python, bookkeeping, posting messages), which the chunks do not time."""
+    out = []
+    by_rank: dict[int, list[Any]] = {}
+    for c in rec.chunks:
+        by_rank.setdefault(c.rank, []).append(c)
+    for chunks in by_rank.values():
+        ops = sum(1 for c in chunks if c.kind in ("F", "B"))
+        if ops:
+            span = max(c.end_s for c in chunks) - min(c.start_s for c in chunks)
+            out.append(max(0.0, span - sum(c.duration_s for c in chunks)) / ops)
+    return out
+
+
 def mean_speed(rank: int, start: float, end: float, busy: dict[int, list[tuple[float, float]]],
                speed: list[float]) -> float:
     """The mean speed ``rank`` ran at over [start, end): speed[k-1] while k ranks of the host
@@ -290,6 +305,7 @@ def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
     p2p: list[float] = []
     dp_s: list[float] = []
     opt_s: list[float] = []
+    gaps: list[float] = []
 
     def per_mb(rec: IterationRecord) -> dict[tuple[int, int], dict[str, Any]]:
         out: dict[tuple[int, int], dict[str, Any]] = {}
@@ -310,6 +326,8 @@ def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
             dp_s.append(min(by_rank_dp))  # the last rank to arrive waits least: the all-reduce itself
         opt_s += [c.duration_s for c in rec.chunks if c.kind == "OPT"]
         p2p += [c.duration_s for c in rec.chunks if c.kind == "P2P" and c.microbatch >= 0]
+        gaps += _op_gaps(rec)
+    op_gap = statistics.median(gaps) if gaps else 0.0  # the runtime's own time per F or B op
     p2p_lat = sorted(p2p)[len(p2p) // 10] if p2p else 0.0  # a transfer nobody waited for
     dp_lat, opt_lat = (statistics.median(dp_s) if dp_s else 0.0), (statistics.median(opt_s) if opt_s else 0.0)
     dp_sync = dp_lat if plan.dp > 1 else 0.0
@@ -317,11 +335,18 @@ def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
     mb_obs: list[float] = []
     it_pred: list[float] = []
     it_obs: list[float] = []
+    # the observed iteration time is the period, start to start: a record's own span (first
+    # rank's start to last rank's end) also counts the skew between ranks — a last stage that
+    # ended the previous iteration early starts this one early and waits for its input
+    period = {a.iteration: b.start_s - a.start_s for a, b in zip(its, its[1:]) if b.iteration == a.iteration + 1}
+    test = [rec for rec in test if rec.iteration in period] or test
     for rec in test:
         live = [(r_idx, rep) for r_idx, rep in enumerate(plan.replicas) if rep.microbatches]
-        tables = {r_idx: ([[cal.predict((g[0], "F"), rec.seqlens[r_idx][i]) for i in range(rep.microbatches)]
+        # an op takes its chunk's cost plus the runtime's time around it (the schedule simulator's
+        # ops run back to back; the runtime's do not)
+        tables = {r_idx: ([[cal.predict((g[0], "F"), rec.seqlens[r_idx][i]) + op_gap for i in range(rep.microbatches)]
                            for g in rep.stages],
-                          [[cal.predict((g[0], "B"), rec.seqlens[r_idx][i]) for i in range(rep.microbatches)]
+                          [[cal.predict((g[0], "B"), rec.seqlens[r_idx][i]) + op_gap for i in range(rep.microbatches)]
                            for g in rep.stages]) for r_idx, rep in live}
         if speed:
             res = simulate_shared(Schedule(plan.schedule), [tables[r][0] for r, _ in live],
@@ -336,7 +361,7 @@ def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
                 i, pp = where[pos.replica], plan.replicas[pos.replica].pp
                 fs, fe = res.op_span(i, KIND_F, pos.stage, mb, pp)
                 bs, be = res.op_span(i, KIND_B, pos.stage, mb, pp)
-                return (fe - fs) + (be - bs)
+                return (fe - fs) + (be - bs) - 2 * op_gap  # the chunks alone, as recorded
         else:
             works = [ReplicaWork(f=tables[r][0], b=tables[r][1], pp=rep.pp) for r, rep in live]
             it_pred.append(simulate_iteration(plan.schedule, works, dp_sync_s=dp_sync, optimizer_s=opt_lat,
@@ -345,7 +370,7 @@ def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
             def predicted(rank: int, mb: int) -> float:
                 lens = rec.seqlens[plan.position(rank).replica][mb]
                 return float(cal.predict((rank, "F"), lens) + cal.predict((rank, "B"), lens))
-        it_obs.append(rec.time_s)
+        it_obs.append(period.get(rec.iteration, rec.time_s))
         for (rank, mb), kinds in per_mb(rec).items():
             if set(kinds) != {"F", "B"}:
                 continue

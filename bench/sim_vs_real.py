@@ -72,6 +72,7 @@ class Calibration:
     device_mem_bw_Bps: float
     link_bw_Bps: float
     link_latency_s: float
+    op_overhead_s: float = 0.0  # the runtime's own time per F or B op (outside the chunks)
 
 
 def _positive(name: str, value: float) -> float:
@@ -106,7 +107,8 @@ def microbatch_flops(spec: ModelSpec, seqlens: Sequence[int], layers: int, tp: i
 
 
 def calibrate(spec: ModelSpec, chunks: Sequence[tuple[str, Sequence[int], float]], opt_s: float,
-              pingpong: Sequence[tuple[float, float]], reference: str = REFERENCE) -> Calibration:
+              pingpong: Sequence[tuple[float, float]], reference: str = REFERENCE,
+              op_overhead_s: float = 0.0) -> Calibration:
     """The device from a single-rank reference run. ``chunks``: (kind F|B, packed
     documents of the micro-batch, measured seconds) of every measured chunk; ``opt_s``: the
     median optimizer step. The optimizer's bandwidth is over the parameters the perf model
@@ -124,7 +126,9 @@ def calibrate(spec: ModelSpec, chunks: Sequence[tuple[str, Sequence[int], float]
     bw, lat = fit_link(pingpong)
     params = spec.num_layers * spec.params_per_layer() + spec.embedding_params()
     mem_bw = params * ADAMW_BYTES_PER_PARAM / _positive("reference optimizer time", opt_s)
-    return Calibration(reference, flops / secs, mem_bw, bw, lat)
+    if not (math.isfinite(op_overhead_s) and op_overhead_s >= 0):
+        raise ValueError(f"sim_vs_real: op_overhead_s must be a finite number >= 0, got {op_overhead_s!r}")
+    return Calibration(reference, flops / secs, mem_bw, bw, lat, op_overhead_s)
 
 
 def typical_seqlens(microbatches: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -148,7 +152,7 @@ def job_for(layout: str, cal: Calibration, seqlens: Sequence[int], model: str = 
         intra_node_bw_Bps=cal.link_bw_Bps, inter_node_bw_Bps=cal.link_bw_Bps,
         intra_node_latency_s=cal.link_latency_s, inter_node_latency_s=cal.link_latency_s,
         grad_bytes_per_param=4.0, activation_bytes_per_value=4.0, device_mem_bw_Bps=cal.device_mem_bw_Bps,
-        optimizer_bytes_per_param=ADAMW_BYTES_PER_PARAM,
+        optimizer_bytes_per_param=ADAMW_BYTES_PER_PARAM, op_overhead_s=cal.op_overhead_s,
     )
 
 
@@ -348,6 +352,19 @@ def reference_inputs(per_rank: list[dict[str, Any]]) -> tuple[list[tuple[str, tu
     return chunks, statistics.median(opt) if opt else 0.0
 
 
+def op_overhead(per_rank: list[dict[str, Any]]) -> float:
+    """The runtime's own time per F or B op: a step's time outside every recorded chunk over its
+    F and B ops, median over the reference run's steps (Python, bookkeeping, message posting;
+    the simulator's ops run back to back)."""
+    out = []
+    for r in per_rank:
+        for s in r["steps"]:
+            ops = sum(1 for k, _, _ in s["chunks"] if k in ("F", "B"))
+            if ops:
+                out.append(max(0.0, s["time_s"] - sum(d for _, _, d in s["chunks"])) / ops)
+    return statistics.median(out) if out else 0.0
+
+
 def machine_load() -> dict[str, float]:
     """Load average and CPU pressure (share of time some runnable task waited for a CPU,
     10 s average; Linux PSI) — what the other tenants of the shared cores were doing."""
@@ -425,7 +442,7 @@ def measure(steps: int = 12, warmup: int = 3, verbose: bool = True, keep: str = 
     spec = preset(MODEL)
     measured = {name: reduce_run(name, recs, spec) for name, recs in runs.items()}
     chunks, opt_s = reference_inputs(runs[REFERENCE])
-    cal = calibrate(spec, chunks, opt_s, ping)
+    cal = calibrate(spec, chunks, opt_s, ping, op_overhead_s=op_overhead(runs[REFERENCE]))
     lens = typical_seqlens([tuple(m) for s in runs[REFERENCE][0]["steps"] for m in s["seqlens"]])
     rows, ref = compare({n: m.iteration_s for n, m in measured.items()}, cal, lens)
     err = mape(rows)
@@ -437,12 +454,14 @@ def measure(steps: int = 12, warmup: int = 3, verbose: bool = True, keep: str = 
     # compute (DP2 holds the whole model on each rank): the slowdown of busy neighbours is
     # then inside the device's speed, and the single-rank run becomes a prediction
     chunks2, opt2 = reference_inputs(runs[BUSY_REFERENCE])
-    cal_busy = calibrate(spec, chunks2, opt2, ping, reference=BUSY_REFERENCE)
+    cal_busy = calibrate(spec, chunks2, opt2, ping, reference=BUSY_REFERENCE,
+                         op_overhead_s=op_overhead(runs[BUSY_REFERENCE]))
     rows_busy, _ = compare({n: m.iteration_s for n, m in measured.items()}, cal_busy, lens)
     if verbose:
         print(f"machine as described to the simulator (calibrated on {REFERENCE!r} + a gloo ping-pong): "
               f"{cal.device_flops / 1e9:.2f} GFLOP/s per rank, optimizer {cal.device_mem_bw_Bps / 1e9:.2f} GB/s, "
-              f"link {cal.link_bw_Bps / 1e9:.2f} GB/s + {cal.link_latency_s * 1e6:.0f} µs")
+              f"link {cal.link_bw_Bps / 1e9:.2f} GB/s + {cal.link_latency_s * 1e6:.0f} µs, "
+              f"runtime {cal.op_overhead_s * 1e3:.2f} ms per F/B op")
         print(f"{'layout':<8}{'real s':>9}{'(min–max)':>16}{'sim s':>9}{'error':>8}  "
               f"{'real F+B':>9}{'P2P':>7}{'DP':>7}{'OPT':>7} | {'sim pipe':>9}{'DP':>7}{'OPT':>7}"
               f"{'GFLOP/s':>8}{'cpu s':>7}{'cpu/wall':>9}{'proc':>6}{'sim*':>8}{'err*':>7}  F/B per mb (ms)")

@@ -62,6 +62,10 @@ class JobSpec:
     # of an iteration at cluster scale; it matters for small models, e.g. CPU runs)
     optimizer_bytes_per_param: float = 0.0
     device_mem_bw_Bps: float = 2.0e12
+    # host time per forward or backward of a stage's micro-batch outside its compute (the
+    # framework's own work: Python, bookkeeping, posting messages). 0 = not modelled (the
+    # default: on GPUs it overlaps the device's queue); CPU runs measure it (bench/sim_vs_real.py)
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "microbatches", "tokens_per_microbatch", "gpus_per_node"):
@@ -70,6 +74,8 @@ class JobSpec:
         if not self.activation_bytes_per_value > 0 or not self.optimizer_bytes_per_param >= 0:
             raise SpecError("job: activation_bytes_per_value must be > 0 and optimizer_bytes_per_param >= 0, got "
                             f"{self.activation_bytes_per_value} and {self.optimizer_bytes_per_param}")
+        if not (math.isfinite(self.op_overhead_s) and self.op_overhead_s >= 0):
+            raise SpecError(f"job: op_overhead_s must be a finite number >= 0 seconds, got {self.op_overhead_s}")
         if not self.device_mem_bw_Bps > 0:
             raise SpecError(f"job: device_mem_bw_Bps must be > 0, got {self.device_mem_bw_Bps}")
         if self.world_size % self.gpus_per_node:
@@ -181,8 +187,8 @@ class PerfModel:
         else:
             p2p_f = p2p
         p2p_b = 0.0 if first else p2p
-        f = fl.f / rate + tp_comm
-        b = (fl.b + fl.w) / rate + tp_comm
+        f = fl.f / rate + tp_comm + job.op_overhead_s
+        b = (fl.b + fl.w) / rate + tp_comm + job.op_overhead_s
         if overlap_p2p:
             return StageCost(max(f, p2p_f), max(b, p2p_b))
         return StageCost(f + p2p_f, b + p2p_b)

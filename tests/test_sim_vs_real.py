@@ -3,6 +3,7 @@ the simulator's perf model, MAPE, and the errors for bad measurements (no mpirun
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -157,3 +158,25 @@ def test_reduce_run_takes_the_slowest_rank_and_the_median() -> None:
 def test_missing_records_are_reported(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read the real runs' records in"):
         svr.load_runs(str(tmp_path))
+
+
+def test_the_runtime_time_per_op_is_what_the_steps_spend_outside_their_chunks() -> None:
+    # 4 micro-batches: 8 F/B ops of 0.01 + 0.02 s and a 0.01 s optimizer step: 0.13 s of chunks
+    per_rank = [_records(0, [0.17, 0.21, 0.15], 0.01, 0.02)]
+    assert svr.op_overhead(per_rank) == pytest.approx(0.04 / 8)  # the median step, 0.17 s
+    cal = svr.calibrate(SPEC, reference_chunks(), 0.01, PING, op_overhead_s=0.005)
+    assert cal.op_overhead_s == 0.005
+    with pytest.raises(ValueError, match="op_overhead_s must be a finite number >= 0"):
+        svr.calibrate(SPEC, reference_chunks(), 0.01, PING, op_overhead_s=-1.0)
+
+
+def test_the_perf_model_adds_the_runtime_time_to_every_forward_and_backward() -> None:
+    job = JobSpec(SPEC, 1, 2, 1, 8, gpus_per_node=2, device_flops=1e10)
+    with_gap = replace(job, op_overhead_s=0.001)
+    world = World(2, 2)
+    base = PerfModel(job).iteration_s(job.initial_plan(), world)
+    slower = PerfModel(with_gap).iteration_s(with_gap.initial_plan(), world)
+    # 1F1B over 2 stages and 8 micro-batches: (m + p - 1) forward and backward slots on the critical path
+    assert slower - base == pytest.approx((8 + 2 - 1) * 2 * 0.001, rel=1e-6)
+    with pytest.raises(SpecError, match="op_overhead_s must be a finite number >= 0"):
+        replace(job, op_overhead_s=float("nan"))

@@ -97,6 +97,20 @@ def require_quiet_machine(path: Path, until: int) -> None:
                     f"(> {QUIET_SPREAD}x) from iteration to iteration")
 
 
+def compute_rise(path: Path, rank: int, iteration: int) -> float:
+    """A rank's F+B time over the ``confirm_iters`` iterations up to ``iteration`` (median) over
+    its median before the throttle: how much slower it really ran when a finding named it."""
+    from resihp.coordinator.trace import IterationRecord, load_trace
+
+    _, recs = load_trace(str(path))
+    per_it = {rec.iteration: sum(c.duration_s for c in rec.chunks if c.rank == rank and c.kind in ("F", "B"))
+              for rec in recs if isinstance(rec, IterationRecord)}
+    before = sorted(v for it, v in per_it.items() if 2 <= it < THROTTLE_AT)
+    window = sorted(per_it[it] for it in range(iteration - int(DETECT_CONFIG["confirm_iters"]) + 1, iteration + 1)
+                    if it in per_it)
+    return window[len(window) // 2] / before[len(before) // 2]
+
+
 def replay(path: Path) -> list[dict[str, Any]]:
     """Findings of ``resihp detect --trace`` (its JSON Lines output) for a recorded trace."""
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "detect", "--trace", str(path),
@@ -117,7 +131,14 @@ def test_throttled_rank_is_found_in_its_trace(run_dir: Path) -> None:
     require_quiet_machine(run_dir / "throttled.jsonl", until=THROTTLE_AT)
     findings = [f for f in replay(run_dir / "throttled.jsonl") if f.get("kind") == "fail-slow"]
     compute = [f for f in findings if f["cause"] == "compute"]
-    assert [f["ranks"] for f in compute] == [[THROTTLED_TRACE_RANK]], findings
+    assert compute and compute[0]["ranks"] == [THROTTLED_TRACE_RANK], findings
+    # a later finding on another rank must be a slowdown that rank really had: on these shared
+    # vCPUs a neighbour's load can raise a rank's CPU time too (seen once in CI: ranks 0 and 3
+    # 1.27-1.29x slower from iteration 17 on); the detector is right to say so
+    for f in compute[1:]:
+        for rank in f["ranks"]:
+            rise = compute_rise(run_dir / "throttled.jsonl", rank, f["iteration"])
+            assert rank != THROTTLED_TRACE_RANK and rise > 1 + DETECT_CONFIG["slow_threshold"], (f, rise)
     assert THROTTLE_AT <= compute[0]["iteration"] <= THROTTLE_AT + 6
     assert 1.5 <= compute[0]["factor"] <= 3.0, compute[0]  # a 2x throttle
     assert findings == compute, findings  # links are not judged (DETECT_CONFIG)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from resihp.coordinator.plan import Plan, Schedule
 from resihp.coordinator.spec import ModelSpec, SpecError
-from resihp.trainer_hooks.tp_layers import TPContext
+from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp
 
 LAYER_PARAMS = (
     "ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
@@ -209,6 +209,26 @@ def destroy_groups(groups: EpochGroups) -> None:
         if group is not None and group is not dist.group.WORLD:
             dist.destroy_process_group(group)
     groups._by_ranks.clear()
+
+
+def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
+    """Take every process group out of ``groups`` (and ``model``'s TP layers) and return them.
+
+    After a peer failure this rank's groups are dead, but while anything still references
+    them their connections stay open, and a peer blocked in a collective with this rank waits
+    out its whole timeout. Once the caller lets go of the returned list (``retire``), the
+    groups' destructors close the connections: such a peer fails at once and recovers too,
+    and so on down the job."""
+    held = [g for g in groups._by_ranks.values() if g is not None]
+    held += [g for _, g, _ in groups.grad_buckets if g is not None]
+    held += [g for g in (groups.loss_group, groups.tp.group) if g is not None]
+    groups._by_ranks.clear()
+    groups.grad_buckets = [(ranks, None, names) for ranks, _, names in groups.grad_buckets]
+    groups.loss_group = None
+    groups.tp = pending_tp(groups.tp.index, groups.tp.size)
+    if model is not None:
+        bind_tp(model, groups.tp)
+    return held
 
 
 _graveyard: queue.SimpleQueue[Any] | None = None

@@ -26,18 +26,20 @@ import json
 import logging
 import os
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import SpecError
 from resihp.trainer_hooks.agreement import BoundaryAgreement, Holding, holding_of
-from resihp.trainer_hooks.groups import retire
+from resihp.trainer_hooks.groups import retire, sever
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, connect_store
 from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
 from resihp.trainer_hooks.reshard import ReshardError
@@ -293,6 +295,7 @@ class Resilience:
         t0 = time.perf_counter()
         log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
                     str(cause)[:160])
+        _release_frames(cause)  # the failed collective's frames still hold its group
         self._abort_groups()  # peers blocked on this rank fail at once instead of at their timeout
         assert self.agreement is not None
         self.agreement.reset()
@@ -403,12 +406,23 @@ class Resilience:
             return False
 
     def _abort_groups(self) -> None:
+        """Tear down this rank's groups and let go of every reference to them (the old runtime
+        stays, for its tensors): their destructors close the connections on the retire thread,
+        so peers blocked on this rank in a sub-group (TP, DP, loss) fail now, not at their
+        timeout (gloo's ``abort`` does not wake them). The default group still keeps ≈ 10
+        references nobody here holds, so peers blocked in point-to-point on it still wait."""
+        held: list[Any] = []
         try:
             self.rc._release()
+            if self.rc.runtime is not None:
+                held += sever(self.rc.runtime.groups, self.rc.runtime.model)
             if dist.is_initialized():
+                held.append(c10d._get_default_group())
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - tearing down a broken group may itself fail
             log.info("rank %d: tearing down the broken groups: %s", self.rc.rank, exc)
+        retire(held)
+        del held
 
     def _agree_plan(self, world: MpiWorld) -> Plan:
         """The survivors' plan: the coordinator's (received by the first survivor, broadcast), else
@@ -455,6 +469,19 @@ class Resilience:
         if self.progress is not None:
             self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)
         raise JobStopped(why)
+
+
+def _release_frames(exc: BaseException | None) -> None:
+    """Clear the locals of the finished frames in ``exc``'s tracebacks (its causes too): the
+    frame of a failed collective holds the process group, whose connections then stay open
+    and keep this rank's peers waiting out their timeout. The traceback itself (for logs)
+    stays."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _any_source() -> int:

@@ -110,3 +110,18 @@ def report_and_exit(out: str, rank: int, report: dict[str, Any]) -> NoReturn:
         json.dump(report, fh)
     os.replace(tmp, os.path.join(out, f"{rank}.json"))
     os._exit(0)
+
+
+def reference_losses(comm: Any, store: str, plan: Any, steps: int) -> list[float | None]:
+    """Every step's global loss of an uninterrupted run of ``plan`` in epoch 0 of this world (the
+    reference a resilient run is compared with), known on every rank; its groups are released."""
+    from resihp.trainer_hooks.groups import destroy_groups
+    from resihp.trainer_hooks.reconfigure import init_world
+
+    init_world(store, 0, comm.Get_rank(), comm.Get_size(), 120.0)
+    ref = LiveReconfigurer(SPEC, plan, comm.Get_rank(), CONFIG, store, timeout_s=120.0)
+    mine = [r.loss if r else None for r in (ref.train_step(s) for s in range(steps))]
+    gathered = comm.allgather(mine)
+    assert ref.runtime is not None
+    destroy_groups(ref.runtime.groups)
+    return [next((v[i] for v in gathered if v[i] is not None), None) for i in range(steps)]

@@ -24,14 +24,12 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from reconfig_common import CONFIG, GLOBAL_MB, SPEC, report_and_exit, set_threads
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, reference_losses, report_and_exit, set_threads
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.trainer_hooks import hooks
 from resihp.trainer_hooks import reconfigure as reconfigure_mod
 from resihp.trainer_hooks.bootstrap import STORE_ENV
-from resihp.trainer_hooks.groups import destroy_groups
-from resihp.trainer_hooks.reconfigure import LiveReconfigurer, init_world
 from resihp.trainer_hooks.ulfm import ft_world
 
 STEPS = 12
@@ -95,16 +93,10 @@ def main() -> None:
     set_threads()
     store = os.environ[STORE_ENV]
     world = ft_world()
-    me, size = world.rank, world.size
+    me = world.rank
     start = Plan.uniform(2, 2, 2, SPEC.num_layers, GLOBAL_MB)
 
-    init_world(store, 0, me, size, 120.0)  # the reference: uninterrupted
-    ref = LiveReconfigurer(SPEC, start, me, CONFIG, store, timeout_s=120.0)
-    ref_losses = [r.loss if r else None for r in (ref.train_step(s) for s in range(STEPS))]
-    gathered = world.comm.allgather(ref_losses)
-    ref_losses = [next((v[i] for v in gathered if v[i] is not None), None) for i in range(STEPS)]
-    assert ref.runtime is not None
-    destroy_groups(ref.runtime.groups)
+    ref_losses = reference_losses(world.comm, store, start, STEPS)  # the reference: uninterrupted
 
     tx = ScriptedTransport()
     job = hooks.init(SPEC, replace(start, epoch=1), config=CONFIG, transport=tx,

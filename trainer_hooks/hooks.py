@@ -170,14 +170,14 @@ class Job:
                     self.on_command_received(self, cmd)
 
         # a resilient member applies planned switches and drains where every member does
-        agree = self.resilience is not None and not force and self.runtime is not None
-        agreed = self.resilience.agreed_at(iteration) if agree and self.resilience is not None else None
+        members = self.resilience if not force and self.runtime is not None else None
+        agreed = members.agreed_at(iteration) if members is not None else None
 
         def is_due(c: m.Command) -> bool:
             # a plan already in force (applied by a fail-stop recovery) only needs its acknowledgement
             if force or (isinstance(c, m.ReconfigCommand) and c.epoch <= self.epoch):
                 return True
-            if agree and is_agreed_command(c):
+            if members is not None and is_agreed_command(c):
                 return agreed_due(c, next_it, agreed)
             return c.apply_at <= next_it
 
@@ -209,8 +209,8 @@ class Job:
                 continue
             self.transport.ack(cmd, next_it)
             applied.append(kind)
-        if agree and self.resilience is not None and not stop:
-            self.resilience.post_round(iteration, self._pending)
+        if members is not None and not stop:
+            members.post_round(iteration, self._pending)
         return StepOutcome(iteration, tuple(applied), stop)
 
     def close(self) -> None:

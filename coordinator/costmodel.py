@@ -170,6 +170,9 @@ def _nnls_small(x: FloatArray, y: FloatArray, w: FloatArray) -> FloatArray:
             coef, *_ = np.linalg.lstsq(sub, ys, rcond=None)
             if np.any(coef < 0.0):
                 continue
+            if size == ncol:
+                # feasible unconstrained optimum: no subset can fit better, skip their solves
+                return np.asarray(coef, dtype=np.float64)
             resid = ys - sub @ coef
             sse = float(np.dot(resid, resid))
             if sse < best_sse * (1.0 - 1e-12):

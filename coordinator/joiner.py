@@ -37,6 +37,9 @@ class Joiner:
         self.dropped = 0  # iterations that could not be built (no seqlens for a replica)
         self._expect_key: tuple[int, frozenset[int]] | None = None
         self._expect: frozenset[int] | None = None
+        # the plan epoch each emitted record was built with (the caller pops it): records of a
+        # plan the detector has not adopted yet, or no longer runs, must not be judged by it
+        self.epoch_of: dict[int, int] = {}
 
     def add_plan(self, plan: Plan) -> None:
         self._plans[plan.epoch] = plan
@@ -50,6 +53,10 @@ class Joiner:
             return self._plans[epoch]
         older = [e for e in self._plans if e <= epoch]
         return self._plans[max(older)] if older else None
+
+    def _epoch_for(self, epoch: int) -> int:
+        plan = self.plan_for(epoch)
+        return epoch if plan is None else plan.epoch
 
     def add(self, report: RankReport, now: float, live: frozenset[int]) -> list[IterationRecord]:
         if report.iteration <= self.last_emitted:
@@ -95,6 +102,9 @@ class Joiner:
                 self.dropped += 1
             else:
                 out.append(rec)
+                self.epoch_of[it] = self._epoch_for(pend.epoch)
+                while len(self.epoch_of) > self.max_pending:  # a caller that never pops: bounded
+                    del self.epoch_of[next(iter(self.epoch_of))]
             self.last_emitted = max(self.last_emitted, it)
         return out
 

@@ -70,6 +70,7 @@ class Pending:
     issued_at: float
     attempts: int = 1
     applied_at: int = -1  # the latest iteration an ack says the plan took effect (apply_at or later)
+    adopted_at: int | None = None  # the engine took the plan before every ack came (its records came first)
 
 
 class CoordinatorCore:
@@ -87,6 +88,7 @@ class CoordinatorCore:
         self.events = EventLog(events_path, config.job, clock)
         self.plan: Plan = saved.plan if saved.plan is not None else plan
         self.epoch = max(saved.epoch, self.plan.epoch)
+        self.engine_epoch = self.plan.epoch  # the plan the engine judges records by
         self.seq = saved.seq
         self.state = State(saved.state) if self.resumed and saved.state in State.__members__ else State.RUNNING
         self.state_reason = saved.state_reason or "job started"
@@ -308,7 +310,32 @@ class CoordinatorCore:
         for rec in records:
             self._on_record(rec, now)
 
+    def _adopt(self, plan: Plan, first: int, now: float) -> None:
+        """The engine (detector) judges iterations from ``first`` on by ``plan``."""
+        self.engine.set_plan(plan, first)
+        self.engine.observe(PlanChange(first, plan), now)
+        self.engine_epoch = plan.epoch
+
+    def _judgeable(self, rec: Any, now: float) -> bool:
+        """Whether the engine's plan is the one ``rec`` was built with. A fail-stop recovery
+        resumes at the last complete step, before the command's ``apply_at``, and its first
+        records can come before the last ack: the pending plan is adopted from them. A record
+        of a plan the engine no longer runs (or never will) is traced but not judged."""
+        built = self.joiner.epoch_of.pop(rec.iteration, None)
+        if built is None or built == self.engine_epoch:
+            return True
+        pend = self.pending
+        if pend is not None and pend.adopted_at is None and built == pend.command.epoch:
+            pend.adopted_at = rec.iteration
+            self._adopt(pend.command.plan, rec.iteration, now)
+            return True
+        self.metrics.inc("resihp_records_unjudged_total", 1, {"job": self.config.job})
+        log.info("iteration %d ran on epoch %d's plan, the detector is on epoch %d: traced, not judged",
+                 rec.iteration, built, self.engine_epoch)
+        return False
+
     def _on_record(self, rec: Any, now: float) -> None:
+        judge = self._judgeable(rec, now)
         if self.trace is not None:
             self.trace.write(rec)
         self.last_iteration = max(self.last_iteration, rec.iteration)
@@ -316,8 +343,9 @@ class CoordinatorCore:
         self.metrics.set("resihp_iteration_duration_seconds", rec.time_s, {"job": self.config.job})
         if rec.iteration % 10 == 0:
             self.journal.iteration(rec.iteration)
-        self._findings(self.engine.observe(rec, now), now)
-        self._update_suspects()
+        if judge:
+            self._findings(self.engine.observe(rec, now), now)
+            self._update_suspects()
 
     def _on_heartbeat(self, conn: AgentConn, hb: m.AgentHeartbeat, now: float) -> None:
         conn.sampler_degraded, conn.sampler_status = hb.sampler_degraded, hb.sampler_status
@@ -515,10 +543,9 @@ class CoordinatorCore:
         cmd = pend.command
         self.plan = cmd.plan
         self.journal.acked(cmd.seq)
-        # ranks that got the command late switch together a boundary or two after apply_at
-        first = max(cmd.apply_at, pend.applied_at)
-        self.engine.set_plan(cmd.plan, first)
-        self.engine.observe(PlanChange(first, cmd.plan), now)
+        if pend.adopted_at is None:
+            # ranks that got the command late switch together a boundary or two after apply_at
+            self._adopt(cmd.plan, max(cmd.apply_at, pend.applied_at), now)
         self.metrics.set("resihp_epoch", self.epoch, {"job": self.config.job})
         self.metrics.set("resihp_command_ack_duration_seconds", now - pend.issued_at, {"job": self.config.job})
         self._transition(Trigger.ACKED, f"every live rank acknowledged epoch {cmd.epoch} "
@@ -562,7 +589,9 @@ class CoordinatorCore:
             if pend is not None and now - pend.issued_at > float(self.policy["ack_timeout_s"]):
                 self.pending = None
                 self.plan = pend.command.plan
-                self.engine.set_plan(self.plan, pend.command.apply_at)
+                if pend.adopted_at is None:
+                    self.engine.set_plan(self.plan, pend.command.apply_at)
+                    self.engine_epoch = self.plan.epoch
                 self._transition(Trigger.ACK_TIMEOUT, f"ranks {sorted(pend.awaiting)} did not acknowledge epoch "
                                                       f"{pend.command.epoch} within {self.policy['ack_timeout_s']} s")
             self.metrics.set("resihp_epoch", self.epoch, {"job": self.config.job})

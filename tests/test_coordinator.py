@@ -145,3 +145,50 @@ def test_core_refuses_bad_admin_requests_with_precise_messages(tmp_path: Path) -
         core.admin.readmit(0, "")
     assert isinstance(core.engine, RuleEngine) or core.engine.name.startswith("detector")
     assert os.path.exists(tmp_path / "events.jsonl")
+
+
+def _chunked(rank: int, it: int, epoch: int, plan: Plan) -> m.RankReport:
+    """A report with per-micro-batch F/B chunks, shaped like ``plan`` (the detector judges it)."""
+    from resihp.coordinator.trace import ChunkTiming
+
+    rep = plan.replicas[plan.position(rank).replica]
+    seqlens = tuple((64, 64) for _ in range(rep.microbatches))
+    chunks = tuple(ChunkTiming(rank, kind, mb, 0, 0.02 * mb, 0.02 * mb + (0.004 if kind == "F" else 0.008))
+                   for mb in range(rep.microbatches) for kind in ("F", "B"))
+    return m.RankReport(rank, epoch, it, 100.0 + it, 0.1, seqlens, chunks)
+
+
+def test_records_of_a_recovery_that_resumed_before_apply_at_are_judged_by_the_new_plan(tmp_path: Path) -> None:
+    """A fail-stop recovery resumes at the last complete step, before the command's apply_at,
+    and its first records can arrive before the last ack: the engine takes the new plan from
+    them (it used to judge them by the old plan: an IndexError, the report dropped)."""
+    core = _core(tmp_path)
+    old = core.plan
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    for it in range(3):
+        core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, old) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
+    cmd = conn.outbox.get_nowait().commands[0]
+    assert isinstance(cmd, m.ReconfigCommand) and len(cmd.plan.replicas) < len(old.replicas)
+    resumed = 3  # the survivors rolled back and resumed here, before apply_at
+    assert resumed < cmd.apply_at
+    members = cmd.plan.ranks()
+    for r in members:
+        core.on_batch(conn, m.AgentBatch(acks=(m.Ack(r, cmd.seq, 1, resumed),)))
+    waiting = [r for r in (0, 1, 2) if r not in members]
+    assert waiting, "a spare's ack is still to come"
+    core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, resumed, 1, cmd.plan) for r in members)))
+    assert core.metrics.get("resihp_internal_errors_total", {"job": "job", "kind": "report"}) is None
+    assert core.state is State.RECONFIGURING and core.engine_epoch == 1
+    assert core.pending is not None and core.pending.adopted_at == resumed
+    for r in waiting:
+        core.on_batch(conn, m.AgentBatch(acks=(m.Ack(r, cmd.seq, 1, resumed),)))
+    assert core.state is State.RUNNING and core.plan == cmd.plan and core.engine_epoch == 1
+    core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, resumed + 1, 1, cmd.plan) for r in members)))
+    assert core.metrics.get("resihp_internal_errors_total", {"job": "job", "kind": "report"}) is None
+    assert core.metrics.get("resihp_records_unjudged_total", {"job": "job"}) is None
+    # reports still of the old plan after the switch: traced, not judged by the new plan
+    core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, resumed + 2, 0, old) for r in (0, 1, 2))))
+    assert core.metrics.get("resihp_records_unjudged_total", {"job": "job"}) == 1
+    assert core.metrics.get("resihp_internal_errors_total", {"job": "job", "kind": "report"}) is None
+

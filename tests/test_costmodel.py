@@ -174,3 +174,43 @@ def test_calibrator_online_per_key_and_bounded() -> None:
     assert not cal.ready(("s0", "B"))
     with pytest.raises(ValueError, match="min_samples <= window"):
         Calibrator(window=4, min_samples=8)
+
+
+def test_nnls_small_skips_subsets_only_when_the_full_fit_is_feasible() -> None:
+    """``_nnls_small`` returns the unconstrained fit at once when its coefficients are all
+    >= 0 (no subset can fit better); every answer must equal the exhaustive active-set search
+    it replaced, feasible and infeasible cases alike."""
+    import itertools
+
+    from resihp.coordinator.costmodel import _nnls_small
+
+    def exhaustive(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+        xs, ys = x * np.sqrt(w)[:, None], y * np.sqrt(w)
+        best, best_sse = np.zeros(x.shape[1]), float(ys @ ys)
+        for size in range(x.shape[1], 0, -1):
+            for cols in itertools.combinations(range(x.shape[1]), size):
+                coef = np.linalg.lstsq(xs[:, cols], ys, rcond=None)[0]
+                if np.any(coef < 0):
+                    continue
+                sse = float(np.sum((ys - xs[:, cols] @ coef) ** 2))
+                if sse < best_sse * (1 - 1e-12):
+                    best_sse, best = sse, np.zeros(x.shape[1])
+                    best[list(cols)] = coef
+        return best
+
+    rng = np.random.default_rng(3)
+    feasible = infeasible = 0
+    for i in range(600):
+        n = int(rng.integers(3, 40))
+        tok = rng.integers(64, 8192, n).astype(float)
+        ssq = tok ** 2 * (rng.uniform(0.1, 1, n) if i % 3 else 1.0)
+        a, b, g = rng.uniform(-1e-6, 1e-5), rng.uniform(-1e-10, 1e-9), rng.uniform(-1e-3, 1e-2)
+        y = np.abs(a * tok + b * ssq + g) * rng.lognormal(0, 0.2, n) + 1e-6
+        x = np.column_stack([tok / tok.max(), ssq / ssq.max(), np.ones(n)])
+        w = 1.0 / y ** 2
+        want = exhaustive(x, y, w)
+        np.testing.assert_array_equal(_nnls_small(x, y, w), want)
+        full = np.linalg.lstsq(x * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0]
+        feasible += bool(np.all(full >= 0))
+        infeasible += bool(np.any(full < 0))
+    assert feasible > 50 and infeasible > 50  # both paths were exercised

@@ -73,3 +73,11 @@ def test_the_killed_rank_is_survived_with_the_coordinators_plan(run: Path) -> No
     acked = [e for e in events if e["event"] == "state" and e.get("trigger") == "acked"]
     assert acked, "the coordinator never saw its plan acknowledged"
     assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_control_plane_handled_every_report_and_ack(run: Path) -> None:
+    """The coordinator catches a failing handler so one bad item cannot end an agent's
+    stream; in the main job nothing may take that path (after the fail-stop a record of
+    the recovered plan used to reach a detector still on the old plan: an IndexError)."""
+    log = (run / "coordinator.log").read_text()
+    assert "handling a" not in log and "Traceback" not in log, log[-3000:]

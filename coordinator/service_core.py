@@ -316,12 +316,11 @@ class CoordinatorCore:
         self.engine.observe(PlanChange(first, plan), now)
         self.engine_epoch = plan.epoch
 
-    def _judgeable(self, rec: Any, now: float) -> bool:
+    def _judgeable(self, rec: Any, built: int | None, now: float) -> bool:
         """Whether the engine's plan is the one ``rec`` was built with. A fail-stop recovery
         resumes at the last complete step, before the command's ``apply_at``, and its first
         records can come before the last ack: the pending plan is adopted from them. A record
         of a plan the engine no longer runs (or never will) is traced but not judged."""
-        built = self.joiner.epoch_of.pop(rec.iteration, None)
         if built is None or built == self.engine_epoch:
             return True
         pend = self.pending
@@ -335,9 +334,10 @@ class CoordinatorCore:
         return False
 
     def _on_record(self, rec: Any, now: float) -> None:
-        judge = self._judgeable(rec, now)
+        built = self.joiner.epoch_of.pop(rec.iteration, None)  # the plan epoch the record was built with
+        judge = self._judgeable(rec, built, now)
         if self.trace is not None:
-            self.trace.write(rec)
+            self.trace.write(rec, built)
         self.last_iteration = max(self.last_iteration, rec.iteration)
         self.metrics.set("resihp_iteration", rec.iteration, {"job": self.config.job})
         self.metrics.set("resihp_iteration_duration_seconds", rec.time_s, {"job": self.config.job})

@@ -22,8 +22,11 @@ class TraceSink:
     any step; the coordinator sees every report. Times are relative to the core's t0. A plan
     change is announced when its command goes out, but records of earlier iterations may
     still be joined after that; so it is held back and written just before the first record
-    on the new plan (from its ``apply_at`` on, or earlier when a fail-stop recovery resumed
-    before it: a record already shaped like the new plan)."""
+    on the new plan. The core says which plan epoch each record was built with, so that is
+    exact: a switch that came a boundary or two after ``apply_at`` (a late command) and a
+    fail-stop recovery that resumed before it are both placed where the ranks switched.
+    Without the epoch, the change goes before the first record from ``apply_at`` on or
+    shaped like the new plan (its replica count)."""
 
     FLUSH_S = 1.0  # iteration records reach the file within this (the core's tick flushes too)
 
@@ -37,11 +40,22 @@ class TraceSink:
             self._fh.write(json.dumps(header_to_dict(header), separators=(",", ":")) + "\n")
             self._fh.flush()
 
-    def write(self, rec: Record) -> None:
+    def write(self, rec: Record, epoch: int | None = None) -> None:
+        """``epoch``: for an iteration record, the plan epoch it was built with (the joiner
+        knows it). A held plan change goes out just before the first record of its epoch or a
+        later one, whatever its ``apply_at``: a late switch, or a recovery that resumed early."""
         if isinstance(rec, PlanChange):
             self._held.append(rec)
             return
-        if isinstance(rec, IterationRecord):
+        if isinstance(rec, IterationRecord) and epoch is not None:
+            due = [pc for pc in self._held if pc.plan.epoch <= epoch]
+            if due:
+                # only the newest is the plan this record ran; older ones were superseded unrun
+                self._held = [pc for pc in self._held if pc.plan.epoch > epoch]
+                newest = max(due, key=lambda pc: pc.plan.epoch)
+                self._dp = newest.plan.dp
+                self._line(PlanChange(rec.iteration, newest.plan))
+        elif isinstance(rec, IterationRecord):
             for pc in list(self._held):
                 shaped = len(rec.seqlens) == pc.plan.dp != self._dp
                 if rec.iteration >= pc.iteration or shaped:

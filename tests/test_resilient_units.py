@@ -5,6 +5,7 @@ watch. The real multi-rank run is tests/test_demo_e2e.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -182,6 +183,32 @@ def test_trace_sink_writes_a_plan_change_just_before_the_first_record_on_the_new
     got = [(type(r).__name__, r.iteration) for r in records]
     assert got == [("IterationRecord", 4), ("PlanChange", 5), ("IterationRecord", 5), ("PlanChange", 7),
                    ("IterationRecord", 7)]
+
+
+def test_trace_sink_places_a_plan_change_where_the_ranks_switched_by_the_records_epoch(tmp_path: Path) -> None:
+    """With each record's plan epoch (the joiner's), a switch that came after its apply_at
+    (a late command: same replica count, so no shape tells) and a superseded plan that never
+    ran are written as they happened."""
+    from resihp.coordinator.trace import IterationRecord, PlanChange
+
+    start = Plan.uniform(2, 1, 2, 8, 4)
+    tp4 = replace(Plan.uniform(4, 1, 1, 8, 4), epoch=1)
+    unrun, pp2 = replace(Plan.uniform(1, 2, 2, 8, 4), epoch=2), replace(Plan.uniform(2, 2, 1, 8, 4), epoch=3)
+    sink = TraceSink(tmp_path / "t.jsonl", build_header(preset("gpt-tiny"), start, 4, "job"))
+    mb = (128,)
+    two, one = ((mb, mb), (mb, mb)), ((mb,) * 4,)  # seqlens per replica, per micro-batch
+    sink.write(PlanChange(5, tp4))
+    for it in (5, 6):  # the switch was agreed two boundaries late: still TP2 x DP2
+        sink.write(IterationRecord(it, 0.1 * it, 0.1, two), 0)
+    sink.write(IterationRecord(7, 0.7, 0.1, one), 1)
+    sink.write(PlanChange(10, unrun))
+    sink.write(PlanChange(12, pp2))  # a fail-stop superseded epoch 2 before any rank ran it
+    sink.write(IterationRecord(9, 0.9, 0.1, one), 3)  # the recovery resumed at 9
+    sink.close()
+    _, records = load_trace(str(tmp_path / "t.jsonl"))
+    got = [(type(r).__name__, r.iteration, getattr(getattr(r, "plan", None), "epoch", None)) for r in records]
+    assert got == [("IterationRecord", 5, None), ("IterationRecord", 6, None), ("PlanChange", 7, 1),
+                   ("IterationRecord", 7, None), ("PlanChange", 9, 3), ("IterationRecord", 9, None)]
 
 
 @pytest.mark.parametrize("argv", [["--run-dir", "D", "status"], ["status", "--run-dir", "D"]])

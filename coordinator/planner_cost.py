@@ -16,13 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import attrgetter
 from typing import Collection, Sequence
 
-from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.cluster import Cluster, GlobalBatch
 from resihp.coordinator.costmodel import embedding_flops, head_flops, layer_flops
 from resihp.coordinator.memory import MemoryModel, inflight_microbatches, max_layers_fitting, stage_device_bytes
 from resihp.coordinator.plan import Plan, Schedule
+from resihp.coordinator.planner_tables import ClusterTables as ClusterTables  # re-exported
+from resihp.coordinator.planner_tables import PipeSig as PipeSig
+from resihp.coordinator.planner_tables import StageKey as StageKey
+from resihp.coordinator.planner_tables import cluster_tables as cluster_tables
+from resihp.coordinator.planner_tables import pipe_sig as pipe_sig
 from resihp.coordinator.spec import ModelSpec, SpecError
 
 INF = float("inf")
@@ -69,25 +73,16 @@ class PlannerConfig:
             raise SpecError(f"planner config: max_tp must be >= 0, got {self.max_tp}")
 
 
-# A stage as the cost model sees it: (tp size, slowest member's speed, smallest member memory)
-StageKey = tuple[int, float, float]
-
-
 @dataclass(frozen=True)
-class PipeSig:
-    """A pipeline up to renaming of devices: its stages in order. Every stage edge is priced
-    at the inter-node link (pessimistic for a pipeline inside one node, and it keeps
-    pipelines on interchangeable nodes identical, which the search relies on)."""
+class _Memos:
+    caps: dict[tuple[StageKey, bool, bool, float], int]
+    inflight: dict[tuple[int, int, int], float]
+    bytes: dict[tuple[int, int, bool, bool, float], float]
+    pipe_t: dict[tuple[PipeSig, tuple[int, ...], int], float]
+    profiles: dict[tuple[StageKey, ...], object]
 
-    stages: tuple[StageKey, ...]
 
-    def __hash__(self) -> int:
-        # hashed for every memo lookup of the search (pipeline times, splits): computed once
-        h: int | None = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.stages,))  # what the generated __hash__ returns
-            self.__dict__["_hash"] = h
-        return h
+_MEMOS: dict[tuple[object, ...], _Memos] = {}
 
 
 def bubble_factor(schedule: Schedule, virtual_chunks: int) -> float:
@@ -129,13 +124,23 @@ class Costs:
         self.boundary_bytes = 2.0 * self.tokens * spec.hidden  # bf16 activation / gradient at a stage edge
         self.layer_params = spec.params_per_layer()
         self.emb_params = spec.embedding_params()
-        self._caps: dict[tuple[StageKey, bool, bool, float], int] = {}
-        self._inflight: dict[tuple[int, int, int], float] = {}
-        self._bytes: dict[tuple[int, int, bool, bool, float], float] = {}
         self._tables: tuple[dict[int, float], dict[int, float], dict[int, float]] | None = None
-        self._sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = cluster_tables(cluster).sigs
-        self._pipe_t: dict[tuple[PipeSig, tuple[int, ...], int], float] = {}
-        self.profiles: dict[tuple[StageKey, ...], object] = {}  # planner_split.PipeProfile per pipeline
+        self._tab = cluster_tables(cluster)
+        self._sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = self._tab.sigs
+        # the memos below depend on no rank: every Costs of the same model, batch, config,
+        # schedule and link constants shares them (a day of decisions meets a few of those)
+        key = (spec, batch, config, schedule, self.v, cluster.intra_node_bw_Bps, cluster.inter_node_bw_Bps,
+               cluster.intra_node_latency_s, cluster.inter_node_latency_s, cluster.device_flops)
+        memos = _MEMOS.get(key)
+        if memos is None or len(memos.pipe_t) > 500_000:
+            if len(_MEMOS) >= 16:
+                _MEMOS.clear()
+            memos = _MEMOS[key] = _Memos({}, {}, {}, {}, {})
+        self._caps = memos.caps
+        self._inflight = memos.inflight
+        self._bytes = memos.bytes
+        self._pipe_t = memos.pipe_t
+        self.profiles = memos.profiles  # planner_split.PipeProfile per pipeline
 
     # --- stage pieces ---------------------------------------------------------------------
     def tp_comm_s(self, k: int) -> float:
@@ -189,11 +194,7 @@ class Costs:
 
     def sig(self, stages: tuple[tuple[int, ...], ...]) -> PipeSig:
         """``pipe_sig`` of these stages on this cluster, memoised per cluster object."""
-        hit = self._sigs.get(stages)
-        if hit is None:
-            speed, mem, _ = self.tables()
-            hit = self._sigs[stages] = pipe_sig(speed, mem, stages)
-        return hit
+        return self._tab.sig(stages)
 
     # --- one pipeline -------------------------------------------------------------------
     def inflight(self, p: int, s: int, m: int) -> float:
@@ -251,51 +252,6 @@ class Costs:
 
 
 @dataclass(frozen=True)
-class ClusterTables:
-    """Per-rank lookups of one cluster, built once per cluster object (a decision asks for
-    them many times, and at 16K devices each build walks every device)."""
-
-    devs: dict[int, DeviceState]
-    node_of: dict[int, object]
-    least_memory: int
-    failed: frozenset[int]
-    speed: dict[int, float]
-    memory: dict[int, float]
-    slow_links: dict[int, float]  # link factor != 1 only
-    index: dict[int, int]  # rank -> its position in cluster.devices
-    sigs: dict[tuple[tuple[int, ...], ...], PipeSig] = field(default_factory=dict)  # stages -> signature
-    one_node: set[tuple[int, ...]] = field(default_factory=set)  # TP groups known to sit in one node
-
-
-_TABLES: dict[int, tuple[Cluster, ClusterTables]] = {}
-
-
-def cluster_tables(cluster: Cluster) -> ClusterTables:
-    hit = _TABLES.get(id(cluster))
-    if hit is not None and hit[0] is cluster:
-        return hit[1]
-    dl = cluster.devices
-    ranks = list(map(attrgetter("rank"), dl))
-    devs = dict(zip(ranks, dl))
-    mem = list(map(attrgetter("memory_bytes"), dl))
-    links = list(map(attrgetter("link_factor"), dl))
-    failed = list(map(attrgetter("failed"), dl))
-    out = ClusterTables(devs, dict(zip(ranks, map(attrgetter("node"), dl))), min(mem),
-                        frozenset(r for r, f in zip(ranks, failed) if f),
-                        dict(zip(ranks, map(attrgetter("speed"), dl))), dict(zip(ranks, map(float, mem))),
-                        {r: f for r, f in zip(ranks, links) if f != 1.0}, dict(zip(ranks, range(len(ranks)))))
-    if len(_TABLES) >= 8:
-        _TABLES.clear()
-    _TABLES[id(cluster)] = (cluster, out)
-    return out
-
-
-def pipe_sig(speed: dict[int, float], mem: dict[int, float], stages: Sequence[Sequence[int]]) -> PipeSig:
-    sp, mm = speed.__getitem__, mem.__getitem__
-    return PipeSig(tuple([(len(g), min(map(sp, g)), min(map(mm, g))) for g in stages]))
-
-
-@dataclass(frozen=True)
 class Evaluation:
     iteration_s: float  # inf when infeasible
     tokens_per_s: float
@@ -316,11 +272,11 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
     out: list[str] = []
     tab = cluster_tables(cluster)
     devs = tab.devs
-    ranks = plan.ranks()
-    if not devs.keys() >= set(ranks):
-        unknown = [r for r in ranks if r not in devs]
+    members = plan._members  # the plan's ranks as the set Plan validated them with
+    if not devs.keys() >= members:
+        unknown = [r for r in plan.ranks() if r not in devs]
         return [f"ranks {unknown} are not in the cluster"]
-    dead = sorted(tab.failed.intersection(ranks))
+    dead = sorted(tab.failed.intersection(members))
     if dead:
         out.append(failed_text(dead, excluded, "are"))
     try:
@@ -329,14 +285,21 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
         out.append(str(exc))
     node_of = tab.node_of.__getitem__
     one_node = tab.one_node  # groups already seen inside one node (candidates share most groups)
+    seen = tab.one_node_ids  # the same tuple objects are checked again and again: by identity
+    if len(seen) > 200_000:
+        seen.clear()
     for i, rep in enumerate(plan.replicas):
         for s, g in enumerate(rep.stages):
+            if seen.get(id(g)) is g:
+                continue
             if g in one_node:
+                seen[id(g)] = g
                 continue
             if len(set(map(node_of, g))) > 1 and len({str(devs[r].node) for r in g}) > 1:
                 out.append(f"replica {i} stage {s}: TP group {list(g)} spans nodes")
             else:
                 one_node.add(g)
+                seen[id(g)] = g
     if plan.global_microbatches != batch.microbatches:
         out.append(f"micro-batch shares sum to {plan.global_microbatches}, the global batch has {batch.microbatches}")
     if out:
@@ -393,19 +356,23 @@ def evaluate(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, 
 
 def evaluate_with(costs: Costs, plan: Plan) -> Evaluation:
     """``evaluate`` for a plan already known to be legal (no failed ranks, legal TP)."""
-    speed, mem, slow_links = costs.tables()
+    tab = costs._tab
+    slow_links = tab.slow_links
+    members = plan._members
+    # the odd and link-slow ranks this plan uses (few): without any, every replica is plain
+    special = frozenset(r for r in tab.special if r in members)
     rep_s: list[float] = []
     shards: list[tuple[int, int, bool, bool, float]] = []
     seen: set[tuple[PipeSig, tuple[int, ...]]] = set()  # identical replicas add identical shards
     worst_link = 1.0
-    sigs = costs._sigs
     for rep in plan.replicas:
-        sig = sigs.get(rep.stages)
-        if sig is None:
-            sig = sigs[rep.stages] = pipe_sig(speed, mem, rep.stages)
+        # a replica of top-speed devices on healthy links (most of them): its signature
+        # follows from its TP sizes, and no link term applies
+        plain = not special or special.isdisjoint(chain.from_iterable(rep.stages))
+        sig = tab.plain_sig(tuple(map(len, rep.stages))) if plain else tab.sig(rep.stages)
         per_dev = tuple(rep.layers) if len(rep.layers) == rep.pp else tuple(device_layers(rep.layers, rep.pp))
         t = costs.pipeline_time(sig, per_dev, rep.microbatches)
-        if slow_links and not slow_links.keys().isdisjoint(chain.from_iterable(rep.stages)):
+        if not plain and slow_links and not slow_links.keys().isdisjoint(chain.from_iterable(rep.stages)):
             # a communication slowdown stretches this pipeline's p2p, not its compute
             factors = [max(slow_links.get(r, 1.0) for r in g) for g in rep.stages]
             worst_link = max(worst_link, max(factors))

@@ -192,7 +192,7 @@ def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerCon
         ("tp-regroup", plain(lambda: regroup(costs, current, searcher)), cfg.regroup_latency_s),
         ("replica-rebuild", plain(lambda: rebuild(costs, current, searcher)), cfg.regroup_latency_s),
         ("full-replan", searched, cfg.regroup_latency_s),
-        ("full-replan", plain(lambda: _without_slow_links(costs, current, cfg)), cfg.regroup_latency_s),
+        ("full-replan", lambda: _without_slow_links(costs, current, cfg), cfg.regroup_latency_s),
     )
     for level, build, latency in builders:
         plan, move, known_s = build()
@@ -222,18 +222,22 @@ def tp_uniform_per_layer(plan: Plan) -> bool:
     return True
 
 
-def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig) -> Plan | None:
+def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig
+                        ) -> tuple[Plan | None, Move | None, float | None]:
     """The joint search over the devices whose links are healthy (link-slow ones become
-    spares); None when no link is slow or nothing else can run the model."""
+    spares), with its move and score (its plan uses none of the edited devices, so the
+    search's evaluation and move are those of ``costs``); None when no link is slow or
+    nothing else can run the model."""
     tab = cluster_tables(costs.cluster)
     slow = [r for r in tab.slow_links if r not in tab.failed]  # link factors are >= 1: != 1 is > 1
     if not slow:
-        return None
+        return None, None, None
     try:
-        return Searcher(_edited(costs.cluster, {r: {"failed": True} for r in slow}), costs.spec, costs.batch, current,
-                        cfg).search().plan
+        res = Searcher(_edited(costs.cluster, {r: {"failed": True} for r in slow}), costs.spec, costs.batch, current,
+                       cfg).search()
     except SpecError:
-        return None
+        return None, None, None
+    return res.plan, res.move, res.iteration_s
 
 
 def decide(

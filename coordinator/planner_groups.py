@@ -5,9 +5,11 @@ passes around. Pure and deterministic.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
-from operator import attrgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, is_not
 from typing import Mapping, Sequence
 
 from resihp.coordinator.cluster import Cluster, DeviceState
@@ -106,6 +108,87 @@ def _order_node(devs: list[DeviceState], pos: Mapping[int, tuple[int, ...]]
         return alive, ((first.speed, float(first.memory_bytes)),) * len(alive)
     alive.sort(key=lambda d: (-d.speed, -d.memory_bytes, get(d.rank, far), d.rank))
     return alive, tuple((d.speed, float(d.memory_bytes)) for d in alive)
+
+
+NodeSig = tuple[tuple[float, float], ...]
+# one object per distinct node signature, so that per-node memos can key on its identity
+_SIG_OBJECTS: dict[NodeSig, NodeSig] = {}
+# the last node order computed: (devices, positions, each node's [start, end) in the
+# devices, each node's (alive devices in search order, signature)); set when every node is
+# one run of the device order
+_LAST_ORDER: list[tuple[tuple[DeviceState, ...], Mapping[int, tuple[int, ...]], list[tuple[int, int]],
+                        list[tuple[list[DeviceState], NodeSig]]]] = []
+_SAME_PLACE = attrgetter("rank", "node")
+# ids of a node's devices, all alive ones of one speed and memory -> (those devices, the
+# alive ones in their last order, its signature, their ranks in that order)
+_UNIFORM: dict[tuple[int, ...], tuple[list[DeviceState], list[DeviceState], NodeSig, tuple[int, ...]]] = {}
+
+
+def node_order(cluster: Cluster, pos: Mapping[int, tuple[int, ...]]) -> list[tuple[list[DeviceState], NodeSig]]:
+    """Per node (in ``cluster_nodes`` order): its healthy devices sorted by speed, memory,
+    then position in ``pos``, and their (speed, memory) signature (one object per distinct
+    signature). Do not mutate. A cluster that differs from the last one by a few devices
+    (same ranks on the same nodes) under the same positions reorders only their nodes."""
+    devs = cluster.devices
+    if _LAST_ORDER and _LAST_ORDER[0][1] is pos and len(_LAST_ORDER[0][0]) == len(devs):
+        old, _, bounds, entries = _LAST_ORDER[0]
+        changed = list(compress(range(len(devs)), map(is_not, old, devs)))
+        if len(changed) <= max(64, len(devs) // 16) and all(
+                _SAME_PLACE(old[i]) == _SAME_PLACE(devs[i]) and type(old[i].node) is type(devs[i].node)
+                for i in changed):
+            entries = list(entries)
+            starts = [a for a, _ in bounds]
+            for j in sorted({bisect_right(starts, i) - 1 for i in changed}):
+                a, b = bounds[j]
+                entries[j] = _interned(_order_node(list(devs[a:b]), pos))
+            _LAST_ORDER[:] = [(devs, pos, bounds, entries)]
+            return entries
+    memo = _NODE_ORDER
+    if len(memo) > 50_000:
+        memo.clear()
+    if len(_UNIFORM) > 50_000:
+        _UNIFORM.clear()
+    pid = id(pos)
+    get = pos.get
+    far = (1 << 30, 0, 0)
+    entries = []
+    node_lists = list(cluster_nodes(cluster).values())
+    for node_devs in node_lists:
+        ids = tuple(map(id, node_devs))
+        # a node of one speed and memory (most of them) is ordered by (position, rank): its
+        # last order stands if still sorted under these positions (the list object is kept,
+        # and the memos on it: its groups depend on that order only)
+        prev = _UNIFORM.get(ids)
+        if prev is not None:
+            keys = list(zip(map(get, prev[3], repeat(far)), prev[3]))
+            if keys == sorted(keys):
+                entries.append((prev[1], prev[2]))
+                continue
+        key = (pid, *ids)  # the same device objects under the same plan order alike
+        entry = memo.get(key)
+        if entry is None or entry[0] is not pos:
+            alive, sig = _interned(_order_node(node_devs, pos))
+            if len(set(sig)) == 1:
+                _UNIFORM[ids] = (node_devs, alive, sig, tuple(map(_RANK, alive)))
+            entry = memo[key] = (pos, node_devs, alive, sig)
+        entries.append((entry[2], entry[3]))
+    # remember it for derived clusters when each node is one run of the device order
+    if all(map(is_, chain.from_iterable(node_lists), devs)):
+        bounds = []
+        start = 0
+        for lst in node_lists:
+            bounds.append((start, start + len(lst)))
+            start += len(lst)
+        _LAST_ORDER[:] = [(devs, pos, bounds, entries)]
+    else:
+        _LAST_ORDER.clear()
+    return entries
+
+
+def _interned(entry: tuple[list[DeviceState], NodeSig]) -> tuple[list[DeviceState], NodeSig]:
+    if len(_SIG_OBJECTS) > 10_000:
+        _SIG_OBJECTS.clear()
+    return entry[0], _SIG_OBJECTS.setdefault(entry[1], entry[1])
 
 
 def legal_tp_sizes(spec: ModelSpec, cluster: Cluster, config: PlannerConfig) -> list[int]:

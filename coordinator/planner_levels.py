@@ -13,6 +13,8 @@ repair cannot run (a failed rank stays in it, or memory does not fit). Pure.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
+from typing import Iterable
 
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.planner_cost import Costs, PipeSig, cluster_tables, device_layers
@@ -153,25 +155,41 @@ def _best_subgroup(group: tuple[int, ...], speed: dict[int, float], dead: set[in
     return best
 
 
+def _replicas_of(plan: Plan, ranks: Iterable[int]) -> set[int]:
+    """Indices of the replicas holding any of ``ranks``."""
+    pos = plan.position_table()
+    return {p[0] for p in map(pos.get, ranks) if p is not None}
+
+
 def regroup(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
     speed, _, dead = _tables(costs)
+    tab = cluster_tables(costs.cluster)
+    # a group can change only if it holds a failed rank or one off the top speed (odd):
+    # every other group has all its members alive at one speed
+    touched = _replicas_of(plan, chain(tab.odd, tab.failed))
     replicas: list[PipelinePlan] = []
-    dropped: list[int] = []
-    for rep in plan.replicas:
+    removed: list[int] = []  # ranks of the plan that the new groups leave out
+    for i, rep in enumerate(plan.replicas):
+        if i not in touched:
+            replicas.append(rep)
+            continue
         stages = []
         for group in rep.stages:
             fastest = max(speed[r] for r in group)
             if any(r in dead or speed[r] < fastest for r in group):
-                group = _best_subgroup(group, speed, dead)
+                sub = _best_subgroup(group, speed, dead)
+                removed.extend(r for r in group if r not in sub)
+                group = sub
             stages.append(group)
         if any(not g for g in stages):
-            dropped.extend(r for r in rep.ranks() if r not in dead)
+            removed.extend(r for g in stages for r in g)
             continue
         replicas.append(PipelinePlan(tuple(stages), rep.layers, rep.microbatches))
     if not replicas:
         return None
-    kept = {r for rep in replicas for r in rep.ranks()}
-    spares = tuple(sorted((set(plan.spares) | set(plan.ranks())) - kept - dead))
+    # (spares | plan ranks) - kept - dead, kept being the plan's ranks less the removed ones
+    # (spares are never members)
+    spares = tuple(sorted((set(plan.spares) | set(removed)) - dead))
     got = _resplit(costs, replicas, searcher)
     if got is None:
         return None
@@ -186,15 +204,27 @@ def rebuild(costs: Costs, plan: Plan, searcher: Searcher) -> Plan | None:
     dissolved (its devices become spares). Shares are then rebalanced over all pipelines
     (Oobleck's template re-instantiation, generalised to heterogeneous splits)."""
     speed, mem, dead = _tables(costs)
-    alive = [speed[r] for r in plan.ranks() if r not in dead]
+    tab = cluster_tables(costs.cluster)
+    pos = plan.position_table()
+    odd = {r for r in chain(tab.odd, tab.failed) if r in pos}  # members off the top speed, or failed
+    top_speed = tab.top[0]
+    alive = [speed[r] for r in odd if r not in dead]
+    if len(pos) > len(odd):  # and the others, alive at the top speed
+        alive.append(top_speed)
     if not alive:
         return None
     top = max(alive)
+    # a replica is kept unless a member failed or is slower than ``top``; when ``top`` is
+    # the top speed, only the odd members can be
+    damaged = _replicas_of(plan, [r for r in odd if r in dead or speed[r] < top]) if top == top_speed else None
     kept: list[PipelinePlan] = []
     rebuilt: list[PipelinePlan] = []
     freed: set[int] = set()
-    devs = cluster_tables(costs.cluster).devs
-    for rep in plan.replicas:
+    devs = tab.devs
+    for i, rep in enumerate(plan.replicas):
+        if damaged is not None and i not in damaged:
+            kept.append(rep)
+            continue
         ranks = rep.ranks()
         if not any(r in dead or speed[r] < top for r in ranks):
             kept.append(rep)

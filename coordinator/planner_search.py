@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from itertools import chain
 from typing import Mapping, Sequence
 
@@ -36,7 +37,7 @@ from resihp.coordinator.plan import PipelinePlan, Plan, Schedule, even_split
 from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey, cluster_tables, evaluate_with
 from resihp.coordinator.planner_groups import (  # noqa: F401 - cluster_nodes, pow2_pieces, _NODES: re-exported
     _NO_POSITIONS, _NODE_ORDER, _NODES, _RANK, Pool, SearchResult, ShapeResult, _divisors, _order_node, cluster_nodes,
-    legal_tp_sizes, node_ranges, pow2_pieces,
+    legal_tp_sizes, node_order, node_ranges, pow2_pieces,
 )
 from resihp.coordinator.planner_move import Move, replicas_move
 from resihp.coordinator.planner_shares import allocate_shares
@@ -46,6 +47,8 @@ from resihp.coordinator.spec import ModelSpec, SpecError
 # shape-search results by _shape_key: re-planning the same kind of cluster (a recovery back
 # to healthy, a slow device on any node) reuses them; only materialisation is per call
 _SHAPES: dict[tuple[object, ...], tuple[list["ShapeResult"], int, int]] = {}
+# (id(a node's alive-device list), tp size, variant) -> (that list, its groups as (type, ranks))
+_NODE_GROUPS: dict[tuple[int, int, str], tuple[list[DeviceState], list[tuple[StageKey, tuple[int, ...]]]]] = {}
 
 VARIANTS = ("keep", "exclude", "kmin", "keep-lead", "exclude-lead")
 ARRANGEMENTS = ("concentrate", "spread", "snake")
@@ -70,28 +73,21 @@ class Searcher:
         # rank -> (replica, stage, tp index, tp size): positions are unique, so ordering by it
         # orders by (replica, stage, tp index)
         pos: Mapping[int, tuple[int, ...]] = current.position_table() if current is not None else _NO_POSITIONS
-        self.node_devs: list[list[DeviceState]] = []
-        self.node_sigs: list[tuple[tuple[float, float], ...]] = []
-        memo = _NODE_ORDER
-        if len(memo) > 50_000:
-            memo.clear()
-        pid = id(pos)
-        for devs in cluster_nodes(cluster).values():
-            key = (pid, *map(id, devs))  # the same device objects under the same plan order alike
-            entry = memo.get(key)
-            if entry is None or entry[0] is not pos:
-                alive, sig = _order_node(devs, pos)
-                entry = memo[key] = (pos, devs, alive, sig)
-            if entry[2]:
-                self.node_devs.append(list(entry[2]))
-                self.node_sigs.append(entry[3])
+        entries = node_order(cluster, pos)
+        self.node_devs: list[list[DeviceState]] = [alive for alive, _ in entries if alive]  # read-only
+        self.node_sigs: list[tuple[tuple[float, float], ...]] = [sig for alive, sig in entries if alive]
         tab = cluster_tables(cluster)
-        self._alive_ranks = set(tab.devs).difference(tab.failed)
-        # nodes with the same signature form groups alike: pools walk the distinct ones
+        # nodes with the same signature form groups alike: pools walk the distinct ones.
+        # Signatures are interned, so they are counted by identity (hashing 2,048 of them
+        # costs more); equal ones under two objects are merged, first node first
+        ids = list(map(id, self.node_sigs))
         self._sig_count: dict[tuple[tuple[float, float], ...], tuple[int, int]] = {}  # sig -> (first node, count)
-        for i, sig in enumerate(self.node_sigs):
+        first_of = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))  # id -> its first node
+        for sid, n in Counter(ids).items():
+            first = first_of[sid]
+            sig = self.node_sigs[first]
             hit = self._sig_count.get(sig)
-            self._sig_count[sig] = (i, 1) if hit is None else (hit[0], hit[1] + 1)
+            self._sig_count[sig] = (first, n) if hit is None else (hit[0], hit[1] + n)
         # the worst link slowdown among usable devices: shapes are priced as if their DP ring
         # and one pipeline's p2p cross it (a slow NIC makes DP-heavy layouts pay more)
         self.link = max((f for r, f in tab.slow_links.items() if r not in tab.failed), default=1.0) if self.node_devs else 1.0
@@ -147,24 +143,42 @@ class Searcher:
         if hit is not None:
             return hit
         out: dict[StageKey, list[tuple[int, ...]]] = {}
-        memo: dict[tuple[object, int], list[tuple[int, int, StageKey]]] = {}
+        memo: dict[tuple[int, int], tuple[list[tuple[int, int, StageKey]], bool]] = {}
         far = (1 << 30, 0, 0)
+        cache = _NODE_GROUPS
+        if len(cache) > 200_000:
+            cache.clear()
+        variant = pool.variant
         for devs, sig, size in zip(self.node_devs, self.node_sigs, self._node_tp(pool.tp, pool.split, pool.depth)):
-            cuts = memo.get((sig, size))
-            if cuts is None:  # the cuts and types depend only on the node's speeds and memory
-                speeds = [d.speed for d in devs]
-                cuts = memo[(sig, size)] = [
-                    (a, b, (b - a, min(speeds[a:b]), min(float(d.memory_bytes) for d in devs[a:b])))
-                    for a, b in node_ranges(speeds, size, pool.variant)
-                ]
-            uniform = sig[0] == sig[-1] and len(set(sig)) == 1  # already in (position, rank) order
-            for a, b, key in cuts:
-                members = devs[a:b]
-                if not uniform:
-                    members = sorted(members, key=lambda d: (self._pos.get(d.rank, far), d.rank))
-                out.setdefault(key, []).append(tuple(map(_RANK, members)))
-        for key in out:
-            out[key].sort(key=lambda g: (self._pos.get(g[0], far), g))
+            # a node's alive-device list is ordered for one position table (node_order), so
+            # its groups are the same for every search that gets the same list object
+            node = cache.get((id(devs), size, variant))
+            if node is None or node[0] is not devs:
+                got = memo.get((id(sig), size))  # signatures are interned (node_order); all alive here
+                if got is None:  # the cuts and types depend only on the node's speeds and memory
+                    speeds = [d.speed for d in devs]
+                    got = memo[(id(sig), size)] = ([
+                        (a, b, (b - a, min(speeds[a:b]), min(float(d.memory_bytes) for d in devs[a:b])))
+                        for a, b in node_ranges(speeds, size, variant)
+                    ], sig[0] == sig[-1] and len(set(sig)) == 1)  # uniform: already in (position, rank) order
+                cuts, uniform = got
+                groups: list[tuple[StageKey, tuple[int, ...]]] = []
+                for a, b, key in cuts:
+                    members = devs[a:b]
+                    if not uniform:
+                        members = sorted(members, key=lambda d: (self._pos.get(d.rank, far), d.rank))
+                    groups.append((key, tuple(map(_RANK, members))))
+                node = cache[(id(devs), size, variant)] = (devs, groups)
+            for key, ranks in node[1]:
+                lst = out.get(key)
+                if lst is None:
+                    lst = out[key] = []
+                lst.append(ranks)
+        get = self._pos.get
+        for key, lst in out.items():  # by (position of the first member, ranks)
+            order = [(get(g[0], far), g) for g in lst]
+            order.sort()
+            out[key] = [g for _, g in order]
         self._concrete[(pool.tp, pool.variant, pool.split, pool.depth)] = out
         return out
 
@@ -381,13 +395,14 @@ class Searcher:
         queues = self.concrete_groups(shape.pool)
         take = {key: iter(q).__next__ for key, q in queues.items()}  # pop each type's groups in order
         replicas: list[PipelinePlan] = []
-        taken: list[tuple[int, ...]] = []
+        used: dict[StageKey, int] = {}  # groups popped per type
         splits: dict[tuple[PipeSig, int], tuple[int, ...]] = {}  # identical pipelines share a split
         for (sig, count), row in zip(shape.classes, shape.shares):
             pops = [take[key] for key in sig.stages]
+            for key in sig.stages:
+                used[key] = used.get(key, 0) + count
             for i in range(count):
                 stages = [pop() for pop in pops]
-                taken.extend(stages)
                 m = row[i]
                 layers = splits.get((sig, m))
                 if layers is None:
@@ -398,7 +413,9 @@ class Searcher:
         # keep replicas in current order where possible (stable, deterministic)
         far = (1 << 30, 0, 0)
         replicas.sort(key=lambda rep: (self._pos.get(rep.stages[0][0], far), rep.stages[0]))
-        spares = tuple(sorted(self._alive_ranks.difference(chain.from_iterable(taken))))
+        # the groups partition the healthy devices: the spares are the groups left unpopped
+        left = chain.from_iterable(q[used.get(key, 0):] for key, q in queues.items())
+        spares = tuple(sorted(chain.from_iterable(left)))
         return replicas, spares
 
     def _virtual(self, per_device: Sequence[int]) -> tuple[int, ...]:
@@ -412,9 +429,7 @@ class Searcher:
     def _shape_key(self, keep: int) -> tuple[object, ...]:
         """What the shape search depends on: the multiset of node signatures (not which
         ranks), the model, batch, config, schedule and link constants."""
-        counts: dict[tuple[tuple[float, float], ...], int] = {}
-        for sig in self.node_sigs:
-            counts[sig] = counts.get(sig, 0) + 1
+        counts = {sig: n for sig, (_, n) in self._sig_count.items()}
         c = self.cluster
         return (tuple(sorted(counts.items())), self.spec, self.batch, self.config, self.costs.schedule, self.v, keep,
                 c.intra_node_bw_Bps, c.inter_node_bw_Bps, c.intra_node_latency_s, c.inter_node_latency_s,

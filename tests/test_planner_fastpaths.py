@@ -1,13 +1,17 @@
 """The planner's speed paths give the answers of the plain computations they replace:
 Plan validation (same errors, first problem named), rank lookups, the memoised node
-grouping, the state-move pricing and the search with its per-node memo."""
+grouping, the state-move pricing, the search with its per-node memo, cluster tables and
+node orders derived from the previous cluster, the search's spares, and the repairs that
+walk only the damaged replicas."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from resihp.coordinator import planner_move, planner_search
+from resihp.coordinator import (
+    planner_cost, planner_groups, planner_levels, planner_move, planner_search, planner_tables,
+)
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.memory import MemoryModel
 from resihp.coordinator.plan import PipelinePlan, Plan, RankPosition, Schedule
@@ -122,6 +126,11 @@ def test_search_and_decide_are_unchanged_by_warm_memos() -> None:
     planner_search._SHAPES.clear()
     planner_search._NODE_ORDER.clear()
     planner_search._NODES.clear()
+    planner_groups._LAST_ORDER.clear()
+    planner_groups._UNIFORM.clear()
+    planner_search._NODE_GROUPS.clear()
+    planner_tables._TABLES.clear()
+    planner_cost._MEMOS.clear()
     cold = decide(slow, SPEC, BATCH, current, finding, 0.0, PlannerConfig())
     for d in (again, cold):
         assert (d.act, d.level, d.plan, d.move_bytes) == (first.act, first.level, first.plan, first.move_bytes)
@@ -166,3 +175,104 @@ def test_one_each_shares_equal_the_general_greedy() -> None:
     flat = _Line(0.0, 1.0)  # not strictly increasing: falls back to the general rule
     assert one_each_shares([flat, flat, _Line(1.0, 0.0)], 5) == [  # type: ignore[list-item]
         row[0] for row in allocate_shares([flat, flat, _Line(1.0, 0.0)], [1, 1, 1], 5)[1]]  # type: ignore[index]
+
+
+# --- per-cluster tables and node orders derived from the previous cluster -------------------
+
+def _edit(cluster: Cluster, rng: random.Random, n: int) -> Cluster:
+    """A few devices failed, slowed, link-slowed or restored (new device objects)."""
+    devs = list(cluster.devices)
+    for i in rng.sample(range(len(devs)), n):
+        d = devs[i]
+        devs[i] = DeviceState(d.rank, d.node, rng.choice([1.0, 1.0, 0.5, 0.25, 2.0]), rng.random() < 0.3,
+                              d.memory_bytes, rng.choice([1.0, 1.0, 3.0]))
+    return Cluster(tuple(devs))
+
+
+def _fields(tab: planner_tables.ClusterTables) -> tuple[object, ...]:
+    return (tab.devs, tab.node_of, tab.least_memory, tab.failed, tab.speed, tab.memory, tab.slow_links, tab.index)
+
+
+def test_derived_cluster_tables_equal_a_fresh_build() -> None:
+    rng = random.Random(11)
+    cluster = Cluster.uniform(16, 8)
+    previous = planner_tables.cluster_tables(cluster)
+    for _ in range(30):
+        derived = _edit(cluster, rng, rng.randint(0, 6))
+        got = planner_tables.cluster_tables(derived)  # derived from the previous cluster's tables
+        assert got.node_of is previous.node_of  # (shared: it was derived, not built)
+        fresh = planner_tables._built(derived)
+        assert _fields(got) == _fields(fresh)
+        assert all(got.devs[r].speed == got.top[0] and got.memory[r] == got.top[1]
+                   for r in got.devs if r not in got.odd)
+        assert got.special == got.odd | got.slow_links.keys()
+        for _ in range(5):
+            stages = tuple(tuple(rng.sample(range(128), rng.choice([1, 2, 4]))) for _ in range(rng.randint(1, 4)))
+            assert got.sig(stages) == planner_tables.pipe_sig(fresh.speed, fresh.memory, stages)
+        cluster, previous = derived, got
+
+
+def test_node_order_of_a_derived_cluster_equals_the_per_node_order() -> None:
+    rng = random.Random(5)
+    cluster = Cluster.uniform(8, 8)
+    plan = Plan.uniform(4, 2, 8, SPEC.num_layers, BATCH.microbatches)
+    flipped = Plan(tuple(PipelinePlan(tuple(g[::-1] for g in r.stages), r.layers, r.microbatches)
+                         for r in plan.replicas))  # the same groups, members in the other order
+    tables = [plan.position_table(), flipped.position_table(), {}]
+    for i in range(30):
+        cluster = _edit(cluster, rng, rng.randint(0, 4))
+        pos = tables[i // 3 % 3]  # a few clusters under one plan, then another plan's order
+        got = planner_groups.node_order(cluster, pos)
+        want = [planner_groups._order_node(list(devs), pos) for devs in cluster.nodes().values()]
+        assert [(list(a), s) for a, s in got] == [(list(a), s) for a, s in want]
+
+
+def test_search_spares_are_the_healthy_devices_left_over() -> None:
+    cluster = Cluster.uniform(8, 8).with_failed([3, 17]).with_speeds({9: 0.5, 40: 0.3})
+    for current in (None, Plan.uniform(8, 2, 4, SPEC.num_layers, BATCH.microbatches)):
+        plan = search(cluster, SPEC, BATCH, current).plan
+        alive = {d.rank for d in cluster.devices if not d.failed}
+        assert set(plan.spares) == alive - set(plan.ranks()) and list(plan.spares) == sorted(plan.spares)
+
+
+def _reference_regroup_spares(plan: Plan, cluster: Cluster
+                              ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], ...]]]:
+    """tp-regroup's groups and spares, walking every group (what the fast path skips)."""
+    speed = {d.rank: d.speed for d in cluster.devices}
+    dead = {d.rank for d in cluster.devices if d.failed}
+    kept: list[tuple[tuple[int, ...], ...]] = []
+    for r in plan.replicas:
+        stages = []
+        for g in r.stages:
+            if any(x in dead or speed[x] < max(speed[y] for y in g) for x in g):
+                g = planner_levels._best_subgroup(g, speed, dead)
+            stages.append(g)
+        if all(stages):
+            kept.append(tuple(stages))
+    members = {x for st in kept for g in st for x in g}
+    return tuple(sorted((set(plan.spares) | set(plan.ranks())) - members - dead)), kept
+
+
+def test_regroup_and_rebuild_touch_only_damaged_replicas_as_the_full_walk_does() -> None:
+    from resihp.coordinator.planner_cost import Costs
+
+    rng = random.Random(2)
+    base = Cluster.uniform(8, 8)
+    current = search(base, SPEC, BATCH).plan
+    cfg = PlannerConfig()
+    for _ in range(12):
+        cluster = _edit(base, rng, rng.randint(1, 5))
+        costs = Costs(cluster, SPEC, BATCH, cfg, current.schedule, current.virtual_chunks)
+        searcher = planner_search.Searcher(cluster, SPEC, BATCH, current, cfg)
+        got = planner_levels.regroup(costs, current, searcher)
+        spares, kept = _reference_regroup_spares(current, cluster)
+        if got is not None:
+            assert got.spares == spares and [r.stages for r in got.replicas] == kept
+        rebuilt = planner_levels.rebuild(costs, current, searcher)
+        if rebuilt is not None:  # kept first, as they were: no member failed or slower than the fastest
+            dead = {d.rank for d in cluster.devices if d.failed}
+            speed = {d.rank: d.speed for d in cluster.devices}
+            top = max(speed[x] for x in current.ranks() if x not in dead)
+            kept_reps = [r for r in current.replicas if all(x not in dead and speed[x] >= top for x in r.ranks())]
+            assert [r.stages for r in rebuilt.replicas[:len(kept_reps)]] == [r.stages for r in kept_reps]
+            assert all(r.stages not in {k.stages for k in kept_reps} for r in rebuilt.replicas[len(kept_reps):])

@@ -590,8 +590,7 @@ class CoordinatorCore:
                 self.pending = None
                 self.plan = pend.command.plan
                 if pend.adopted_at is None:
-                    self.engine.set_plan(self.plan, pend.command.apply_at)
-                    self.engine_epoch = self.plan.epoch
+                    self._adopt(self.plan, pend.command.apply_at, now)
                 self._transition(Trigger.ACK_TIMEOUT, f"ranks {sorted(pend.awaiting)} did not acknowledge epoch "
                                                       f"{pend.command.epoch} within {self.policy['ack_timeout_s']} s")
             self.metrics.set("resihp_epoch", self.epoch, {"job": self.config.job})

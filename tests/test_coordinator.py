@@ -192,3 +192,24 @@ def test_records_of_a_recovery_that_resumed_before_apply_at_are_judged_by_the_ne
     assert core.metrics.get("resihp_records_unjudged_total", {"job": "job"}) == 1
     assert core.metrics.get("resihp_internal_errors_total", {"job": "job", "kind": "report"}) is None
 
+
+
+def test_a_command_not_acknowledged_in_time_is_adopted_with_the_reason(tmp_path: Path) -> None:
+    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01, ack_timeout_s=5.0,
+                            heartbeat_timeout_s=1000.0)
+    plan = Plan.uniform(1, 2, 2, 8, 4)
+    engine = make_engine("auto", build_header(preset("gpt-tiny"), plan, 4, "job"))
+    t = [1000.0]
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: t[0])
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
+    cmd = conn.outbox.get_nowait().commands[0]
+    core.on_batch(conn, m.AgentBatch(acks=(m.Ack(0, cmd.seq, 1, cmd.apply_at),)))
+    t[0] += 4.0
+    core.tick()
+    assert core.state is State.RECONFIGURING and core.engine_epoch == 0
+    t[0] += 2.0
+    core.tick()
+    assert core.state is State.RUNNING and core.plan == cmd.plan and core.engine_epoch == 1
+    assert "ranks [1, 2] did not acknowledge epoch 1 within 5.0 s" in core.state_reason

@@ -131,6 +131,8 @@ def describe_standard(reg: Registry) -> None:
         ("resihp_reports_total", "counter", "rank reports received"),
         ("resihp_reports_late_total", "counter", "reports that arrived after their iteration was joined"),
         ("resihp_requests_invalid_total", "counter", "requests or items refused as invalid"),
+        ("resihp_records_unjudged_total", "counter", "joined iterations of a plan the detector does not run (traced only)"),
+        ("resihp_internal_errors_total", "counter", "items a coordinator handler failed on (dropped; see its log)"),
         ("resihp_findings_total", "counter", "detector findings by kind"),
         ("resihp_commands_total", "counter", "commands issued by kind"),
         ("resihp_command_ack_duration_seconds", "gauge", "time from issuing the last command to its last ack"),

@@ -27,11 +27,11 @@ from typing import Callable
 
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.planner import PlannerConfig, decide, evaluate
-from resihp.coordinator.planner_cost import Costs, device_layers, pipe_sig
+from resihp.coordinator.planner import PlannerConfig, clear_memos, decide, evaluate
+from resihp.coordinator.planner_cost import Costs, pipe_sig
 from resihp.coordinator.planner_exhaustive import Exhaustive
 from resihp.coordinator.planner_levels import _best_subgroup, reshare
-from resihp.coordinator.planner_search import _SHAPES, Searcher
+from resihp.coordinator.planner_search import Searcher
 from resihp.coordinator.planner_split import profile
 from resihp.coordinator.spec import ModelSpec, preset
 
@@ -113,7 +113,7 @@ def search_time(devices: int, repeats: int) -> tuple[float, str]:
     batch = GlobalBatch(dp * 16, 4096)
     cpu = float("inf")
     for _ in range(repeats):  # best of a few runs, as timeit does: the box is shared
-        _SHAPES.clear()  # cold: no shape results reused from an earlier call
+        clear_memos()  # cold: nothing reused from an earlier call (shapes, tables, node orders)
         t0 = time.process_time()
         res = Searcher(cluster, spec, batch, current, PlannerConfig()).search()
         cpu = min(cpu, time.process_time() - t0)
@@ -133,7 +133,7 @@ def decide_time(devices: int) -> tuple[float, float, str]:
     out = []
     for rank in (5, devices // 2 + 3):
         if rank == 5:
-            _SHAPES.clear()
+            clear_memos()
         finding = SimpleNamespace(kind="fail-slow", ranks=(rank,), factor=2.5, cause="compute", time_s=0.0)
         t0 = time.process_time()
         d = decide(cluster, spec, batch, current, finding, 0.0)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print("== 256 GPUs, LLaMA2-13B TP4 PP8 DP8: throughput / compute-proportional bound ==")
     means, joint_ok, rows, retained = scenarios_256()
     print("\n".join(rows))
-    print(f"  mean: " + "  ".join(f"{k} {v:.3f}" for k, v in means.items()) + f"; joint >= each everywhere: {joint_ok}")
+    print("  mean: " + "  ".join(f"{k} {v:.3f}" for k, v in means.items()) + f"; joint >= each everywhere: {joint_ok}")
     print(f"== total wall time {time.perf_counter() - wall:.1f} s ==")
     out = {
         "optimality_gap_max": round(gap, 6),

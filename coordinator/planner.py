@@ -34,8 +34,22 @@ from resihp.coordinator.spec import ModelSpec, SpecError
 __all__ = [
     "Candidate", "Cluster", "Decision", "DeviceState", "Evaluation", "GlobalBatch", "MemoryModel", "Move",
     "PlannerConfig", "SearchResult", "apply_finding", "decide", "evaluate", "plan_move", "search",
-    "search_plan", "simulate_plan",
+    "search_plan", "simulate_plan", "clear_memos",
 ]
+
+
+def clear_memos() -> None:
+    """Empty every memo the planner keeps between calls (shape searches, per-cluster tables,
+    node orders and groups, rank-free cost tables, plan holdings), so the next call is cold:
+    what a benchmark of a first decision measures, and a test that warm and cold agree."""
+    from resihp.coordinator import planner_cost, planner_groups, planner_move, planner_search, planner_tables
+
+    for memo in (planner_search._SHAPES, planner_search._NODE_GROUPS, planner_groups._NODES, planner_groups._LAYOUT,
+                 planner_groups._NODE_ORDER, planner_groups._SIG_OBJECTS, planner_groups._LAST_ORDER,
+                 planner_groups._UNIFORM, planner_tables._TABLES, planner_cost._MEMOS, planner_move._HOLDINGS,
+                 planner_move._SAME, planner_move._GROUPS):
+        memo.clear()
+    planner_groups._divisors.cache_clear()
 
 
 def search(

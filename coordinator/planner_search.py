@@ -35,9 +35,8 @@ from typing import Mapping, Sequence
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.plan import PipelinePlan, Plan, Schedule, even_split
 from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey, cluster_tables, evaluate_with
-from resihp.coordinator.planner_groups import (  # noqa: F401 - cluster_nodes, pow2_pieces, _NODES: re-exported
-    _NO_POSITIONS, _NODE_ORDER, _NODES, _RANK, Pool, SearchResult, ShapeResult, _divisors, _order_node, cluster_nodes,
-    legal_tp_sizes, node_order, node_ranges, pow2_pieces,
+from resihp.coordinator.planner_groups import (
+    _NO_POSITIONS, _RANK, Pool, SearchResult, ShapeResult, _divisors, legal_tp_sizes, node_order, node_ranges,
 )
 from resihp.coordinator.planner_move import Move, replicas_move
 from resihp.coordinator.planner_shares import allocate_shares

@@ -9,14 +9,12 @@ import random
 
 import pytest
 
-from resihp.coordinator import (
-    planner_cost, planner_groups, planner_levels, planner_move, planner_search, planner_tables,
-)
+from resihp.coordinator import planner_groups, planner_levels, planner_move, planner_search, planner_tables
 from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.memory import MemoryModel
 from resihp.coordinator.plan import PipelinePlan, Plan, RankPosition, Schedule
-from resihp.coordinator.planner import PlannerConfig, decide, plan_move, search
-from resihp.coordinator.planner_search import cluster_nodes
+from resihp.coordinator.planner import PlannerConfig, clear_memos, decide, plan_move, search
+from resihp.coordinator.planner_groups import cluster_nodes
 from resihp.coordinator.spec import SpecError, preset
 
 SPEC = preset("llama2-7b")
@@ -123,14 +121,7 @@ def test_search_and_decide_are_unchanged_by_warm_memos() -> None:
                              "time_s": 0.0})()
     first = decide(slow, SPEC, BATCH, current, finding, 0.0, PlannerConfig())
     again = decide(slow, SPEC, BATCH, current, finding, 0.0, PlannerConfig())  # per-node and per-cluster memos warm
-    planner_search._SHAPES.clear()
-    planner_search._NODE_ORDER.clear()
-    planner_search._NODES.clear()
-    planner_groups._LAST_ORDER.clear()
-    planner_groups._UNIFORM.clear()
-    planner_search._NODE_GROUPS.clear()
-    planner_tables._TABLES.clear()
-    planner_cost._MEMOS.clear()
+    clear_memos()
     cold = decide(slow, SPEC, BATCH, current, finding, 0.0, PlannerConfig())
     for d in (again, cold):
         assert (d.act, d.level, d.plan, d.move_bytes) == (first.act, first.level, first.plan, first.move_bytes)
@@ -138,7 +129,7 @@ def test_search_and_decide_are_unchanged_by_warm_memos() -> None:
     # a different current plan (a new position table) must not reuse the old node order
     other = Plan.uniform(8, 1, 8, SPEC.num_layers, BATCH.microbatches, Schedule.ONE_F_ONE_B)
     fresh = search(slow, SPEC, BATCH, other).plan
-    planner_search._NODE_ORDER.clear()
+    clear_memos()
     assert search(slow, SPEC, BATCH, other).plan == fresh
 
 

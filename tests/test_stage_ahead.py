@@ -9,7 +9,7 @@ import torch
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.groups import place_of, retire
-from resihp.trainer_hooks.runtime import Runtime, TrainConfig, build_stage
+from resihp.trainer_hooks.runtime import Runtime, TrainConfig, build_stage, build_stage_ahead
 from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp
 
 SPEC = ModelSpec("unit", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
@@ -46,6 +46,24 @@ def test_runtime_adopts_a_module_built_ahead_and_trains_like_a_fresh_one(world1:
         for name, p in ahead.model.named_parameters():
             p.copy_(fresh.shards()[name])
     assert fresh.train_step(0).loss == pytest.approx(ahead.train_step(0).loss, rel=1e-6)
+
+
+def test_runtime_takes_a_stage_ahead_with_its_table_and_adamw_and_trains_like_a_fresh_one(world1: None) -> None:
+    plan = Plan.uniform(1, 1, 1, SPEC.num_layers, 2)
+    fresh = Runtime(SPEC, plan, 0, CONFIG)
+    parts = build_stage_ahead(SPEC, CONFIG, place_of(plan, 0))
+    assert list(parts.params) == [n for n, _ in parts.model.named_parameters()]
+    assert len(parts.tp_modules) == 4 * SPEC.num_layers + 1  # qkv, proj, fc1, fc2 of every layer; the stage
+    ahead = Runtime(SPEC, plan, 0, CONFIG, model=parts, init_weights=False)
+    assert ahead.model is parts.model and ahead.optimizer is parts.optimizer and ahead.parameters() is parts.params
+    assert all(m.tp is ahead.groups.tp for m in parts.tp_modules)
+    with torch.no_grad():
+        for name, p in ahead.parameters().items():
+            p.copy_(fresh.shards()[name])
+    # two steps: the second one runs on the AdamW moments the first one left in the ahead optimizer
+    for step in (0, 1):
+        assert fresh.train_step(step).loss == pytest.approx(ahead.train_step(step).loss, rel=1e-6)
+    assert all(torch.equal(ahead.shards()[n], t) for n, t in fresh.shards().items())
 
 
 def test_runtime_refuses_a_module_built_for_another_place(world1: None) -> None:

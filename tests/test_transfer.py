@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from resihp.coordinator.plan import Plan
 from resihp.trainer_hooks.layout import tensors_of_rank
 from resihp.trainer_hooks.reshard import STATES, plan_reshard
-from resihp.trainer_hooks.transfer import CHECKSUMS, TransferError, _checksum, execute_reshard
+from resihp.trainer_hooks.transfer import CHECKSUMS, TransferError, _checksum, execute_reshard, prepare_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _reshard_worker as W  # noqa: E402
@@ -145,3 +146,86 @@ def test_wrong_old_shards_are_explained() -> None:
     half = {s: {n: t.to(torch.float16) for n, t in full[s].items()} for s in STATES}
     with pytest.raises(TransferError, match="plan with the itemsize"):
         execute_reshard(rp, 0, half, new, W.SPECS, _LoopbackGroup())
+
+
+class _Mailbox:
+    """Two ranks of one process for the executor's own paths (its real-gloo runs are above):
+    what one rank sends is what its peer's matching receive gets, sizes checked as gloo does."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.box: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def group(self, rank: int) -> Any:
+        box = self
+
+        class Done:
+            def __init__(self, fill: Any = None) -> None:
+                self.fill = fill
+
+            def wait(self, *_: Any) -> None:
+                if self.fill is not None:
+                    self.fill()
+
+        class Group:
+            def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Done:
+                with box.cv:
+                    box.box[(rank, dst, tag)] = tensors[0].clone()
+                    box.cv.notify_all()
+                return Done()
+
+            def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Done:
+                def fill() -> None:
+                    with box.cv:
+                        assert box.cv.wait_for(lambda: (src, rank, tag) in box.box, timeout=30)
+                        msg = box.box.pop((src, rank, tag))
+                    if msg.numel() != tensors[0].numel():
+                        raise RuntimeError(f"size mismatch: {msg.numel()} vs {tensors[0].numel()}")
+                    tensors[0].copy_(msg)
+                return Done(fill)
+
+        return Group()
+
+
+@pytest.mark.parametrize("move", ["tp2_to_dp2", "tp2_swapped"])
+@pytest.mark.parametrize("way", ["stocked_ahead", "not_stocked", "mixed_dtypes"])
+def test_two_ranks_reshard_bitwise_on_every_landing_path(move: str, way: str) -> None:
+    # tp2_to_dp2: each rank keeps its half and receives the other (pieces land in a shard made
+    # for them); tp2_swapped: each rank's new shard is its peer's old one (pieces become shards).
+    # mixed_dtypes: bf16 parameters with fp32 moments, where the executor cannot use the views
+    # it made ahead for one dtype.
+    old = Plan.uniform(2, 1, 1, 4, 4)
+    new = Plan.uniform(1, 1, 2, 4, 4) if move == "tp2_to_dp2" else Plan.uniform(2, 1, 1, 4, 4, ranks=[1, 0])
+    full = W.full_tensors(seed=11)
+    itemsize: int | dict[str, int] = 4
+    if way == "mixed_dtypes":
+        full["param"] = {n: t.to(torch.bfloat16) for n, t in full["param"].items()}
+        itemsize = {"param": 2, "exp_avg": 4, "exp_avg_sq": 4}
+    rp = plan_reshard(old, new, W.SPECS, [0, 1], itemsize=itemsize)
+    assert rp.bytes_moved > 0
+    held = {r: {s: {spec.name: full[s][spec.name][idx].clone() for spec, idx in tensors_of_rank(old, r, W.SPECS)}
+                for s in STATES} for r in (0, 1)}
+    if way == "stocked_ahead":
+        for r in (0, 1):
+            prepare_rank(rp, r, new, W.SPECS)
+    box, got, errors = _Mailbox(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = execute_reshard(rp, r, held[r], new, W.SPECS, box.group(r))
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in (0, 1):
+        for s in STATES:
+            want = {spec.name: full[s][spec.name][idx] for spec, idx in tensors_of_rank(new, r, W.SPECS)}
+            assert set(got[r][s]) == set(want)
+            for name, tensor in want.items():
+                assert got[r][s][name].dtype == tensor.dtype, (r, s, name)
+                assert torch.equal(got[r][s][name], tensor), (r, s, name)

@@ -41,9 +41,8 @@ from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.layout import TensorSpec, gpt_tensor_specs
-from resihp.trainer_hooks.model import GPTStage
 from resihp.trainer_hooks.reshard import STATES, ReshardPlan, plan_reshard
-from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig, build_stage
+from resihp.trainer_hooks.runtime import Runtime, StageAhead, StepResult, TrainConfig, build_stage_ahead
 from resihp.trainer_hooks.throttle import Throttle
 from resihp.trainer_hooks.transfer import Shards, execute_reshard, prepare_rank
 
@@ -91,7 +90,7 @@ def optimizer_steps(rt: Runtime | None) -> float:
 @torch.no_grad()
 def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
     """Put received shards into ``rt``'s parameters and AdamW state (``step`` = AdamW's count)."""
-    for name, p in rt.model.named_parameters():
+    for name, p in rt.parameters().items():
         got = shards["param"][name]
         if got.shape == p.shape and got.dtype == p.dtype and got.device == p.device and got.is_contiguous():
             p.data = got  # the received (or kept) tensor becomes the parameter: no copy
@@ -208,7 +207,7 @@ class LiveReconfigurer:
         self.history: list[ReconfigReport] = []
         self._prepared: dict[Any, ReshardPlan] = {}
         self._store: Any = None  # client of the job's store, kept across epochs
-        self._stage: tuple[tuple[Any, ...], GPTStage] | None = None  # the next plan's module, built ahead
+        self._stage: tuple[tuple[Any, ...], StageAhead] | None = None  # the next plan's module, built ahead
         self.runtime: Runtime | None = runtime
         self._data: Any = runtime.data if runtime is not None else None
         if runtime is None:
@@ -256,8 +255,8 @@ class LiveReconfigurer:
                 make_groups([local], self.pg_rank)
 
     def _build_stage_ahead(self, new_plan: Plan) -> None:
-        """Build this rank's stage module of ``new_plan`` now (undrawn weights, TP group pending),
-        so the switch only binds groups and loads state. Worth it where the command comes
+        """Build this rank's stage module of ``new_plan`` now (undrawn weights, TP group pending,
+        with its parameter table and an empty AdamW), so the switch only binds groups and loads state. Worth it where the command comes
         ahead of its ``apply_at``; empty parameters cost no memory until written, and the
         received shards replace them without a copy."""
         if not new_plan.has_rank(self.rank):
@@ -266,7 +265,7 @@ class LiveReconfigurer:
         place = place_of(new_plan, self.rank)  # the structure does not depend on the numbering
         if self._stage is None or self._stage[0] != _stage_key(place):
             device = self.runtime.device if self.runtime is not None else None
-            self._stage = (_stage_key(place), build_stage(self.spec, self.config.max_seq_len, place, device=device))
+            self._stage = (_stage_key(place), build_stage_ahead(self.spec, self.config, place, device=device))
 
     def prepare(self, new_plan: Plan, alive: Sequence[int] | None = None,
                 states: Sequence[str] = STATES, *, stock: bool = True) -> ReshardPlan:

@@ -93,19 +93,46 @@ def build_stage(spec: ModelSpec, max_seq_len: int, place: StagePlace, tp: TPCont
                         tp or pending_tp(place.tp_index, place.tp_size))
 
 
+@dataclass
+class StageAhead:
+    """A stage module built ahead of a switch, with what a Runtime derives from it: walking
+    a module tree costs ~1 ms per walk in Python, and a switch walked it five times (device
+    check, AdamW, parameter table, TP binding, loading) with several ranks sharing a core."""
+
+    model: GPTStage
+    params: dict[str, torch.nn.Parameter]
+    tp_modules: list[torch.nn.Module]  # the sub-modules that hold a TP place
+    optimizer: torch.optim.Optimizer
+
+
+def new_adamw(params: Any, config: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                             weight_decay=config.weight_decay)
+
+
+def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
+                      device: torch.device | None = None) -> StageAhead:
+    """``build_stage`` (TP group pending) with its parameter table, TP layers and an empty AdamW."""
+    model = build_stage(spec, config.max_seq_len, place, device=device)
+    params = dict(model.named_parameters())
+    tp_modules = [m for m in model.modules() if isinstance(getattr(m, "tp", None), TPContext)]
+    return StageAhead(model, params, tp_modules, new_adamw(list(params.values()), config))
+
+
 class Runtime:
     """One rank's share of the model under the current plan, and its optimizer."""
 
     def __init__(
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
         throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
-        data: GlobalBatches | None = None, model: GPTStage | None = None, init_weights: bool = True,
+        data: GlobalBatches | None = None, model: GPTStage | StageAhead | None = None, init_weights: bool = True,
     ) -> None:
         """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
         the same samples, no re-packing); by default a fresh one from the config's seed.
         ``model``: this rank's stage module built ahead (``build_stage`` with a pending TP
-        place, e.g. while a reconfiguration command waits for its ``apply_at``); it gets the
-        new groups here. ``init_weights=False`` leaves the weights undrawn (the caller loads
+        place, e.g. while a reconfiguration command waits for its ``apply_at``), or a
+        ``StageAhead`` (the module with its parameter table and AdamW); it gets the new groups
+        here. ``init_weights=False`` leaves the weights undrawn (the caller loads
         every one, as a reshard does)."""
         plan.validate_for(spec.num_layers, spec.num_heads)
         self.spec = spec
@@ -124,25 +151,25 @@ class Runtime:
         self.plan = plan
         self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants)
         place = self.groups.place
+        ahead = model if isinstance(model, StageAhead) else None
         if model is None:
             model = build_stage(spec, config.max_seq_len, place, self.groups.tp, self.device)
         else:
+            model = ahead.model if ahead is not None else model
             want = (place.layer_range, place.first, place.last)
             if (model.layer_range, model.first, model.last) != want:
                 raise SpecError(f"runtime: the module built ahead holds layers {model.layer_range} "
                                 f"(first={model.first}, last={model.last}); this place needs {want}")
-            bind_tp(model, self.groups.tp)
+            bind_tp(model, self.groups.tp, ahead.tp_modules if ahead is not None else None)
         self.model = model
         if init_weights:
             self.model.init_from_seed(config.seed)
-        if any(p.device != self.device for p in self.model.parameters()):
-            self.model.to(self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
+        params = ahead.params if ahead is not None else dict(self.model.named_parameters())
+        if any(p.device != self.device for p in params.values()):
+            self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
+        self.optimizer = ahead.optimizer if ahead is not None else new_adamw(list(params.values()), config)
         self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, config.compute_clock)
-        self._params = dict(self.model.named_parameters())
+        self._params = params
 
     @property
     def epoch(self) -> int:
@@ -194,6 +221,10 @@ class Runtime:
             seqlens=batch.seqlens, sample_ids=batch.sample_ids, wall_start_s=wall,
             time_s=time.perf_counter() - log.t0, chunks=log.chunks,
         )
+
+    def parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters by layout name (the table itself: do not modify it)."""
+        return self._params
 
     def shards(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by layout name (the reshard planner's names)."""

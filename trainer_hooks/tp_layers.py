@@ -11,7 +11,7 @@ of one both are the identity and no collective runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,10 @@ def pending_tp(index: int, size: int) -> TPContext:
     return TPContext(group=_PendingGroup() if size > 1 else None, index=index, size=size)
 
 
-def bind_tp(module: nn.Module, tp: TPContext) -> None:
-    """Give every layer of ``module`` its real TP group; the place must match the one it was built for."""
-    for sub in module.modules():
+def bind_tp(module: nn.Module, tp: TPContext, layers: Sequence[nn.Module] | None = None) -> None:
+    """Give every layer of ``module`` its real TP group; the place must match the one it was built for.
+    ``layers``: its sub-modules that hold a TP place, if known (saves walking the module tree)."""
+    for sub in (module.modules() if layers is None else layers):
         old = getattr(sub, "tp", None)
         if isinstance(old, TPContext):
             if (old.index, old.size) != (tp.index, tp.size):

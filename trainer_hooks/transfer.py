@@ -16,7 +16,7 @@ import math
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
@@ -127,45 +127,81 @@ class _RankView:
                 self.sends[t.dst].append(t)
             elif t.dst == rank:
                 self.recvs[t.src].append(t)
+        for t in self.sends.values():
+            for piece in t:
+                piece.numel  # noqa: B018  (cached on the transfer: computed here, ahead of the switch)
         self.states = sorted({t.state for t in transfers})
         self.new_shapes = [(spec.name, shard_shape(idx)) for spec, idx in tensors_of_rank(new_plan, rank, specs)]
         shape_of = dict(self.new_shapes)
+        arriving = [*self.local, *(t for v in self.recvs.values() for t in v)]
         # pieces that are a whole new shard need no allocation: the piece becomes the shard
-        self.whole: set[tuple[str, str]] = {
-            (t.state, t.name) for t in [*self.local, *(t for v in self.recvs.values() for t in v)]
-            if shape_of.get(t.name) == t.shape}
+        self.whole: set[tuple[str, str]] = {(t.state, t.name) for t in arriving if shape_of.get(t.name) == t.shape}
         # elements each new shard receives (checked against its size after the transfer)
         self.filled: dict[tuple[str, str], int] = defaultdict(int)
-        for t in [*self.local, *(t for v in self.recvs.values() for t in v)]:
+        for t in arriving:
             self.filled[(t.state, t.name)] += t.numel
+        # per message (to a peer, from a peer): its pieces' byte sizes and its padded length
+        self.send_sizes = {dst: [t.nbytes for t in items] for dst, items in self.sends.items()}
+        self.recv_sizes = {src: [t.nbytes for t in items] for src, items in self.recvs.items()}
+        self.send_length = {dst: sum(_padded(n) for n in sizes) for dst, sizes in self.send_sizes.items()}
+        self.recv_length = {src: sum(_padded(n) for n in sizes) for src, sizes in self.recv_sizes.items()}
         # messages whose pieces are all whole words: packed and unpacked without padding
         self.send_aligned = {dst: all(t.nbytes % 8 == 0 for t in items) for dst, items in self.sends.items()}
         self.recv_aligned = {src: all(t.nbytes % 8 == 0 for t in items) for src, items in self.recvs.items()}
         self._stock: _Stock | None = None
 
-    def stock(self, dtype: torch.dtype = torch.float32) -> None:
-        """Allocate (and touch) the buffers and new shards of one execution now: fresh memory
-        is paged in on first write, which cost the switch more than the copies themselves.
-        Held until ``take_stock``; the execution owns them after (received pieces become shards)."""
+    def stock(self, dtype: torch.dtype = torch.float32, touch: bool = True) -> None:
+        """Allocate the buffers and new shards of one execution now, and the views every piece
+        lands through. ``touch``: write them too (fresh memory is paged in on first write,
+        which cost the switch more than the copies themselves). Held until ``take_stock``;
+        the execution owns them after (received pieces become shards)."""
         if self._stock is not None:
             return
-        touched = lambda n, dt=torch.uint8: torch.empty(n, dtype=dt).zero_()  # noqa: E731
-        self._stock = _Stock(
-            send={dst: touched(sum(_padded(t.nbytes) for t in items)) for dst, items in self.sends.items()},
-            recv={src: touched(sum(_padded(t.nbytes) for t in items)) for src, items in self.recvs.items()},
-            shards={(s, name): touched(shape, dtype) for name, shape in self.new_shapes for s in self.states
+        alloc = (lambda n, dt=torch.uint8: torch.empty(n, dtype=dt).zero_()) if touch else (  # noqa: E731
+            lambda n, dt=torch.uint8: torch.empty(n, dtype=dt))
+        stock = _Stock(
+            dtype=dtype,
+            send={dst: alloc(self.send_length[dst]) for dst in self.sends},
+            recv={src: alloc(self.recv_length[src]) for src in self.recvs},
+            shards={(s, name): alloc(shape, dtype) for name, shape in self.new_shapes for s in self.states
                     if (s, name) not in self.whole})
+        itemsize = torch.empty((), dtype=dtype).element_size()
 
-    def take_stock(self) -> _Stock:
+        def target(t: Transfer) -> torch.Tensor | None:  # where a piece lands in its new shard
+            return None if (t.state, t.name) in self.whole else stock.shards[(t.state, t.name)][t.dst_index]
+
+        # every piece of an aligned message as a view of the receive buffer, with its target:
+        # at the switch a piece costs one copy_ (or one dict entry when it is a whole shard)
+        for src, items in self.recvs.items():
+            if self.recv_aligned[src] and all(t.nbytes == t.numel * itemsize for t in items):
+                views = torch.split(stock.recv[src].view(dtype), [t.numel for t in items])
+                stock.landing[src] = [(t.state, t.name, v.view(t.shape), target(t)) for t, v in zip(items, views)]
+        stock.local_targets = [target(t) for t in self.local]
+        self._stock = stock
+
+    def take_stock(self, dtype: torch.dtype | None) -> _Stock:
+        """The stock made ahead (allocated now if none was). ``dtype``: that of every shard, old
+        and new; None where they differ, and then the stock's views are dropped."""
+        if self._stock is None:
+            self.stock(dtype or torch.float32, touch=False)
         stock, self._stock = self._stock, None
-        return stock if stock is not None else _Stock({}, {}, {})
+        assert stock is not None
+        if stock.dtype != dtype:
+            stock.landing.clear()
+            stock.local_targets = []
+        return stock
 
 
 @dataclass
 class _Stock:
+    dtype: torch.dtype
     send: dict[int, torch.Tensor]
     recv: dict[int, torch.Tensor]
     shards: dict[tuple[str, str], torch.Tensor]
+    # src -> per piece (state, name, its view of the receive buffer, its view of its new shard
+    # or None where the piece is the whole shard)
+    landing: dict[int, list[tuple[str, str, torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
+    local_targets: list[torch.Tensor | None] = field(default_factory=list)  # per local piece, as above
 
     def buffer(self, pool: dict[int, torch.Tensor], peer: int, nbytes: int) -> torch.Tensor:
         got = pool.pop(peer, None)
@@ -234,14 +270,15 @@ def execute_reshard(
         like = old_shards.get(state, {}).get(name)
         return like.dtype if like is not None else dtype
 
-    # the new shards (not those a single piece fills whole: that piece becomes the shard), and
-    # the message buffers: allocated by prepare_rank where it ran, else now
-    stock = rv.take_stock()
+    # the new shards (not those a single piece fills whole: that piece becomes the shard), the
+    # message buffers and the pieces' landing views: made by prepare_rank where it ran, else now
+    uniform = all(x.dtype == dtype for held in old_shards.values() for x in held.values())
+    stock = rv.take_stock(dtype if uniform else None)
     new: Shards = {s: {} for s in rv.states}
     for name, shape in rv.new_shapes:
         for s in rv.states:
             if (s, name) not in rv.whole:
-                new[s][name] = stock.shard((s, name), shape, dtype_of(s, name))
+                new[s][name] = stock.shard((s, name), shape, dtype if uniform else dtype_of(s, name))
 
     # A dead peer can surface while a message is posted as well as while it is awaited
     # (gloo fails a recv at once if the connection is already closed): one handler for both.
@@ -251,13 +288,13 @@ def execute_reshard(
         incoming: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]] = []
         for src, items in sorted(recvs.items()):
             header = torch.empty(1 + 2 * len(items), dtype=torch.int64)
-            data = stock.buffer(stock.recv, src, sum(_padded(t.nbytes) for t in items))
+            data = stock.buffer(stock.recv, src, rv.recv_length[src])
             incoming.append((src, items, header, data))
             works.append(pg.recv([header], to_pg(src), _TAG_HEADER))
             works.append(pg.recv([data], to_pg(src), _TAG_DATA))
         keep: list[torch.Tensor] = []  # buffers must outlive their asynchronous sends
         for dst, items in sorted(sends.items()):
-            data = stock.buffer(stock.send, dst, sum(_padded(t.nbytes) for t in items))
+            data = stock.buffer(stock.send, dst, rv.send_length[dst])
             pieces = [_source_piece(t, old_shards, rank) for t in items] if fast and rv.send_aligned[dst] else []
             if pieces and len({p.dtype for p in pieces}) == 1:
                 # one copy of every piece into the buffer (whole words: no padding to zero)
@@ -280,13 +317,17 @@ def execute_reshard(
                 for t in items:
                     fault(t, data[offset:offset + t.nbytes])
                     offset += _padded(t.nbytes)
-            header = torch.tensor([len(items)] + [t.nbytes for t in items] + crcs, dtype=torch.int64)
+            header = torch.tensor([len(items), *rv.send_sizes[dst], *crcs], dtype=torch.int64)
             keep += [header, data]
             works.append(pg.send([header], to_pg(dst), _TAG_HEADER))
             works.append(pg.send([data], to_pg(dst), _TAG_DATA))
         # local copies overlap with the wire
-        for t in local:
+        targets = stock.local_targets or [None] * len(local)
+        for t, target in zip(local, targets):
             piece = _source_piece(t, old_shards, rank)
+            if target is not None:
+                target.copy_(piece)
+                continue
             # a whole old tensor staying whole is kept as it is (the old runtime only read it)
             _land(new, t, piece, rank, keep=piece.numel() == old_shards[t.state][t.name].numel(),
                   whole=(t.state, t.name) in rv.whole)
@@ -307,26 +348,15 @@ def execute_reshard(
 
     t_wire = time.perf_counter()
     for src, items, header, data in incoming:
-        count = int(header[0])
-        if count != len(items):
-            raise TransferError(
-                f"rank {rank}: rank {src} sent {count} pieces, the plan says {len(items)}; all ranks must execute "
-                "the same reshard plan"
-            )
-        sizes, crcs = header[1:1 + count].tolist(), header[1 + count:].tolist()
-        for i, t in enumerate(items):
-            if sizes[i] != t.nbytes:
-                raise TransferError(
-                    f"rank {rank}: piece {i} from rank {src} ({_where(t)}) is {sizes[i]} bytes, expected {t.nbytes}"
-                )
-        sums = _piece_checksums(data, items, checksum)
-        for i, t in enumerate(items):
-            if sums[i] != crcs[i]:
-                raise TransferError(
-                    f"rank {rank}: piece {i} from rank {src} ({_where(t)}) fails its checksum: {checksum} "
-                    f"{sums[i]:#x}, sender computed {int(crcs[i]):#x}; it was corrupted in transit — redo the "
-                    "reshard or recover from a checkpoint"
-                )
+        _check_message(rank, src, items, header, rv.recv_sizes[src], _piece_checksums(data, items, checksum), checksum)
+        landing = stock.landing.get(src)
+        if landing is not None:  # views made ahead: one copy_ per piece, or none for a whole shard
+            for state, name, piece, target in landing:
+                if target is None:
+                    new[state][name] = piece
+                else:
+                    target.copy_(piece)
+            continue
         dtypes = {dtype_of(t.state, t.name) for t in items}
         if rv.recv_aligned[src] and len(dtypes) == 1:  # one split into views, no per-piece slicing
             bufs = torch.split(data.view(dtypes.pop()), [t.numel for t in items])
@@ -354,6 +384,31 @@ def execute_reshard(
         stats.update(pack_s=t_packed - t_start, wire_s=t_wire - t_packed, unpack_s=t_end - t_wire)
     log.debug("rank %d: reshard done, %d sends, %d receives in %.3f s", rank, len(sends), len(recvs), t_end - t_start)
     return new
+
+
+def _check_message(rank: int, src: int, items: Sequence[Transfer], header: torch.Tensor, sizes: Sequence[int],
+                   sums: Sequence[int], checksum: str) -> None:
+    """The sender's header against the plan (piece count and sizes) and against the checksums
+    of what arrived; names the first piece that disagrees."""
+    count = int(header[0])
+    if count != len(items):
+        raise TransferError(
+            f"rank {rank}: rank {src} sent {count} pieces, the plan says {len(items)}; all ranks must execute "
+            "the same reshard plan"
+        )
+    got_sizes, crcs = header[1:1 + count].tolist(), header[1 + count:].tolist()
+    if got_sizes != list(sizes):
+        i = next(i for i, (a, b) in enumerate(zip(got_sizes, sizes)) if a != b)
+        raise TransferError(
+            f"rank {rank}: piece {i} from rank {src} ({_where(items[i])}) is {got_sizes[i]} bytes, expected {sizes[i]}"
+        )
+    if crcs != list(sums):
+        i = next(i for i, (a, b) in enumerate(zip(sums, crcs)) if a != b)
+        raise TransferError(
+            f"rank {rank}: piece {i} from rank {src} ({_where(items[i])}) fails its checksum: {checksum} "
+            f"{sums[i]:#x}, sender computed {int(crcs[i]):#x}; it was corrupted in transit — redo the "
+            "reshard or recover from a checkpoint"
+        )
 
 
 def _land(new: Shards, t: Transfer, piece: torch.Tensor, rank: int, keep: bool = False, whole: bool = False) -> None:

@@ -188,12 +188,16 @@ class _Mailbox:
 
 
 @pytest.mark.parametrize("move", ["tp2_to_dp2", "tp2_swapped"])
-@pytest.mark.parametrize("way", ["stocked_ahead", "not_stocked", "mixed_dtypes"])
+@pytest.mark.parametrize("way", ["stocked_ahead", "not_stocked", "mixed_dtypes", "cut_ahead_then_stepped",
+                                 "cut_ahead_then_replaced"])
 def test_two_ranks_reshard_bitwise_on_every_landing_path(move: str, way: str) -> None:
     # tp2_to_dp2: each rank keeps its half and receives the other (pieces land in a shard made
     # for them); tp2_swapped: each rank's new shard is its peer's old one (pieces become shards).
     # mixed_dtypes: bf16 parameters with fp32 moments, where the executor cannot use the views
-    # it made ahead for one dtype.
+    # it made ahead for one dtype. cut_ahead_*: the pieces are cut out of the old shards when
+    # the switch is prepared; then the shards are updated in place (as an optimizer step does:
+    # the cut pieces must carry the update) or one is replaced by another tensor (the executor
+    # must notice and cut from the one it is given).
     old = Plan.uniform(2, 1, 1, 4, 4)
     new = Plan.uniform(1, 1, 2, 4, 4) if move == "tp2_to_dp2" else Plan.uniform(2, 1, 1, 4, 4, ranks=[1, 0])
     full = W.full_tensors(seed=11)
@@ -208,6 +212,19 @@ def test_two_ranks_reshard_bitwise_on_every_landing_path(move: str, way: str) ->
     if way == "stocked_ahead":
         for r in (0, 1):
             prepare_rank(rp, r, new, W.SPECS)
+    if way.startswith("cut_ahead"):
+        for r in (0, 1):
+            prepare_rank(rp, r, new, W.SPECS, old_shards=held[r])
+        for s in STATES:
+            for name in full[s]:
+                full[s][name] = full[s][name] + 1.0  # what the ranks' tensors hold from here on
+        for r in (0, 1):
+            for s in STATES:
+                for spec, idx in tensors_of_rank(old, r, W.SPECS):
+                    if way == "cut_ahead_then_stepped":
+                        held[r][s][spec.name].add_(1.0)
+                    else:
+                        held[r][s][spec.name] = full[s][spec.name][idx].clone()
     box, got, errors = _Mailbox(), {}, []
 
     def rank(r: int) -> None:

@@ -183,14 +183,18 @@ def make_groups(plans: Sequence[Plan], rank: int) -> dict[tuple[int, ...], Any]:
 
 def build_groups(
     plan: Plan, rank: int, epoch: int, spec: ModelSpec | None = None, cohabitants: Sequence[Plan] = (),
+    made: dict[tuple[int, ...], Any] | None = None,
 ) -> EpochGroups:
     """This rank's groups under ``plan``. Collective over the whole world: every rank calls it
-    (with the same ``cohabitants``: other plans running on disjoint ranks of the same world)."""
+    (with the same ``cohabitants``: other plans running on disjoint ranks of the same world).
+    ``made``: what ``make_groups([plan, *cohabitants], rank)`` returned, if it ran already
+    (then this call is local)."""
     if spec is not None:
         plan.validate_for(spec.num_layers, spec.num_heads)
     place = place_of(plan, rank)
     holders = shard_holders(plan)
-    made = make_groups([plan, *cohabitants], rank)
+    if made is None:
+        made = make_groups([plan, *cohabitants], rank)
     loss_ranks = tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1]))
     tp = TPContext(group=made.get(tuple(sorted(place.tp_ranks))), index=place.tp_index, size=place.tp_size)
     buckets: dict[tuple[int, ...], list[str]] = {}
@@ -233,6 +237,8 @@ def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
 
 _graveyard: queue.SimpleQueue[Any] | None = None
 _graveyard_lock = threading.Lock()
+_graves_open = 0  # objects handed to retire() whose destructors have not finished yet
+_graves_done = threading.Condition(_graveyard_lock)
 
 
 def retire(obj: Any) -> None:
@@ -243,17 +249,29 @@ def retire(obj: Any) -> None:
     machine) without holding the GIL. Nothing of the new epoch needs that wait: it leaves
     the switch's critical path. The caller must hold no other reference it expects to free.
     """
-    global _graveyard
+    global _graveyard, _graves_open
     if obj is None:
         return
     with _graveyard_lock:
         if _graveyard is None:
             _graveyard = queue.SimpleQueue()
             threading.Thread(target=_bury, args=(_graveyard,), name="resihp-retire", daemon=True).start()
+        _graves_open += 1
     _graveyard.put(obj)
 
 
+def wait_retired(timeout_s: float) -> bool:
+    """Wait until everything handed to ``retire`` so far has been let go of; False on timeout.
+    For measurements that must not overlap the teardown of earlier groups."""
+    with _graves_done:
+        return _graves_done.wait_for(lambda: _graves_open == 0, timeout_s)
+
+
 def _bury(graves: queue.SimpleQueue[Any]) -> None:
+    global _graves_open
     while True:
         obj = graves.get()
         del obj  # the destructors run here, on this thread
+        with _graves_done:
+            _graves_open -= 1
+            _graves_done.notify_all()

@@ -6,12 +6,13 @@ One switch is:
 
 1. **regroup** — the default torch.distributed group is rebuilt for the new epoch under a
    fresh store prefix ``resihp/epoch{N}/`` (no key of an older epoch is read again);
-2. **reshard** — ``plan_reshard`` + ``execute_reshard`` move parameters and AdamW's
-   ``exp_avg`` / ``exp_avg_sq`` to their owners under the new plan on that group; the
-   step count is a scalar every member held, agreed with one all-reduce (MAX), so a
-   readmitted spare gets it too;
-3. **rebuild** — a new ``Runtime`` (stage module, TP/DP/loss groups, AdamW) is built for
-   the new plan and loaded with the received shards; the data stream is carried over.
+2. **reshard** — ``plan_reshard`` + ``start_reshard`` move parameters and AdamW's
+   ``exp_avg`` / ``exp_avg_sq`` to their owners under the new plan on that group; while
+   the pieces are on the wire the new plan's TP/DP/loss groups are created (that waits on
+   peers, not on the CPU); the step count is a scalar every member held, agreed with one
+   all-reduce (MAX), so a readmitted spare gets it too;
+3. **rebuild** — a new ``Runtime`` (stage module built ahead, AdamW) is bound to those
+   groups and loaded with the received shards; the data stream is carried over.
 
 A rank that the new plan leaves out (``plan.spares``, or simply absent) stays in the world
 as a spare: it holds no state, still joins every group creation (torch numbers groups by a
@@ -44,7 +45,7 @@ from resihp.trainer_hooks.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.reshard import STATES, ReshardPlan, plan_reshard
 from resihp.trainer_hooks.runtime import Runtime, StageAhead, StepResult, TrainConfig, build_stage_ahead
 from resihp.trainer_hooks.throttle import Throttle
-from resihp.trainer_hooks.transfer import Shards, execute_reshard, prepare_rank
+from resihp.trainer_hooks.transfer import Shards, prepare_rank, start_reshard
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def optimizer_steps(rt: Runtime | None) -> float:
 @torch.no_grad()
 def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
     """Put received shards into ``rt``'s parameters and AdamW state (``step`` = AdamW's count)."""
+    step_t = torch.tensor(step, dtype=torch.float32)
     for name, p in rt.parameters().items():
         got = shards["param"][name]
         if got.shape == p.shape and got.dtype == p.dtype and got.device == p.device and got.is_contiguous():
@@ -99,7 +101,7 @@ def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
         if "exp_avg" in shards and step > 0:
             # AdamW keeps the step as a float32 scalar tensor (capturable=False on CPU)
             rt.optimizer.state[p] = {
-                "step": torch.tensor(step, dtype=torch.float32),
+                "step": step_t.clone(),  # one per parameter (AdamW adds to each); a clone is cheaper than a new tensor
                 # the received shards are fresh tensors this rank owns: no copy needed
                 "exp_avg": shards["exp_avg"][name].to(p.device),
                 "exp_avg_sq": shards["exp_avg_sq"][name].to(p.device),
@@ -160,8 +162,8 @@ class ReconfigReport:
     epoch: int
     role: str  # "member" | "spare"
     regroup_s: float = 0.0  # new default group
-    reshard_s: float = 0.0  # plan + execute transfers + step agreement
-    rebuild_s: float = 0.0  # new Runtime + groups + load
+    reshard_s: float = 0.0  # step agreement + transfers (the new plan's sub-groups are made while they fly)
+    rebuild_s: float = 0.0  # new Runtime on those groups + load
     bytes_moved: int = 0  # job-wide, over the network
     bytes_local: int = 0
     downtime_s: float = 0.0  # apply() entered -> this rank holds its new state and groups
@@ -231,8 +233,14 @@ class LiveReconfigurer:
         return self.runtime.train_step(step) if self.runtime is not None else None
 
     # --- switching ----------------------------------------------------------------------
-    def _build(self, plan: Plan, *, init_weights: bool = True) -> None:
-        """Runtime (member) or bare group creation (spare) for ``plan``; collective."""
+    def _make_groups(self, plan: Plan) -> dict[tuple[int, ...], Any]:
+        """The process groups of ``plan`` (collective: every rank of the world creates every group)."""
+        with group_timeout(self.group_timeout_s):
+            return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank)
+
+    def _build(self, plan: Plan, *, init_weights: bool = True, made: dict[tuple[int, ...], Any] | None = None) -> None:
+        """Runtime (member) or bare group creation (spare) for ``plan``; collective unless
+        ``made`` holds the plan's groups (``_make_groups``) already."""
         local = renumber(plan, self.pg_rank_of())
         with group_timeout(self.group_timeout_s):
             if plan.has_rank(self.rank):
@@ -245,14 +253,16 @@ class LiveReconfigurer:
                 del old
                 rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch,
                              data=self._data,  # the packed stream goes on: same samples, no re-packing
-                             model=stage[1] if stage is not None else None, init_weights=init_weights)
+                             model=stage[1] if stage is not None else None, init_weights=init_weights,
+                             made_groups=made)
                 self._data = rt.data
                 self.runtime = rt
             else:
                 old, self.runtime = self.runtime, None
                 retire(old)
                 del old
-                make_groups([local], self.pg_rank)
+                if made is None:
+                    make_groups([local], self.pg_rank)
 
     def _build_stage_ahead(self, new_plan: Plan) -> None:
         """Build this rank's stage module of ``new_plan`` now (undrawn weights, TP group pending,
@@ -285,7 +295,10 @@ class LiveReconfigurer:
             self._prepared = {key: cached}  # only the next switch is worth keeping
             with contextlib.suppress(SpecError):  # the groups' rank sets (cached), in group numbering
                 rank_sets(renumber(new_plan, self.pg_rank_of()))
-        prepare_rank(cached, self.rank, new_plan, self.specs, stock=stock)  # this rank's part of it
+        # this rank's part of it; for a planned switch (no ``alive``: it reshards from the live
+        # runtime) its pieces are cut ahead out of the runtime's tensors
+        live = runtime_shards(self.runtime) if stock and alive is None and self.runtime is not None else None
+        prepare_rank(cached, self.rank, new_plan, self.specs, stock=stock, old_shards=live)
         return cached
 
     def _release(self) -> None:
@@ -334,15 +347,20 @@ class LiveReconfigurer:
         agreed_step = float(vote[1])
         states = STATES if have_opt else ("param",)
         rplan = self.prepare(new_plan, alive if alive is not None else self.members, states, stock=False)
-        new_shards = execute_reshard(
+        inflight = start_reshard(
             rplan, self.rank, {s: shards.get(s, {}) for s in states}, new_plan, self.specs, dist.group.WORLD,
             pg_rank_of=self.pg_rank_of(), timeout=timedelta(seconds=self.timeout_s), stats=stats,
         )
+        # the new plan's groups while the pieces are on the wire: creating a group waits on
+        # peers (store round trips, connections), not on this rank's CPU, and gloo's own
+        # threads move the pieces meanwhile
+        made = self._make_groups(new_plan)
+        new_shards = inflight.finish()
         t2 = time.perf_counter()
         # 3. rebuild the runtime for the new plan and load the state
         self.plan = new_plan
         self.epoch = epoch
-        self._build(new_plan, init_weights=False)
+        self._build(new_plan, init_weights=False, made=made)
         if self.runtime is not None:
             load_shards(self.runtime, new_shards, agreed_step if have_opt else 0.0)
         # no closing barrier: a rank that is ready waits in its first message of the new epoch,

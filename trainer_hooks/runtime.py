@@ -126,6 +126,7 @@ class Runtime:
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
         throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
         data: GlobalBatches | None = None, model: GPTStage | StageAhead | None = None, init_weights: bool = True,
+        made_groups: dict[tuple[int, ...], Any] | None = None,
     ) -> None:
         """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
         the same samples, no re-packing); by default a fresh one from the config's seed.
@@ -133,7 +134,8 @@ class Runtime:
         place, e.g. while a reconfiguration command waits for its ``apply_at``), or a
         ``StageAhead`` (the module with its parameter table and AdamW); it gets the new groups
         here. ``init_weights=False`` leaves the weights undrawn (the caller loads
-        every one, as a reshard does)."""
+        every one, as a reshard does). ``made_groups``: the plan's process groups, if the caller
+        created them already (``groups.make_groups``); else they are created here, collectively."""
         plan.validate_for(spec.num_layers, spec.num_heads)
         self.spec = spec
         self.config = config
@@ -149,7 +151,7 @@ class Runtime:
             )
             self.data = GlobalBatches(stream, plan.global_microbatches)
         self.plan = plan
-        self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants)
+        self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants, made=made_groups)
         place = self.groups.place
         ahead = model if isinstance(model, StageAhead) else None
         if model is None:

@@ -64,22 +64,37 @@ def _checksum(buf: torch.Tensor, kind: str) -> int:
     return (total + (1 << 63)) % (1 << 64) - (1 << 63)  # back into int64 range for the header
 
 
-def _piece_checksums(data: torch.Tensor, items: Sequence[Transfer], kind: str) -> list[int]:
+def _piece_checksums(data: torch.Tensor, items: Sequence[Transfer], kind: str,
+                     segments: _Segments | None = None) -> list[int]:
     """The checksum of every piece of a packed buffer (pieces padded to whole words): for
     ``sum64`` one segmented sum over the buffer's words, not one call per piece (a reshard has
-    hundreds of pieces; per-piece Python overhead was most of the checksum's time)."""
+    hundreds of pieces; per-piece Python overhead was most of the checksum's time).
+    ``segments``: the message's word layout, if worked out ahead."""
     if kind != "sum64" or not items:
         out, offset = [], 0
         for t in items:
             out.append(_checksum(data[offset:offset + _padded(t.nbytes)], kind))
             offset += _padded(t.nbytes)
         return out
+    seg = segments or _Segments.of([t.nbytes for t in items])
     words = data.numpy().view(np.int64)  # the buffer is whole words; numpy sums wrap, as int64 should
-    starts = np.cumsum([0] + [_padded(t.nbytes) // 8 for t in items[:-1]])
-    sums = np.add.reduceat(words, starts) if words.size else np.zeros(len(items), dtype=np.int64)
-    # reduceat gives a one-word "sum" for an empty piece: empty pieces sum to 0
-    sums[[i for i, t in enumerate(items) if t.nbytes == 0]] = 0
-    return [int(x) for x in sums]
+    sums = np.add.reduceat(words, seg.starts) if words.size else np.zeros(len(items), dtype=np.int64)
+    if seg.empty:  # reduceat gives a one-word "sum" for an empty piece: empty pieces sum to 0
+        sums[seg.empty] = 0
+    return sums.tolist()  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Where each piece of a message starts, in 8-byte words, and which pieces are empty."""
+
+    starts: Any  # np.ndarray of int64
+    empty: list[int]
+
+    @staticmethod
+    def of(sizes: Sequence[int]) -> _Segments:
+        starts = np.cumsum([0] + [_padded(n) // 8 for n in sizes[:-1]])
+        return _Segments(starts, [i for i, n in enumerate(sizes) if n == 0])
 
 
 def _padded(nbytes: int) -> int:
@@ -145,6 +160,8 @@ class _RankView:
         self.recv_sizes = {src: [t.nbytes for t in items] for src, items in self.recvs.items()}
         self.send_length = {dst: sum(_padded(n) for n in sizes) for dst, sizes in self.send_sizes.items()}
         self.recv_length = {src: sum(_padded(n) for n in sizes) for src, sizes in self.recv_sizes.items()}
+        self.send_segments = {dst: _Segments.of(sizes) for dst, sizes in self.send_sizes.items()}
+        self.recv_segments = {src: _Segments.of(sizes) for src, sizes in self.recv_sizes.items()}
         # messages whose pieces are all whole words: packed and unpacked without padding
         self.send_aligned = {dst: all(t.nbytes % 8 == 0 for t in items) for dst, items in self.sends.items()}
         self.recv_aligned = {src: all(t.nbytes % 8 == 0 for t in items) for src, items in self.recvs.items()}
@@ -179,6 +196,24 @@ class _RankView:
         stock.local_targets = [target(t) for t in self.local]
         self._stock = stock
 
+    def stock_sources(self, old_shards: Mapping[str, Mapping[str, torch.Tensor]], rank: int) -> None:
+        """Cut, now, the pieces this rank sends or copies out of ``old_shards`` (the live
+        runtime's tensors, while the command waits for its apply_at): slicing a tensor costs
+        ~5-10 µs of Python per piece, and a switch has hundreds. The views see later in-place
+        updates (optimizer steps); the execution uses them only if it is given the same
+        tensors (same storage, shape and strides), else it cuts the pieces itself."""
+        if self._stock is None:
+            return
+        try:
+            send = {dst: [_source_piece(t, old_shards, rank) for t in items] for dst, items in self.sends.items()}
+            local = [_source_piece(t, old_shards, rank) for t in self.local]
+        except TransferError:
+            return  # the execution raises it, with the tensors it is given
+        used = {(t.state, t.name) for t in [*self.local, *(t for v in self.sends.values() for t in v)]}
+        held = [(s, n, _fingerprint(old_shards[s][n])) for s, n in sorted(used)]
+        keep = [piece.numel() == old_shards[t.state][t.name].numel() for t, piece in zip(self.local, local)]
+        self._stock.sources = _Sources(send, local, keep, held)
+
     def take_stock(self, dtype: torch.dtype | None) -> _Stock:
         """The stock made ahead (allocated now if none was). ``dtype``: that of every shard, old
         and new; None where they differ, and then the stock's views are dropped."""
@@ -202,6 +237,7 @@ class _Stock:
     # or None where the piece is the whole shard)
     landing: dict[int, list[tuple[str, str, torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
     local_targets: list[torch.Tensor | None] = field(default_factory=list)  # per local piece, as above
+    sources: _Sources | None = None  # the pieces cut ahead out of the old shards
 
     def buffer(self, pool: dict[int, torch.Tensor], peer: int, nbytes: int) -> torch.Tensor:
         got = pool.pop(peer, None)
@@ -210,6 +246,29 @@ class _Stock:
     def shard(self, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         got = self.shards.pop(key, None)
         return got if got is not None and got.shape == shape and got.dtype == dtype else torch.empty(shape, dtype=dtype)
+
+
+def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+@dataclass
+class _Sources:
+    """Pieces cut ahead out of the old shards (``_RankView.stock_sources``)."""
+
+    send: dict[int, list[torch.Tensor]]  # per destination, in plan order
+    local: list[torch.Tensor]  # per local piece
+    local_whole_old: list[bool]  # the local piece is its whole old tensor
+    held: list[tuple[str, str, tuple[Any, ...]]]  # (state, name, fingerprint) of every old shard cut
+
+    def still_cut_from(self, old_shards: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
+        """Whether ``old_shards`` are the tensors these pieces were cut from. A cached view keeps
+        its storage alive, so no other tensor can sit at the same address."""
+        for state, name, fp in self.held:
+            x = old_shards.get(state, {}).get(name)
+            if x is None or _fingerprint(x) != fp:
+                return False
+        return True
 
 
 def _rank_view(plan: ReshardPlan | Sequence[Transfer], rank: int, new_plan: Plan,
@@ -225,15 +284,32 @@ def _rank_view(plan: ReshardPlan | Sequence[Transfer], rank: int, new_plan: Plan
 
 
 def prepare_rank(plan: ReshardPlan, rank: int, new_plan: Plan, specs: Sequence[TensorSpec], *,
-                 stock: bool = True) -> None:
+                 stock: bool = True, old_shards: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
     """Work out ``rank``'s part of ``plan`` ahead of the switch, and with ``stock`` allocate its
-    buffers and new shards (``execute_reshard`` uses both)."""
+    buffers and new shards (``execute_reshard`` uses both); given ``old_shards`` (the tensors
+    the switch will reshard from, updated in place until then), also cut its pieces out of them."""
     view = _rank_view(plan, rank, new_plan, specs)
     if stock:
         view.stock()
+        if old_shards is not None:
+            view.stock_sources(old_shards, rank)
 
 
 def execute_reshard(
+    plan: ReshardPlan | Sequence[Transfer],
+    rank: int,
+    old_shards: Mapping[str, Mapping[str, torch.Tensor]],
+    new_plan: Plan,
+    specs: Sequence[TensorSpec],
+    pg: Any,
+    **options: Any,
+) -> Shards:
+    """Send this rank's pieces, receive its new shards, verify them; return state → name → shard.
+    ``start_reshard`` + ``finish``; the options are ``start_reshard``'s."""
+    return start_reshard(plan, rank, old_shards, new_plan, specs, pg, **options).finish()
+
+
+def start_reshard(
     plan: ReshardPlan | Sequence[Transfer],
     rank: int,
     old_shards: Mapping[str, Mapping[str, torch.Tensor]],
@@ -247,14 +323,18 @@ def execute_reshard(
     fault: FaultHook | None = None,
     stats: dict[str, float] | None = None,
     checksum: str = "sum64",
-) -> Shards:
-    """Send this rank's pieces, receive its new shards, verify them; return state → name → shard.
+) -> ReshardInFlight:
+    """Post this rank's receives, pack and post its sends, copy its local pieces; the pieces
+    are then on the wire (gloo's own threads move them) until ``finish`` waits for them,
+    verifies them and returns state → name → shard. In between the caller may do work that
+    waits on peers rather than on the CPU (the switch creates its new groups there).
 
     ``pg``: a torch.distributed ProcessGroup (e.g. ``ProcessGroupGloo``) holding every rank
     named in the plan. ``dtype``: element type of shards this rank did not hold before.
     ``fault``: fault injection for tests — called on each outgoing piece (a byte view)
     after its checksum is taken. ``stats``: if given, filled with the seconds spent packing,
-    sending and copying local pieces (``pack_s``), then waiting for the wire (``wire_s``), and
+    sending and copying local pieces (``pack_s``), then until the wire was done (``wire_s``:
+    from the end of ``start_reshard``, so it holds the caller's work in between too), and
     checking and placing what arrived (``unpack_s``).
     """
     t_start = time.perf_counter()
@@ -293,9 +373,11 @@ def execute_reshard(
             works.append(pg.recv([header], to_pg(src), _TAG_HEADER))
             works.append(pg.recv([data], to_pg(src), _TAG_DATA))
         keep: list[torch.Tensor] = []  # buffers must outlive their asynchronous sends
+        cut = stock.sources if stock.sources is not None and stock.sources.still_cut_from(old_shards) else None
         for dst, items in sorted(sends.items()):
             data = stock.buffer(stock.send, dst, rv.send_length[dst])
-            pieces = [_source_piece(t, old_shards, rank) for t in items] if fast and rv.send_aligned[dst] else []
+            pieces = ((cut.send[dst] if cut is not None else [_source_piece(t, old_shards, rank) for t in items])
+                      if fast and rv.send_aligned[dst] else [])
             if pieces and len({p.dtype for p in pieces}) == 1:
                 # one copy of every piece into the buffer (whole words: no padding to zero)
                 torch.cat([p.reshape(-1) for p in pieces], out=data.view(pieces[0].dtype))
@@ -311,7 +393,7 @@ def execute_reshard(
                 if t.nbytes % 8:
                     data[offset + t.nbytes:offset + _padded(t.nbytes)].zero_()
                 offset += _padded(t.nbytes)
-            crcs = _piece_checksums(data, items, checksum)
+            crcs = _piece_checksums(data, items, checksum, rv.send_segments[dst])
             if fault is not None:
                 offset = 0
                 for t in items:
@@ -323,32 +405,86 @@ def execute_reshard(
             works.append(pg.send([data], to_pg(dst), _TAG_DATA))
         # local copies overlap with the wire
         targets = stock.local_targets or [None] * len(local)
-        for t, target in zip(local, targets):
-            piece = _source_piece(t, old_shards, rank)
-            if target is not None:
-                target.copy_(piece)
-                continue
-            # a whole old tensor staying whole is kept as it is (the old runtime only read it)
-            _land(new, t, piece, rank, keep=piece.numel() == old_shards[t.state][t.name].numel(),
-                  whole=(t.state, t.name) in rv.whole)
-        t_packed = time.perf_counter()
-        for w in works:
-            if timeout is None:
-                w.wait()
-            else:
-                w.wait(timeout)
+        if cut is not None:
+            for t, target, piece, whole_old in zip(local, targets, cut.local, cut.local_whole_old):
+                if target is not None:
+                    target.copy_(piece)
+                else:
+                    _land(new, t, piece, rank, keep=whole_old, whole=(t.state, t.name) in rv.whole)
+        else:
+            for t, target in zip(local, targets):
+                piece = _source_piece(t, old_shards, rank)
+                if target is not None:
+                    target.copy_(piece)
+                    continue
+                # a whole old tensor staying whole is kept as it is (the old runtime only read it)
+                _land(new, t, piece, rank, keep=piece.numel() == old_shards[t.state][t.name].numel(),
+                      whole=(t.state, t.name) in rv.whole)
     except TransferError:
         raise
     except RuntimeError as exc:
-        # keeps the transport's words, so ulfm.is_peer_failure still recognises a dead peer
-        raise TransferError(
-            f"rank {rank}: a point-to-point message of the reshard failed: {exc}; if a peer died, shrink and "
-            "replan; a size mismatch means the ranks ran different plans"
-        ) from exc
+        raise _wire_error(rank, exc) from exc
+    return ReshardInFlight(rank, rv, stock, new, works, incoming, keep, timeout, checksum, dtype_of, stats,
+                           t_start, time.perf_counter())
 
-    t_wire = time.perf_counter()
+
+def _wire_error(rank: int, exc: RuntimeError) -> TransferError:
+    # keeps the transport's words, so ulfm.is_peer_failure still recognises a dead peer
+    return TransferError(
+        f"rank {rank}: a point-to-point message of the reshard failed: {exc}; if a peer died, shrink and "
+        "replan; a size mismatch means the ranks ran different plans"
+    )
+
+
+@dataclass
+class ReshardInFlight:
+    """A reshard whose messages are posted (``start_reshard``); ``finish`` completes it. Holds
+    the send buffers, which must outlive their asynchronous sends."""
+
+    rank: int
+    rv: _RankView
+    stock: _Stock
+    new: Shards
+    works: list[Any]
+    incoming: list[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]]
+    keep: list[torch.Tensor]
+    timeout: timedelta | None
+    checksum: str
+    dtype_of: Callable[[str, str], torch.dtype]
+    stats: dict[str, float] | None
+    t_start: float
+    t_packed: float
+
+    def finish(self) -> Shards:
+        """Wait for every message, check sizes and checksums, land the pieces; the new shards."""
+        rank, rv, new, dtype_of = self.rank, self.rv, self.new, self.dtype_of
+        try:
+            for w in self.works:
+                if self.timeout is None:
+                    w.wait()
+                else:
+                    w.wait(self.timeout)
+        except RuntimeError as exc:
+            raise _wire_error(rank, exc) from exc
+        self.keep.clear()
+        t_wire = time.perf_counter()
+        _land_messages(rank, rv, self.stock, new, self.incoming, self.checksum, dtype_of)
+        _check_filled(rank, rv, new, dtype_of)
+        t_end = time.perf_counter()
+        if self.stats is not None:
+            self.stats.update(pack_s=self.t_packed - self.t_start, wire_s=t_wire - self.t_packed,
+                              unpack_s=t_end - t_wire)
+        log.debug("rank %d: reshard done, %d sends, %d receives in %.3f s", rank, len(rv.sends), len(rv.recvs),
+                  t_end - self.t_start)
+        return new
+
+
+def _land_messages(rank: int, rv: _RankView, stock: _Stock, new: Shards,
+                   incoming: Sequence[tuple[int, list[Transfer], torch.Tensor, torch.Tensor]], checksum: str,
+                   dtype_of: Callable[[str, str], torch.dtype]) -> None:
     for src, items, header, data in incoming:
-        _check_message(rank, src, items, header, rv.recv_sizes[src], _piece_checksums(data, items, checksum), checksum)
+        sums = _piece_checksums(data, items, checksum, rv.recv_segments[src])
+        _check_message(rank, src, items, header, rv.recv_sizes[src], sums, checksum)
         landing = stock.landing.get(src)
         if landing is not None:  # views made ahead: one copy_ per piece, or none for a whole shard
             for state, name, piece, target in landing:
@@ -370,6 +506,8 @@ def execute_reshard(
             _land(new, t, buf.view(dtype_of(t.state, t.name)).reshape(t.shape), rank, keep=True,
                   whole=(t.state, t.name) in rv.whole)
 
+
+def _check_filled(rank: int, rv: _RankView, new: Shards, dtype_of: Callable[[str, str], torch.dtype]) -> None:
     for s in rv.states:
         for name, shape in rv.new_shapes:
             numel = math.prod(shape)
@@ -379,11 +517,6 @@ def execute_reshard(
                     f"rank {rank}: the plan filled {rv.filled[(s, name)] * size} of the {numel * size} bytes of its "
                     f"new {s} of {name}; the reshard plan does not match the new plan"
                 )
-    t_end = time.perf_counter()
-    if stats is not None:
-        stats.update(pack_s=t_packed - t_start, wire_s=t_wire - t_packed, unpack_s=t_end - t_wire)
-    log.debug("rank %d: reshard done, %d sends, %d receives in %.3f s", rank, len(sends), len(recvs), t_end - t_start)
-    return new
 
 
 def _check_message(rank: int, src: int, items: Sequence[Transfer], header: torch.Tensor, sizes: Sequence[int],

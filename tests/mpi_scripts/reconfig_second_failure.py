@@ -78,14 +78,14 @@ class ScriptedTransport:
 
 def arm_transfer_kill(me: int) -> None:
     """The victims of (2) and (3) die on entering the state transfer of their switch."""
-    real = reconfigure_mod.execute_reshard
+    real = reconfigure_mod.start_reshard
 
-    def execute_reshard(rplan: Any, rank: int, old: Any, new_plan: Plan, *args: Any, **kwargs: Any) -> Any:
+    def start_reshard(rplan: Any, rank: int, old: Any, new_plan: Plan, *args: Any, **kwargs: Any) -> Any:
         if me == KILL_IN_RECOVERY or (me == KILL_IN_PLANNED and new_plan.epoch == PLANNED_EPOCH):
             die()
         return real(rplan, rank, old, new_plan, *args, **kwargs)
 
-    reconfigure_mod.execute_reshard = execute_reshard  # type: ignore[assignment]
+    reconfigure_mod.start_reshard = start_reshard  # type: ignore[assignment]
 
 
 def main() -> None:

@@ -187,26 +187,29 @@ class _Mailbox:
         return Group()
 
 
-@pytest.mark.parametrize("move", ["tp2_to_dp2", "tp2_swapped"])
+@pytest.mark.parametrize("move", ["tp2_to_dp2", "tp2_swapped", "dp2_to_tp2"])
 @pytest.mark.parametrize("way", ["stocked_ahead", "not_stocked", "mixed_dtypes", "cut_ahead_then_stepped",
                                  "cut_ahead_then_replaced"])
 def test_two_ranks_reshard_bitwise_on_every_landing_path(move: str, way: str) -> None:
     # tp2_to_dp2: each rank keeps its half and receives the other (pieces land in a shard made
-    # for them); tp2_swapped: each rank's new shard is its peer's old one (pieces become shards).
+    # for them); tp2_swapped: each rank's new shard is its peer's old one (pieces become shards);
+    # dp2_to_tp2: each rank keeps half of what it held (local pieces that are whole new shards
+    # but not whole old ones: copied, so they do not pin the old tensors).
     # mixed_dtypes: bf16 parameters with fp32 moments, where the executor cannot use the views
     # it made ahead for one dtype. cut_ahead_*: the pieces are cut out of the old shards when
     # the switch is prepared; then the shards are updated in place (as an optimizer step does:
     # the cut pieces must carry the update) or one is replaced by another tensor (the executor
     # must notice and cut from the one it is given).
-    old = Plan.uniform(2, 1, 1, 4, 4)
-    new = Plan.uniform(1, 1, 2, 4, 4) if move == "tp2_to_dp2" else Plan.uniform(2, 1, 1, 4, 4, ranks=[1, 0])
+    old = Plan.uniform(1, 1, 2, 4, 4) if move == "dp2_to_tp2" else Plan.uniform(2, 1, 1, 4, 4)
+    new = {"tp2_to_dp2": Plan.uniform(1, 1, 2, 4, 4), "tp2_swapped": Plan.uniform(2, 1, 1, 4, 4, ranks=[1, 0]),
+           "dp2_to_tp2": Plan.uniform(2, 1, 1, 4, 4)}[move]
     full = W.full_tensors(seed=11)
     itemsize: int | dict[str, int] = 4
     if way == "mixed_dtypes":
         full["param"] = {n: t.to(torch.bfloat16) for n, t in full["param"].items()}
         itemsize = {"param": 2, "exp_avg": 4, "exp_avg_sq": 4}
     rp = plan_reshard(old, new, W.SPECS, [0, 1], itemsize=itemsize)
-    assert rp.bytes_moved > 0
+    assert (rp.bytes_moved > 0) == (move != "dp2_to_tp2")
     held = {r: {s: {spec.name: full[s][spec.name][idx].clone() for spec, idx in tensors_of_rank(old, r, W.SPECS)}
                 for s in STATES} for r in (0, 1)}
     if way == "stocked_ahead":
@@ -246,3 +249,5 @@ def test_two_ranks_reshard_bitwise_on_every_landing_path(move: str, way: str) ->
             for name, tensor in want.items():
                 assert got[r][s][name].dtype == tensor.dtype, (r, s, name)
                 assert torch.equal(got[r][s][name], tensor), (r, s, name)
+                if got[r][s][name].numel() < held[r][s][name].numel():  # a slice kept: it owns its memory
+                    assert got[r][s][name].untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

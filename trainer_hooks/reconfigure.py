@@ -92,20 +92,21 @@ def optimizer_steps(rt: Runtime | None) -> float:
 def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
     """Put received shards into ``rt``'s parameters and AdamW state (``step`` = AdamW's count)."""
     step_t = torch.tensor(step, dtype=torch.float32)
+    moments = "exp_avg" in shards and step > 0
+    state = rt.optimizer.state
     for name, p in rt.parameters().items():
         got = shards["param"][name]
         if got.shape == p.shape and got.dtype == p.dtype and got.device == p.device and got.is_contiguous():
             p.data = got  # the received (or kept) tensor becomes the parameter: no copy
         else:
             p.copy_(got)
-        if "exp_avg" in shards and step > 0:
-            # AdamW keeps the step as a float32 scalar tensor (capturable=False on CPU)
-            rt.optimizer.state[p] = {
-                "step": step_t.clone(),  # one per parameter (AdamW adds to each); a clone is cheaper than a new tensor
-                # the received shards are fresh tensors this rank owns: no copy needed
-                "exp_avg": shards["exp_avg"][name].to(p.device),
-                "exp_avg_sq": shards["exp_avg_sq"][name].to(p.device),
-            }
+        if moments:
+            # AdamW keeps the step as a float32 scalar tensor (capturable=False on CPU), one per
+            # parameter (it adds to each); the received shards are fresh tensors this rank owns
+            m, v = shards["exp_avg"][name], shards["exp_avg_sq"][name]
+            state[p] = {"step": step_t.clone(),
+                        "exp_avg": m if m.device == p.device else m.to(p.device),
+                        "exp_avg_sq": v if v.device == p.device else v.to(p.device)}
 
 
 @contextlib.contextmanager

@@ -233,5 +233,7 @@ class Runtime:
         return {n: p.detach() for n, p in self._params.items()}
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        """AdamW state (exp_avg, exp_avg_sq, step) by parameter name."""
-        return {n: dict(self.optimizer.state.get(p, {})) for n, p in self._params.items()}
+        """AdamW state (exp_avg, exp_avg_sq, step) by parameter name: AdamW's own dicts, not
+        copies (a switch reads them twice; do not modify them)."""
+        state = self.optimizer.state
+        return {n: state.get(p, {}) for n, p in self._params.items()}

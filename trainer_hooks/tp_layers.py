@@ -59,7 +59,7 @@ def bind_tp(module: nn.Module, tp: TPContext, layers: Sequence[nn.Module] | None
             if (old.index, old.size) != (tp.index, tp.size):
                 raise ValueError(f"a module built for TP place {old.index}/{old.size} cannot take place "
                                  f"{tp.index}/{tp.size}")
-            sub.tp = tp
+            object.__setattr__(sub, "tp", tp)  # a plain attribute: skip nn.Module's slower __setattr__
 
 
 class _CopyToTP(torch.autograd.Function):

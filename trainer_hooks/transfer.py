@@ -209,10 +209,14 @@ class _RankView:
             local = [_source_piece(t, old_shards, rank) for t in self.local]
         except TransferError:
             return  # the execution raises it, with the tensors it is given
-        used = {(t.state, t.name) for t in [*self.local, *(t for v in self.sends.values() for t in v)]}
-        held = [(s, n, _fingerprint(old_shards[s][n])) for s, n in sorted(used)]
+        used = sorted({(t.state, t.name) for t in [*self.local, *(t for v in self.sends.values() for t in v)]})
+        held = [(s, n, _fingerprint(old_shards[s][n])) for s, n in used]
         keep = [piece.numel() == old_shards[t.state][t.name].numel() for t, piece in zip(self.local, local)]
-        self._stock.sources = _Sources(send, local, keep, held)
+        whole_targets = [
+            torch.empty(piece.shape, dtype=piece.dtype).zero_()
+            if (t.state, t.name) in self.whole and not whole_old else None
+            for t, piece, whole_old in zip(self.local, local, keep)]
+        self._stock.sources = _Sources(send, local, keep, held, [old_shards[s][n] for s, n in used], whole_targets)
 
     def take_stock(self, dtype: torch.dtype | None) -> _Stock:
         """The stock made ahead (allocated now if none was). ``dtype``: that of every shard, old
@@ -260,13 +264,18 @@ class _Sources:
     local: list[torch.Tensor]  # per local piece
     local_whole_old: list[bool]  # the local piece is its whole old tensor
     held: list[tuple[str, str, tuple[Any, ...]]]  # (state, name, fingerprint) of every old shard cut
+    held_objects: list[torch.Tensor]  # those shards themselves, in the same order
+    # per local piece that is a whole new shard but not its whole old tensor: a shard made
+    # (and paged in) ahead to copy it into, so the piece does not pin its old tensor
+    local_whole_targets: list[torch.Tensor | None]
 
     def still_cut_from(self, old_shards: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
         """Whether ``old_shards`` are the tensors these pieces were cut from. A cached view keeps
-        its storage alive, so no other tensor can sit at the same address."""
-        for state, name, fp in self.held:
+        its storage alive, so no other tensor can sit at the same address. The same tensor
+        objects (AdamW's moments) pass at once; parameters come as fresh detached views."""
+        for (state, name, fp), was in zip(self.held, self.held_objects):
             x = old_shards.get(state, {}).get(name)
-            if x is None or _fingerprint(x) != fp:
+            if x is not was and (x is None or _fingerprint(x) != fp):
                 return False
         return True
 
@@ -406,9 +415,13 @@ def start_reshard(
         # local copies overlap with the wire
         targets = stock.local_targets or [None] * len(local)
         if cut is not None:
-            for t, target, piece, whole_old in zip(local, targets, cut.local, cut.local_whole_old):
+            for t, target, piece, whole_old, whole_target in zip(local, targets, cut.local, cut.local_whole_old,
+                                                                  cut.local_whole_targets):
                 if target is not None:
                     target.copy_(piece)
+                elif whole_target is not None:  # a whole new shard cut from a larger old one
+                    whole_target.copy_(piece)
+                    new[t.state][t.name] = whole_target
                 else:
                     _land(new, t, piece, rank, keep=whole_old, whole=(t.state, t.name) in rv.whole)
         else:

@@ -275,7 +275,12 @@ class _Sources:
         objects (AdamW's moments) pass at once; parameters come as fresh detached views."""
         for (state, name, fp), was in zip(self.held, self.held_objects):
             x = old_shards.get(state, {}).get(name)
-            if x is not was and (x is None or _fingerprint(x) != fp):
+            if x is None:
+                return False
+            if x is was:  # the same object: only a storage swap (``.data =``) could have moved it
+                if x.data_ptr() != fp[0] or x.shape != fp[1]:
+                    return False
+            elif _fingerprint(x) != fp:
                 return False
         return True
 
@@ -415,24 +420,19 @@ def start_reshard(
         # local copies overlap with the wire
         targets = stock.local_targets or [None] * len(local)
         if cut is not None:
-            for t, target, piece, whole_old, whole_target in zip(local, targets, cut.local, cut.local_whole_old,
-                                                                  cut.local_whole_targets):
-                if target is not None:
-                    target.copy_(piece)
-                elif whole_target is not None:  # a whole new shard cut from a larger old one
-                    whole_target.copy_(piece)
-                    new[t.state][t.name] = whole_target
-                else:
-                    _land(new, t, piece, rank, keep=whole_old, whole=(t.state, t.name) in rv.whole)
+            pieces, whole_old, whole_targets = cut.local, cut.local_whole_old, cut.local_whole_targets
         else:
-            for t, target in zip(local, targets):
-                piece = _source_piece(t, old_shards, rank)
-                if target is not None:
-                    target.copy_(piece)
-                    continue
-                # a whole old tensor staying whole is kept as it is (the old runtime only read it)
-                _land(new, t, piece, rank, keep=piece.numel() == old_shards[t.state][t.name].numel(),
-                      whole=(t.state, t.name) in rv.whole)
+            pieces = [_source_piece(t, old_shards, rank) for t in local]
+            whole_old = [p.numel() == old_shards[t.state][t.name].numel() for t, p in zip(local, pieces)]
+            whole_targets = [None] * len(local)
+        for t, piece, target, old_whole, whole_target in zip(local, pieces, targets, whole_old, whole_targets):
+            if target is not None:  # part of a new shard
+                target.copy_(piece)
+            elif whole_target is not None:  # a whole new shard cut from a larger old one
+                whole_target.copy_(piece)
+                new[t.state][t.name] = whole_target
+            else:  # a whole old tensor staying whole is kept as it is (the old runtime only read it)
+                _land(new, t, piece, rank, keep=old_whole, whole=(t.state, t.name) in rv.whole)
     except TransferError:
         raise
     except RuntimeError as exc:

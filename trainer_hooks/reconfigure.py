@@ -263,12 +263,12 @@ class LiveReconfigurer:
                 retire(old)
                 del old
                 if made is None:
-                    make_groups([local], self.pg_rank)
+                    self._make_groups(plan)
 
     def _build_stage_ahead(self, new_plan: Plan) -> None:
         """Build this rank's stage module of ``new_plan`` now (undrawn weights, TP group pending,
-        with its parameter table and an empty AdamW), so the switch only binds groups and loads state. Worth it where the command comes
-        ahead of its ``apply_at``; empty parameters cost no memory until written, and the
+        with its parameter table and an empty AdamW), so the switch only binds groups and loads
+        state. Worth it where the command comes ahead of its ``apply_at``; empty parameters cost no memory until written, and the
         received shards replace them without a copy."""
         if not new_plan.has_rank(self.rank):
             self._stage = None

@@ -25,7 +25,7 @@ from resihp.trainer_hooks.groups import EpochGroups, StagePlace, build_groups
 from resihp.trainer_hooks.model import GPTStage
 from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
 from resihp.trainer_hooks.throttle import Throttle
-from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp
+from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp, tp_modules
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,7 @@ def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
     """``build_stage`` (TP group pending) with its parameter table, TP layers and an empty AdamW."""
     model = build_stage(spec, config.max_seq_len, place, device=device)
     params = dict(model.named_parameters())
-    tp_modules = [m for m in model.modules() if isinstance(getattr(m, "tp", None), TPContext)]
-    return StageAhead(model, params, tp_modules, new_adamw(list(params.values()), config))
+    return StageAhead(model, params, tp_modules(model), new_adamw(list(params.values()), config))
 
 
 class Runtime:

@@ -50,16 +50,20 @@ def pending_tp(index: int, size: int) -> TPContext:
     return TPContext(group=_PendingGroup() if size > 1 else None, index=index, size=size)
 
 
+def tp_modules(module: nn.Module) -> list[nn.Module]:
+    """The sub-modules of ``module`` (itself included) that hold a TP place."""
+    return [m for m in module.modules() if isinstance(getattr(m, "tp", None), TPContext)]
+
+
 def bind_tp(module: nn.Module, tp: TPContext, layers: Sequence[nn.Module] | None = None) -> None:
     """Give every layer of ``module`` its real TP group; the place must match the one it was built for.
-    ``layers``: its sub-modules that hold a TP place, if known (saves walking the module tree)."""
-    for sub in (module.modules() if layers is None else layers):
-        old = getattr(sub, "tp", None)
-        if isinstance(old, TPContext):
-            if (old.index, old.size) != (tp.index, tp.size):
-                raise ValueError(f"a module built for TP place {old.index}/{old.size} cannot take place "
-                                 f"{tp.index}/{tp.size}")
-            object.__setattr__(sub, "tp", tp)  # a plain attribute: skip nn.Module's slower __setattr__
+    ``layers``: ``tp_modules(module)``, if known (saves walking the module tree)."""
+    for sub in (tp_modules(module) if layers is None else layers):
+        old = sub.tp
+        if (old.index, old.size) != (tp.index, tp.size):
+            raise ValueError(f"a module built for TP place {old.index}/{old.size} cannot take place "
+                             f"{tp.index}/{tp.size}")
+        object.__setattr__(sub, "tp", tp)  # a plain attribute: skip nn.Module's slower __setattr__
 
 
 class _CopyToTP(torch.autograd.Function):

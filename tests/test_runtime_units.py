@@ -11,7 +11,7 @@ from resihp.coordinator import messages as m
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec, SpecError, preset
 from resihp.trainer_hooks.data import GlobalBatches, PackedStream, split_documents
-from resihp.trainer_hooks.groups import param_names, place_of, shard_holders
+from resihp.trainer_hooks.groups import param_names, pipeline_peers, place_of, rank_sets, shard_holders
 from resihp.trainer_hooks.hooks import Job, parse_throttle_env
 from resihp.trainer_hooks.model import GPTStage, PackedMeta, init_full_tensor, loss_sum
 from resihp.trainer_hooks.pipeline import schedule_1f1b
@@ -114,6 +114,16 @@ def test_pipeline_peers_pair_stages_of_different_tp_sizes() -> None:
     assert place_of(plan, 0).send_fwd_to == (2,)
     assert b.recv_fwd_from == 0 and b.send_bwd_to == (0, 1) and b.send_fwd_to == (3, 4, 5, 6)
     assert c.recv_fwd_from == 2 and c.send_bwd_to == () and c.last
+
+
+def test_every_pipeline_neighbour_pair_gets_a_group_of_its_own() -> None:
+    plan = Plan(replicas=(PipelinePlan(((0, 1), (2,), (3, 4, 5, 6)), (1, 2, 1), 2),))
+    assert pipeline_peers(place_of(plan, 1)) == (2,)  # it only receives gradients from rank 2
+    assert pipeline_peers(place_of(plan, 2)) == (0, 1, 3, 4, 5, 6)
+    pairs = {s for s in rank_sets(plan) if len(s) == 2}
+    assert {(0, 2), (1, 2), (2, 3), (2, 4), (2, 5), (2, 6)} <= pairs
+    assert (0, 1) in pairs  # the first stage's TP group, which also has two ranks
+    assert not any(set(p) <= {3, 4, 5, 6} for p in pairs)  # no pipeline pair inside a stage
 
 
 def test_dp_buckets_follow_the_shard_holders_even_with_uneven_layer_splits() -> None:

@@ -3,10 +3,13 @@
 Everything is derived from the Plan value, so a new plan gives new groups:
 
 - **TP**: the ranks of a (replica, stage).
-- **PP**: point-to-point peers on the default group. Stage s+1 rank j receives activations
-  from stage s rank ``j mod tp_s``; stage s rank t receives gradients from stage s+1 rank
-  ``t mod tp_{s+1}`` (activations and their gradients are replicated inside a TP group, so
-  stages may even have different TP sizes).
+- **PP**: point-to-point peers, each pair of neighbours on a two-rank group of its own. Stage
+  s+1 rank j receives activations from stage s rank ``j mod tp_s``; stage s rank t receives
+  gradients from stage s+1 rank ``t mod tp_{s+1}`` (activations and their gradients are
+  replicated inside a TP group, so stages may even have different TP sizes). Not the default
+  group: after a peer failure a rank lets go of its groups so that their connections close
+  and a neighbour blocked in a receive from it fails at once (``sever``); the default group
+  keeps references torch holds, and a receive on it waited out gloo's whole timeout.
 - **DP**: a parameter shard ``(name, tp_index, tp_size)`` is held by one rank per replica;
   ranks holding the same shards sum their gradients. Shards are bucketed by their holder
   set, one group per distinct set — the usual "one DP group per (stage, TP rank)" when the
@@ -89,6 +92,12 @@ def place_of(plan: Plan, rank: int) -> StagePlace:
     )
 
 
+def pipeline_peers(place: StagePlace) -> tuple[int, ...]:
+    """The ranks this place sends to or receives from, in either direction."""
+    peers = {p for p in (place.recv_fwd_from, place.recv_bwd_from) if p is not None}
+    return tuple(sorted(peers | set(place.send_fwd_to) | set(place.send_bwd_to)))
+
+
 def param_names(place: StagePlace) -> list[str]:
     names = list(FIRST_PARAMS) if place.first else []
     start, end = place.layer_range
@@ -137,6 +146,9 @@ class EpochGroups:
     grad_buckets: list[tuple[tuple[int, ...], Any, list[str]]] = field(default_factory=list)
     loss_ranks: tuple[int, ...] = ()
     loss_group: Any = None
+    # pipeline neighbour → its two-rank group; PipelineStep holds this very dict, so that
+    # ``sever`` emptying it also takes the groups out of the pipeline
+    peer_groups: dict[int, Any] = field(default_factory=dict)
     _by_ranks: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
     def group_for(self, ranks: tuple[int, ...]) -> Any:
@@ -144,7 +156,8 @@ class EpochGroups:
 
 
 def rank_sets(plan: Plan) -> frozenset[tuple[int, ...]]:
-    """Every rank set that needs a group under ``plan`` (TP, DP holders, loss); cached per layout."""
+    """Every rank set that needs a group under ``plan`` (TP, DP holders, loss, pipeline
+    neighbours); cached per layout."""
     return _rank_sets(plan.replicas, plan.schedule, plan.virtual_chunks)
 
 
@@ -154,6 +167,8 @@ def _rank_sets(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: in
     sets: set[tuple[int, ...]] = {tuple(sorted(g)) for rep in plan.replicas for g in rep.stages}
     sets |= set(shard_holders(plan).values())
     sets.add(tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1])))
+    for rank in plan.ranks():
+        sets |= {tuple(sorted((rank, peer))) for peer in pipeline_peers(place_of(plan, rank))}
     return frozenset(sets)
 
 
@@ -204,6 +219,7 @@ def build_groups(
         epoch=epoch, plan=plan, rank=rank, place=place, tp=tp,
         grad_buckets=[(ranks, made.get(ranks), names) for ranks, names in sorted(buckets.items())],
         loss_ranks=loss_ranks, loss_group=made.get(loss_ranks) if rank in loss_ranks else None,
+        peer_groups={peer: made[tuple(sorted((rank, peer)))] for peer in pipeline_peers(place)},
         _by_ranks=made,
     )
 
@@ -212,7 +228,7 @@ def destroy_groups(groups: EpochGroups) -> None:
     for ranks, group in groups._by_ranks.items():
         if group is not None and group is not dist.group.WORLD:
             dist.destroy_process_group(group)
-    groups._by_ranks.clear()
+    groups._by_ranks.clear()  # peer_groups stay: whoever lets go of the groups (sever, retire) drops them
 
 
 def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
@@ -226,7 +242,9 @@ def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
     held = [g for g in groups._by_ranks.values() if g is not None]
     held += [g for _, g, _ in groups.grad_buckets if g is not None]
     held += [g for g in (groups.loss_group, groups.tp.group) if g is not None]
+    held += list(groups.peer_groups.values())
     groups._by_ranks.clear()
+    groups.peer_groups.clear()
     groups.grad_buckets = [(ranks, None, names) for ranks, _, names in groups.grad_buckets]
     groups.loss_group = None
     groups.tp = pending_tp(groups.tp.index, groups.tp.size)

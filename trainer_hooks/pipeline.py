@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,9 @@ class PipelineStep:
     """Runs one iteration's micro-batches through this rank's stage."""
 
     def __init__(self, stage: GPTStage, place: StagePlace, device: torch.device, throttle: Throttle,
-                 compute_clock: str = "wall") -> None:
+                 compute_clock: str = "wall", peer_groups: Mapping[int, Any] | None = None) -> None:
+        """``peer_groups``: neighbour rank → the process group to reach it on
+        (``EpochGroups.peer_groups``, held, not copied); None: the default group."""
         if compute_clock not in ("wall", "cpu"):
             raise ValueError(f"compute_clock must be 'wall' or 'cpu', got {compute_clock!r}")
         self.stage = stage
@@ -59,19 +61,29 @@ class PipelineStep:
         self.device = device
         self.throttle = throttle
         self.compute_clock = compute_clock
+        self.peer_groups = peer_groups
         self._pending: list[Any] = []  # outstanding isend works (and the tensors they read)
+
+    def _group(self, peer: int) -> Any:
+        if self.peer_groups is None:
+            return None
+        group = self.peer_groups.get(peer)
+        if group is None:
+            raise RuntimeError(f"pipeline: no process group for neighbour rank {peer}; this epoch's groups "
+                               f"were torn down (a peer failed or the plan changed)")
+        return group
 
     def _recv(self, src: int, shape: tuple[int, ...], tag: int, log: ChunkLog, mb: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=torch.float32, device=self.device)
         start = time.perf_counter()
-        dist.recv(buf, src=src, tag=tag)
+        dist.recv(buf, src=src, tag=tag, group=self._group(src))
         log.add("P2P", mb, start, time.perf_counter())
         return buf
 
     def _send(self, tensor: torch.Tensor, dsts: tuple[int, ...], tag: int) -> None:
         payload = tensor.detach().contiguous()
         for dst in dsts:
-            self._pending.append((dist.isend(payload, dst=dst, tag=tag), payload))
+            self._pending.append((dist.isend(payload, dst=dst, tag=tag, group=self._group(dst)), payload))
 
     def _compute(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
         if self.compute_clock == "cpu":

@@ -408,9 +408,10 @@ class Resilience:
     def _abort_groups(self) -> None:
         """Tear down this rank's groups and let go of every reference to them (the old runtime
         stays, for its tensors): their destructors close the connections on the retire thread,
-        so peers blocked on this rank in a sub-group (TP, DP, loss) fail now, not at their
-        timeout (gloo's ``abort`` does not wake them). The default group still keeps ≈ 10
-        references nobody here holds, so peers blocked in point-to-point on it still wait."""
+        so peers blocked on this rank in a sub-group (TP, DP, loss, and the pipeline's
+        neighbour pairs) fail now, not at their timeout (gloo's ``abort`` does not wake them).
+        The default group keeps ≈ 10 references nobody here holds, which is why the pipeline
+        does not use it."""
         held: list[Any] = []
         try:
             self.rc._release()

@@ -1,33 +1,52 @@
-"""One rank of the pipeline-sever test: a PP3 job whose first stage lets go of its groups
-instead of sending, as a rank does when it sees a peer failure (``ResilientLoop._abort_groups``).
+"""One rank of the pipeline-sever test (tests/test_pipeline_sever.py).
 
-Usage: _pipeline_sever_worker.py RANK STORE_PORT OUT_JSON. Ranks 1 and 2 start a training
-step and block in the pipeline's receive; each writes how long its step took to fail and the
-error it saw, and then lets go of its own groups, so the failure travels down the pipeline.
+Usage: _pipeline_sever_worker.py RANK STORE_PORT OUT_JSON. Three ranks: stage 0 is the TP pair
+(0, 1), stage 1 is rank 2, four micro-batches. Rank 1 SIGKILLs itself in its third TP
+all-reduce: stage 0's second forward. By then rank 0 has sent micro-batch 0's activations to
+rank 2 (the send's work is still outstanding), and rank 2 has run micro-batch 0 and is
+blocked receiving micro-batch 1 from rank 0. Rank 0's step fails in the all-reduce with its
+dead partner; it lets go of its groups as the resilient loop does (``Runtime.let_go_of_groups``
++ ``retire``); rank 2's receive must then fail at once. Ranks 0 and 2 write how long their
+step took to fail and the error they saw.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from resihp.coordinator.plan import Plan
+from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.groups import destroy_groups, retire, sever, wait_retired
+from resihp.trainer_hooks.groups import retire, wait_retired
 from resihp.trainer_hooks.runtime import Runtime, TrainConfig
 
 SPEC = ModelSpec("sever", num_layers=3, hidden=16, num_heads=2, ffn_hidden=32, vocab=256)
-WORLD = 3
+PLAN = Plan(replicas=(PipelinePlan(((0, 1), (2,)), (1, 2), 4),))
+WORLD, DYING, SURVIVORS = 3, 1, (0, 2)
+DIE_AT_ALL_REDUCE = 3
 GLOO_TIMEOUT_S = 60  # what a blocked receive would wait if nothing woke it
 
 
-def let_go(rt: Runtime) -> None:
-    destroy_groups(rt.groups)
-    retire(sever(rt.groups, rt.model))
+def die_in_all_reduce(n: int) -> None:
+    """Rank 1's n-th all-reduce kills its process (SIGKILL: no cleanup, the kernel closes its sockets)."""
+    real = dist.all_reduce
+    calls = 0
+
+    def all_reduce(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = all_reduce  # type: ignore[assignment]
 
 
 def main() -> int:
@@ -36,32 +55,28 @@ def main() -> int:
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("sever/", store), rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=GLOO_TIMEOUT_S))
-    rt = Runtime(SPEC, Plan.uniform(1, 3, 1, SPEC.num_layers, 2), rank, TrainConfig(seed=1, max_seq_len=16))
+    rt = Runtime(SPEC, PLAN, rank, TrainConfig(seed=1, max_seq_len=16))
     store.set(f"ready{rank}", "1")
     store.wait([f"ready{r}" for r in range(WORLD)])
+    if rank == DYING:
+        die_in_all_reduce(DIE_AT_ALL_REDUCE)
     result: dict[str, object] = {"rank": rank}
-    if rank == 0:
-        let_go(rt)  # never sends stage 0's activations
-    else:
-        start = time.monotonic()
-        try:
-            rt.train_step(0)
-            result["error"] = None
-        except Exception as exc:  # noqa: BLE001 - the failure is what this test observes
-            result["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        result["failed_after_s"] = time.monotonic() - start
-        let_go(rt)
+    start = time.monotonic()
+    try:
+        rt.train_step(0)
+        result["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the failure is what this test observes
+        result["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    result["failed_after_s"] = time.monotonic() - start
+    retire(rt.let_go_of_groups())
     store.set(f"result{rank}", json.dumps(result))
     if rank == 0:
-        store.wait([f"result{r}" for r in range(WORLD)])
-        results = [json.loads(store.get(f"result{r}")) for r in range(WORLD)]
+        store.wait([f"result{r}" for r in SURVIVORS])
+        results = [json.loads(store.get(f"result{r}")) for r in SURVIVORS]
         with open(out, "w", encoding="utf-8") as fh:
             json.dump({"gloo_timeout_s": GLOO_TIMEOUT_S, "ranks": results}, fh)
-    store.set(f"exit{rank}", "1")
-    store.wait([f"exit{r}" for r in range(WORLD)])  # rank 0 hosts nothing, but keep the ranks' ends in step
     wait_retired(30)  # the groups' destructors run on the retire thread: let them finish before exit
-    dist.destroy_process_group()
-    return 0
+    os._exit(0)  # the default group has a dead member: skip torch's teardown at exit
 
 
 if __name__ == "__main__":

@@ -148,6 +148,14 @@ class PipelineStep:
                     self._send(x_in.grad, place.send_bwd_to, 2 * i + 1)
         return loss_total
 
+    def abandon(self) -> list[Any]:
+        """Take the outstanding sends out of this step and return them, unfinished (after a
+        failure). An isend's work holds its group's transport context in C++, so while it
+        lives the connection stays open even once the group object is gone, and a neighbour
+        blocked in a receive from this rank waits out its timeout."""
+        pending, self._pending = self._pending, []
+        return pending
+
     def finish_sends(self, log: ChunkLog) -> None:
         start = time.perf_counter()
         for work, _ in self._pending:

@@ -39,7 +39,7 @@ from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import SpecError
 from resihp.trainer_hooks.agreement import BoundaryAgreement, Holding, holding_of
-from resihp.trainer_hooks.groups import retire, sever
+from resihp.trainer_hooks.groups import retire
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, connect_store
 from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
 from resihp.trainer_hooks.reshard import ReshardError
@@ -414,9 +414,8 @@ class Resilience:
         does not use it."""
         held: list[Any] = []
         try:
-            self.rc._release()
             if self.rc.runtime is not None:
-                held += sever(self.rc.runtime.groups, self.rc.runtime.model)
+                held += self.rc.runtime.let_go_of_groups()
             if dist.is_initialized():
                 held.append(c10d._get_default_group())
                 dist.destroy_process_group()

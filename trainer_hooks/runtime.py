@@ -21,7 +21,7 @@ import torch.distributed as dist
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.data import GlobalBatches, PackedStream
-from resihp.trainer_hooks.groups import EpochGroups, StagePlace, build_groups
+from resihp.trainer_hooks.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
 from resihp.trainer_hooks.model import GPTStage
 from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
 from resihp.trainer_hooks.throttle import Throttle
@@ -223,6 +223,17 @@ class Runtime:
             seqlens=batch.seqlens, sample_ids=batch.sample_ids, wall_start_s=wall,
             time_s=time.perf_counter() - log.t0, chunks=log.chunks,
         )
+
+    def let_go_of_groups(self) -> list[Any]:
+        """After a peer failure: destroy this epoch's groups and take out of this runtime
+        everything that keeps their connections open (the groups themselves, the TP layers'
+        bindings, the pipeline's unfinished sends), returned for ``groups.retire``. Once the
+        caller lets go of them too, peers blocked on this rank fail at once instead of at
+        their timeout. The runtime keeps its tensors (a recovery reshards from them)."""
+        destroy_groups(self.groups)
+        held = sever(self.groups, self.model)
+        held += self.pipeline.abandon()
+        return held
 
     def parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters by layout name (the table itself: do not modify it)."""

@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator.plan import PipelinePlan, Plan, even_split
 from resihp.coordinator.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.groups import retire
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, optimizer_steps, runtime_shards
 from resihp.trainer_hooks.transfer import Shards
 from resihp.trainer_hooks.ulfm import MpiWorld, RecoveryError, shrink
@@ -120,6 +125,41 @@ class StepGuard:
         return saved.shards, saved.adam_steps
 
 
+def release_frames(exc: BaseException | None) -> None:
+    """Clear the locals of the finished frames in ``exc``'s tracebacks (its causes too): the
+    frame of a failed collective holds the process group, whose connections then stay open
+    and keep this rank's peers waiting out their timeout. The traceback itself (for logs)
+    stays."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def abandon_groups(rc: LiveReconfigurer, cause: BaseException | None = None) -> None:
+    """After a peer failure: tear down this rank's groups and let go of every reference to
+    them (``Runtime.let_go_of_groups``, the default group, the failed call's frames in
+    ``cause``); the old runtime stays, for its tensors. The groups' destructors then close
+    their connections on the retire thread, so peers blocked on this rank (TP, DP, loss, the
+    pipeline's neighbour pairs) fail now instead of at their timeout, and do the same: gloo's
+    ``abort`` does not wake them. The default group keeps ≈ 10 references nobody here holds,
+    which is why nothing that must wake a peer runs on it."""
+    release_frames(cause)
+    held: list[Any] = []
+    try:
+        if rc.runtime is not None:
+            held += rc.runtime.let_go_of_groups()
+        if dist.is_initialized():
+            held.append(c10d._get_default_group())
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - tearing down a broken group may itself fail
+        log.info("rank %d: tearing down the broken groups: %s", rc.rank, exc)
+    retire(held)
+    del held
+
+
 @dataclass
 class Recovery:
     world: MpiWorld
@@ -132,13 +172,18 @@ class Recovery:
 
 def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGuard,
             detected_at: float | None = None,
-            choose_plan: Callable[[MpiWorld], Plan] | None = None) -> Recovery:
+            choose_plan: Callable[[MpiWorld], Plan] | None = None,
+            cause: BaseException | None = None) -> Recovery:
     """Everything a survivor does after seeing a peer die; collective over the survivors.
 
+    First it lets go of this rank's groups (``abandon_groups``; ``cause``: the exception
+    that reported the failure, whose frames hold the failed call's group), so that peers
+    still blocked on this rank fail at once and join the recovery.
     ``choose_plan(new_world)``: the survivors' next plan (epoch included), identical on every
     survivor — e.g. the coordinator's, received by one survivor and broadcast; default
     ``survivor_plan``."""
     t0 = detected_at if detected_at is not None else time.perf_counter()
+    abandon_groups(rc, cause)
     t_shrink = time.perf_counter()
     # a spare trains nothing: it must not hold the agreement (a minimum) back
     new_world = shrink(replace(world, epoch=rc.epoch), last_step if rc.runtime is not None else SPARE_STEP)
@@ -154,5 +199,5 @@ def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGu
     return Recovery(new_world, plan, agreed + 1, report, time.perf_counter() - t0, shrink_s)
 
 
-__all__ = ["survivor_plan", "StepGuard", "Recovery", "recover"]
+__all__ = ["survivor_plan", "StepGuard", "Recovery", "recover", "abandon_groups", "release_frames"]
 

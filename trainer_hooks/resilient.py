@@ -26,14 +26,12 @@ import json
 import logging
 import os
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
@@ -41,7 +39,7 @@ from resihp.coordinator.spec import SpecError
 from resihp.trainer_hooks.agreement import BoundaryAgreement, Holding, holding_of
 from resihp.trainer_hooks.groups import retire
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, connect_store
-from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, survivor_plan
+from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, abandon_groups, survivor_plan
 from resihp.trainer_hooks.reshard import ReshardError
 from resihp.trainer_hooks.runtime import StepResult
 from resihp.trainer_hooks.transfer import Shards
@@ -295,8 +293,7 @@ class Resilience:
         t0 = time.perf_counter()
         log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
                     str(cause)[:160])
-        _release_frames(cause)  # the failed collective's frames still hold its group
-        self._abort_groups()  # peers blocked on this rank fail at once instead of at their timeout
+        abandon_groups(self.rc, cause)  # peers blocked on this rank fail at once instead of at their timeout
         assert self.agreement is not None
         self.agreement.reset()
         member = self.rc.runtime is not None
@@ -406,23 +403,8 @@ class Resilience:
             return False
 
     def _abort_groups(self) -> None:
-        """Tear down this rank's groups and let go of every reference to them (the old runtime
-        stays, for its tensors): their destructors close the connections on the retire thread,
-        so peers blocked on this rank in a sub-group (TP, DP, loss, and the pipeline's
-        neighbour pairs) fail now, not at their timeout (gloo's ``abort`` does not wake them).
-        The default group keeps ≈ 10 references nobody here holds, which is why the pipeline
-        does not use it."""
-        held: list[Any] = []
-        try:
-            if self.rc.runtime is not None:
-                held += self.rc.runtime.let_go_of_groups()
-            if dist.is_initialized():
-                held.append(c10d._get_default_group())
-                dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - tearing down a broken group may itself fail
-            log.info("rank %d: tearing down the broken groups: %s", self.rc.rank, exc)
-        retire(held)
-        del held
+        """Peers blocked on this rank fail now, not at their timeout (``abandon_groups``)."""
+        abandon_groups(self.rc)
 
     def _agree_plan(self, world: MpiWorld) -> Plan:
         """The survivors' plan: the coordinator's (received by the first survivor, broadcast), else
@@ -469,19 +451,6 @@ class Resilience:
         if self.progress is not None:
             self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)
         raise JobStopped(why)
-
-
-def _release_frames(exc: BaseException | None) -> None:
-    """Clear the locals of the finished frames in ``exc``'s tracebacks (its causes too): the
-    frame of a failed collective holds the process group, whose connections then stay open
-    and keep this rank's peers waiting out their timeout. The traceback itself (for logs)
-    stays."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
 
 
 def _any_source() -> int:

@@ -127,7 +127,7 @@ def main() -> None:
                 raise
             t0 = time.perf_counter()
             detected = f"{type(exc).__name__}: {str(exc)[:200]}"
-            rec = recover(rc, world, last, guard, detected_at=t0)
+            rec = recover(rc, world, last, guard, detected_at=t0, cause=exc)
             world = rec.world
             records = [x for x in records if x["step"] < rec.resume_at]
             info: dict[str, Any] = {

@@ -51,9 +51,9 @@ class PipelineStep:
     """Runs one iteration's micro-batches through this rank's stage."""
 
     def __init__(self, stage: GPTStage, place: StagePlace, device: torch.device, throttle: Throttle,
-                 compute_clock: str = "wall", peer_groups: Mapping[int, Any] | None = None) -> None:
+                 peer_groups: Mapping[int, Any], compute_clock: str = "wall") -> None:
         """``peer_groups``: neighbour rank → the process group to reach it on
-        (``EpochGroups.peer_groups``, held, not copied); None: the default group."""
+        (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it)."""
         if compute_clock not in ("wall", "cpu"):
             raise ValueError(f"compute_clock must be 'wall' or 'cpu', got {compute_clock!r}")
         self.stage = stage
@@ -65,8 +65,6 @@ class PipelineStep:
         self._pending: list[Any] = []  # outstanding isend works (and the tensors they read)
 
     def _group(self, peer: int) -> Any:
-        if self.peer_groups is None:
-            return None
         group = self.peer_groups.get(peer)
         if group is None:
             raise RuntimeError(f"pipeline: no process group for neighbour rank {peer}; this epoch's groups "

@@ -386,7 +386,7 @@ class Resilience:
 
     def _revert(self, before: tuple[Plan, int, tuple[int, ...], Any]) -> None:
         """Back to the plan (and runtime, whose tensors the switch only read) a failed switch started from."""
-        self._abort_groups()
+        abandon_groups(self.rc)
         self.rc.plan, self.rc.epoch, members, self.rc.runtime = before
         self.rc.members = members
 
@@ -401,10 +401,6 @@ class Resilience:
                 raise
             log.warning("rank %d: a peer failed before the switch was agreed: %s", self.rc.rank, exc)
             return False
-
-    def _abort_groups(self) -> None:
-        """Peers blocked on this rank fail now, not at their timeout (``abandon_groups``)."""
-        abandon_groups(self.rc)
 
     def _agree_plan(self, world: MpiWorld) -> Plan:
         """The survivors' plan: the coordinator's (received by the first survivor, broadcast), else

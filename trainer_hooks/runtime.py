@@ -169,8 +169,8 @@ class Runtime:
         if any(p.device != self.device for p in params.values()):
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
         self.optimizer = ahead.optimizer if ahead is not None else new_adamw(list(params.values()), config)
-        self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, config.compute_clock,
-                                     self.groups.peer_groups)
+        self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, self.groups.peer_groups,
+                                     config.compute_clock)
         self._params = params
 
     @property

@@ -218,6 +218,22 @@ def busy_probe(comm: Any, seconds: float = 1.0) -> dict[str, Any]:
     return {"alone": alone, "together": comm.allgather(together), "ranks": comm.Get_size()}
 
 
+def overhead_interval(with_: list[float], without: list[float], seed: int = 0, draws: int = 2000
+                      ) -> tuple[float, float]:
+    """90 % bootstrap interval of median(with) / median(without), resampling the (with, without)
+    block pairs together (block i of each mode ran back to back): how far the ratio could move
+    by chance alone, which the goal of 1.005 needs to be read against."""
+    import random
+
+    pairs = list(zip(with_, without))
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.median(w for w, _ in draw) / statistics.median(o for _, o in draw)
+        for draw in ([rng.choice(pairs) for _ in pairs] for _ in range(draws))
+    )
+    return ratios[int(0.05 * (draws - 1))], ratios[int(0.95 * (draws - 1))]
+
+
 def host_speed(busy: dict[str, Any]) -> list[float]:
     """A rank's speed while k ranks compute (k = 1..ranks), relative to a rank alone: the host
     gives k busy ranks its throughput (the probe's total with every rank busy) shared
@@ -512,18 +528,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cpu:>10.3f}{a['itp_mape']:>10.3f}{d['mtp_mape']:>10.3f}{d['itp_mape']:>10.3f}")
         over = json.loads((run / "overhead.json").read_text())
         ratio = statistics.median(over["with"]) / statistics.median(over["without"])
+        lo, hi = overhead_interval(over["with"], over["without"])
+        over["ci90"] = [round(lo, 4), round(hi, 4)]
         print(f"hook overhead ({'TP2xPP2xDP2' if world == 'oversubscribed' else 'PP2'}, agent {agents[world]}, "
               f"{over['sent']} reports sent by rank 0, {len(over['with'])}x2 blocks of {over['block_len']} iterations, "
               f"hooks flush every {over['flush_s']:g} s): with {statistics.median(over['with']):.4f} s/it, "
-              f"without {statistics.median(over['without']):.4f} s/it, ratio {ratio:.4f}; the call itself "
+              f"without {statistics.median(over['without']):.4f} s/it, ratio {ratio:.4f} "
+              f"(90 % interval {lo:.4f}-{hi:.4f}); the call itself "
               f"{statistics.median(over['call']) * 1e3:.2f} ms (median on rank 0)")
         print(f"mpirun wall time {walls[world]:.0f} s; traces in {run}\n")
         return tps, errs, ratio, over
 
     print("== 8 ranks on 2 cores (oversubscribed): throughput of every layout")
-    tps, errs_over, ratio_over, _ = table("oversubscribed")
+    tps, errs_over, ratio_over, over_over = table("oversubscribed")
     print("== one rank per core: the cost model's and the schedule simulator's error, the hook overhead")
-    tps_ded, errs, ratio, _ = table("dedicated")
+    tps_ded, errs, ratio, over_ded = table("dedicated")
     print("MTP / ITP: the shared-host model (chunk costs as a rank alone runs them, predicted by the "
           "processor-sharing simulator at the probed host speed); ded.: every rank a device of its own.\n"
           "MTP(cpu): the dedicated model on the same job with compute chunks timed in CPU time")
@@ -535,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
         "tokens_per_s_dedicated": {k: round(v, 1) for k, v in tps_ded.items()},
         "hook_overhead_ratio": round(ratio, 4),
+        "hook_overhead_ci90": over_ded["ci90"],
         "mtp_mape_real": mean(errs, "mtp"),
         "itp_mape_real": mean(errs, "itp"),
         "mtp_mape_real_cpu_clock": mean(errs, "mtp_cpu"),
@@ -542,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         "itp_mape_real_dedicated_model": mean(errs, "itp_ded"),
         "mtp_mape_by_layout": {n: round(v["mtp"], 4) for n, v in errs.items()},
         "itp_mape_by_layout": {n: round(v["itp"], 4) for n, v in errs.items()},
-        "oversubscribed": {"hook_overhead_ratio": round(ratio_over, 4), "mtp_mape_real": mean(errs_over, "mtp"),
+        "oversubscribed": {"hook_overhead_ratio": round(ratio_over, 4), "hook_overhead_ci90": over_over["ci90"],
+                           "mtp_mape_real": mean(errs_over, "mtp"),
                            "itp_mape_real": mean(errs_over, "itp"),
                            "mtp_mape_real_cpu_clock": mean(errs_over, "mtp_cpu"),
                            "itp_mape_by_layout": {n: round(v["itp"], 4) for n, v in errs_over.items()}},

@@ -1,5 +1,6 @@
-"""bench/runtime.py's pure parts: the host's speed from the busy-loop probe, and the mean speed
-a recorded chunk ran at (what converts it to the time a rank alone would take)."""
+"""bench/runtime.py's pure parts: the host's speed from the busy-loop probe, the mean speed
+a recorded chunk ran at (what converts it to the time a rank alone would take), and the
+interval of the hook-overhead ratio."""
 from __future__ import annotations
 
 import sys
@@ -30,3 +31,13 @@ def test_mean_speed_follows_the_other_ranks_busy_intervals() -> None:
     assert bench_runtime.mean_speed(0, 0.0, 4.0, busy, speed) == pytest.approx(want)
     assert bench_runtime.mean_speed(1, 1.0, 2.0, busy, speed) == pytest.approx((0.5 * 0.5 + 0.5 / 3) / 1.0)
     assert bench_runtime.mean_speed(0, 2.0, 2.0, busy, speed) == 1.0  # an empty chunk
+
+
+def test_overhead_interval_is_a_point_without_noise_and_widens_with_it() -> None:
+    assert bench_runtime.overhead_interval([0.101] * 6, [0.100] * 6) == pytest.approx((1.01, 1.01))
+    with_ = [0.100, 0.104, 0.099, 0.110, 0.101, 0.097]
+    without = [0.098, 0.101, 0.103, 0.099, 0.108, 0.100]
+    lo, hi = bench_runtime.overhead_interval(with_, without)
+    point = 0.1005 / 0.1005  # the medians of both lists
+    assert lo < point < hi and hi - lo > 0.02  # six noisy blocks cannot resolve 0.5 %
+    assert bench_runtime.overhead_interval(with_, without) == (lo, hi)  # seeded: the same every run

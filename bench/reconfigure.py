@@ -104,13 +104,8 @@ def worker(out: Path, hidden: int, layers: int) -> None:
     def regroup_rounds(plan: Any) -> list[float]:
         nonlocal epoch
         lat: list[float] = []
-        made: dict[Any, Any] = {}
         for _ in range(5):
             epoch += 1
-            for g in made.values():
-                if g is not dist.group.WORLD:
-                    dist.destroy_process_group(g)
-            made = {}
             if dist.is_initialized():
                 dist.destroy_process_group()  # its teardown here, untimed (init_world would retire it)
             wait_retired(30.0)
@@ -120,9 +115,10 @@ def worker(out: Path, hidden: int, layers: int) -> None:
             made = make_groups([plan], rank)
             dist.barrier()
             lat.append(_max(comm, time.perf_counter() - t))
-        for g in made.values():
-            if g is not dist.group.WORLD:
-                dist.destroy_process_group(g)
+            for g in made.values():  # untimed, like the default group's teardown
+                if g is not dist.group.WORLD:
+                    dist.destroy_process_group(g)
+            del made
         return lat
 
     lat = regroup_rounds(start)

@@ -126,6 +126,11 @@ class DetectorConfig:
     # False: judge compute only. For jobs whose P2P timings include waiting for the sender
     # (CPU / gloo over loopback): a slow rank's neighbours would otherwise look link-slow
     link_detection: bool = True
+    # judge compute against the iteration's peers where they all run faster than the model
+    # predicts: on shared CPUs a throttled rank hands its share of the cores to its peers,
+    # so the calibration (made while all competed) flatters everyone else and the sick rank
+    # shows only part of its slowdown (docs/detector.md, "Peer-relative compute")
+    peer_relative: bool = False
 
     def __post_init__(self) -> None:
         for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold"):
@@ -142,6 +147,9 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("link_detection", "peer_relative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DetectorConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.calib_window, int) or self.calib_window < 16:
             raise ValueError(f"DetectorConfig.calib_window must be an integer >= 16, got {self.calib_window!r}")
         if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
@@ -336,6 +344,8 @@ class Detector:
         p_p2p = pred.p2p(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
+        if c.peer_relative:
+            comp = comp / self._common_speedup(comp)
         in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
         in_b = trimmed_ratio(t.p2p[:, :, BWD, :], p_p2p[:, :, BWD, :])
         dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
@@ -396,6 +406,16 @@ class Detector:
         if rw:
             self._rewarm_learn(t, tok, ssq)
         return found
+
+    def _common_speedup(self, comp: FloatArray) -> float:
+        """The median compute ratio of the ranks that may serve as peers (alive, not
+        confirmed slow, with evidence), capped at 1: a common speed-up is the model's error,
+        not a device's; a common slowdown stays visible (every device may really be slow).
+        1 where fewer than three peers have evidence: a median of two is one of them."""
+        peers = (self.state != RankState.DEAD) & (self.state != RankState.SLOW) & np.isfinite(comp)
+        if int(peers.sum()) < 3:
+            return 1.0
+        return min(1.0, float(np.median(comp[peers])))
 
     def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
         if t.iteration >= self._rw_from:  # not the switch iteration, nor records of the old plan

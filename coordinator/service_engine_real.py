@@ -150,7 +150,7 @@ class RealEngine:
     # --- policy ------------------------------------------------------------------------------
     def policy(self) -> dict[str, str]:
         c = self.detector.config
-        out = {f.name: str(getattr(c, f.name)) for f in fields(c)}
+        out = {f.name: _policy_text(getattr(c, f.name)) for f in fields(c)}
         out["detection"] = "on" if self.detection else "off"
         out["links"] = "on" if self.link_detection else "off"
         return out
@@ -170,6 +170,10 @@ class RealEngine:
                     links = value == "on"
             elif key not in known:
                 raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection', 'links'])}")
+            elif isinstance(getattr(c, key), bool):
+                if value not in ("on", "off"):
+                    raise ValueError(f"policy {key} must be 'on' or 'off', got {value!r}")
+                changes[key] = value == "on"
             elif isinstance(getattr(c, key), int):
                 changes[key] = int(parse_float(key, value, 0))
             else:
@@ -180,3 +184,10 @@ class RealEngine:
         self.detector.config = new
         self.detection, self.link_detection = detection, links
         return self.policy()
+
+
+def _policy_text(value: Any) -> str:
+    """A policy value as `resihp admin policy` takes it back: booleans are on / off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)

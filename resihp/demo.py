@@ -29,11 +29,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 CPU_CLUSTER = {"devices": [{"rank": 0, "node": "node0"}], "device_flops": 2.0e9, "intra_node_bw_Bps": 2.0e9,
                "inter_node_bw_Bps": 2.0e9, "intra_node_latency_s": 2.0e-4, "inter_node_latency_s": 2.0e-4}
 # Detection thresholds for 8 ranks sharing 2 cores: their timings jitter by 20-30 %, so a
-# compute excess under 40 % is noise here (the injected fault is 100 %). Link findings are
-# off: over loopback a P2P receive also waits for a slow sender, so a slow rank's pipeline
-# neighbours would look link-slow.
-CPU_POLICY = ("slow_threshold=0.4", "step_threshold=0.4", "iteration_threshold=0.4", "confirm_iters=3",
-              "recover_threshold=0.1", "links=off")
+# compute excess under 50 % is noise here (the injected fault is 100 %). Compute is judged
+# against the iteration's peers (peer_relative): a throttled rank gives its CPU share to the
+# others, who then run faster than calibrated, so against the model it shows only ~1.4x of
+# its 2x. Link findings are off: over loopback a P2P receive also waits for a slow sender,
+# so a slow rank's pipeline neighbours would look link-slow.
+CPU_POLICY = ("slow_threshold=0.5", "peer_relative=on", "step_threshold=0.4", "iteration_threshold=0.4",
+              "confirm_iters=3", "recover_threshold=0.1", "links=off")
 
 
 def _parser() -> argparse.ArgumentParser:

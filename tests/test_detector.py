@@ -1,6 +1,7 @@
 """The detector: states, workload awareness, localisation, fail-stop, configuration."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -196,3 +197,67 @@ def test_detection_continues_across_a_plan_change_record() -> None:
         found += det.observe(rec, now)
     assert det.index.plan.epoch == 1
     assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (3,), 17)]
+
+
+def _shared_cpu_records(cfg: WorkloadConfig, slow_rank: int, from_iter: int, peers_speed: float) -> list[Record]:
+    """What a sleeping throttle does on shared cores: from ``from_iter`` every other rank's
+    compute runs ``peers_speed``x as long (it got the throttled rank's CPU share)."""
+    out: list[Record] = []
+    for rec in records_list(cfg):
+        if isinstance(rec, IterationRecord) and rec.iteration >= from_iter:
+            chunks = tuple(
+                dataclasses.replace(c, end_s=c.start_s + (c.end_s - c.start_s) * peers_speed)
+                if c.kind in ("F", "B", "W") and c.rank != slow_rank else c
+                for c in rec.chunks)
+            rec = dataclasses.replace(rec, chunks=chunks)
+        out.append(rec)
+    return out
+
+
+@pytest.mark.parametrize("peer_relative,expected", [(False, []), (True, [("fail-slow", (2,), 14)])])
+def test_peer_relative_compute_sees_a_throttle_whose_cpu_went_to_its_peers(
+        peer_relative: bool, expected: list[tuple[str, tuple[int, ...], int]]) -> None:
+    # the throttled rank runs 1.35x its calibrated time, its peers 0.72x: against the model
+    # it is under the 40 % threshold; against its peers of the same iteration it is 1.9x
+    cfg = _cfg((Fault("compute", 2, 12, 1.35),), iterations=24)
+    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.4, confirm_iters=3, recover_threshold=0.1,
+                                                    peer_relative=peer_relative))
+    found: list[Finding] = []
+    for rec in _shared_cpu_records(cfg, 2, 12, 0.72):
+        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        found += det.observe(rec, now)
+    assert [(f.kind, f.ranks, f.iteration) for f in found] == expected
+    if peer_relative:
+        assert found[0].factor == pytest.approx(1.35 / 0.72, rel=0.03)
+
+
+def test_peer_relative_keeps_a_slowdown_common_to_every_rank() -> None:
+    # a common speed-up is the model's error; a common slowdown may be every device's: the
+    # peer median is capped at 1, so a job-wide 1.5x is reported as before
+    faults = tuple(Fault("compute", r, 12, 1.5) for r in range(8))
+    cfg = _cfg(faults, iterations=20)
+    found = {peer: _replay(cfg, Detector(make_header(cfg), DetectorConfig(peer_relative=peer)))[1] for peer in (False, True)}
+    assert sorted(r for f in found[True] for r in f.ranks) == list(range(8))
+    assert [(f.kind, f.ranks, f.iteration) for f in found[True]] == [(f.kind, f.ranks, f.iteration) for f in found[False]]
+
+
+def test_peer_relative_changes_nothing_on_a_healthy_noisy_run() -> None:
+    _, found, states = _replay(_cfg(noise=Noise()), Detector(make_header(_cfg(noise=Noise())),
+                                                              DetectorConfig(peer_relative=True)))
+    assert found == [] and set(states[-1].values()) == {"healthy"}
+
+
+def test_peer_relative_must_be_a_boolean() -> None:
+    with pytest.raises(ValueError, match="peer_relative must be true or false, got 1"):
+        DetectorConfig.from_dict({"peer_relative": 1})
+
+
+def test_engine_policy_switches_peer_relative_by_on_and_off() -> None:
+    from resihp.coordinator.service_engine_real import RealEngine
+    engine = RealEngine(make_header(_cfg()))
+    assert engine.policy()["peer_relative"] == "off" and engine.policy()["link_detection"] == "on"
+    assert engine.set_policy({"peer_relative": "on"})["peer_relative"] == "on"
+    assert engine.detector.config.peer_relative is True
+    with pytest.raises(ValueError, match="policy peer_relative must be 'on' or 'off', got '1'"):
+        engine.set_policy({"peer_relative": "1"})
+    assert engine.detector.config.peer_relative is True  # a refused update changes nothing

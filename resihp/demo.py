@@ -26,8 +26,12 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 # The planner's view of this machine: CPU ranks over loopback gloo (not A100s over NVLink),
 # so that its predicted gains and reconfiguration costs are on the scale of what it runs.
+# Latency: a 32 KiB all-reduce of two gloo ranks between compute ops takes 1.4-2.1 ms here
+# (the model's 2 latencies per two-rank ring; a waiting rank's vCPU must be woken), so
+# 0.8 ms per message. With 0.2 ms the planner rated TP2 layouts near TP1 x DP8, which runs
+# ~1.6x faster here, and its answer to a fail-slow flipped with the estimated factor.
 CPU_CLUSTER = {"devices": [{"rank": 0, "node": "node0"}], "device_flops": 2.0e9, "intra_node_bw_Bps": 2.0e9,
-               "inter_node_bw_Bps": 2.0e9, "intra_node_latency_s": 2.0e-4, "inter_node_latency_s": 2.0e-4}
+               "inter_node_bw_Bps": 2.0e9, "intra_node_latency_s": 8.0e-4, "inter_node_latency_s": 8.0e-4}
 # Detection thresholds for 8 ranks sharing 2 cores: their timings jitter by 20-30 %, so a
 # compute excess under 50 % is noise here (the injected fault is 100 %). Compute is judged
 # against the iteration's peers (peer_relative): a throttled rank gives its CPU share to the

@@ -131,6 +131,9 @@ class DetectorConfig:
     # so the calibration (made while all competed) flatters everyone else and the sick rank
     # shows only part of its slowdown (docs/detector.md, "Peer-relative compute")
     peer_relative: bool = False
+    # with peer_relative, also divide away a slowdown common to the peers: on a shared host
+    # co-tenant load slows every rank at once, which no re-plan can route around
+    peer_common_slowdown: bool = False
 
     def __post_init__(self) -> None:
         for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold"):
@@ -147,7 +150,7 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("link_detection", "peer_relative"):
+        for name in ("link_detection", "peer_relative", "peer_common_slowdown"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DetectorConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.calib_window, int) or self.calib_window < 16:
@@ -345,7 +348,7 @@ class Detector:
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
         if c.peer_relative:
-            comp = comp / self._common_speedup(comp)
+            comp = comp / self._common_factor(comp)
         in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
         in_b = trimmed_ratio(t.p2p[:, :, BWD, :], p_p2p[:, :, BWD, :])
         dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
@@ -407,15 +410,17 @@ class Detector:
             self._rewarm_learn(t, tok, ssq)
         return found
 
-    def _common_speedup(self, comp: FloatArray) -> float:
+    def _common_factor(self, comp: FloatArray) -> float:
         """The median compute ratio of the ranks that may serve as peers (alive, not
-        confirmed slow, with evidence), capped at 1: a common speed-up is the model's error,
-        not a device's; a common slowdown stays visible (every device may really be slow).
-        1 where fewer than three peers have evidence: a median of two is one of them."""
+        confirmed slow, with evidence), capped at 1 unless ``peer_common_slowdown``: a
+        common speed-up is the model's error, not a device's; a common slowdown stays
+        visible by default (every device may really be slow). 1 where fewer than three
+        peers have evidence: a median of two is one of them."""
         peers = (self.state != RankState.DEAD) & (self.state != RankState.SLOW) & np.isfinite(comp)
         if int(peers.sum()) < 3:
             return 1.0
-        return min(1.0, float(np.median(comp[peers])))
+        common = float(np.median(comp[peers]))
+        return common if self.config.peer_common_slowdown else min(1.0, common)
 
     def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
         if t.iteration >= self._rw_from:  # not the switch iteration, nor records of the old plan

@@ -231,14 +231,28 @@ def test_peer_relative_compute_sees_a_throttle_whose_cpu_went_to_its_peers(
         assert found[0].factor == pytest.approx(1.35 / 0.72, rel=0.03)
 
 
-def test_peer_relative_keeps_a_slowdown_common_to_every_rank() -> None:
+def test_peer_relative_keeps_a_slowdown_common_to_every_rank_unless_told_otherwise() -> None:
     # a common speed-up is the model's error; a common slowdown may be every device's: the
-    # peer median is capped at 1, so a job-wide 1.5x is reported as before
+    # peer median is capped at 1, so a job-wide 1.5x is reported as before. On a shared host
+    # (peer_common_slowdown) it is co-tenant load, and no finding is made
     faults = tuple(Fault("compute", r, 12, 1.5) for r in range(8))
     cfg = _cfg(faults, iterations=20)
-    found = {peer: _replay(cfg, Detector(make_header(cfg), DetectorConfig(peer_relative=peer)))[1] for peer in (False, True)}
-    assert sorted(r for f in found[True] for r in f.ranks) == list(range(8))
-    assert [(f.kind, f.ranks, f.iteration) for f in found[True]] == [(f.kind, f.ranks, f.iteration) for f in found[False]]
+    found = {mode: _replay(cfg, Detector(make_header(cfg), DetectorConfig(peer_relative=mode != "off",
+                                                                          peer_common_slowdown=mode == "common")))[1]
+             for mode in ("off", "capped", "common")}
+    assert sorted(r for f in found["capped"] for r in f.ranks) == list(range(8))
+    assert [(f.kind, f.ranks, f.iteration) for f in found["capped"]] == [(f.kind, f.ranks, f.iteration) for f in found["off"]]
+    assert found["common"] == []
+
+
+def test_peer_common_slowdown_still_finds_the_one_rank_slower_than_its_slowed_peers() -> None:
+    # every rank 1.3x (load), rank 6 2.6x: only rank 6 stands out from its peers, by 2x
+    faults = tuple(Fault("compute", r, 12, 2.6 if r == 6 else 1.3) for r in range(8))
+    cfg = _cfg(faults, iterations=20)
+    det = Detector(make_header(cfg), DetectorConfig(peer_relative=True, peer_common_slowdown=True))
+    _, found, _ = _replay(cfg, det)
+    assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (6,), 13)]
+    assert found[0].factor == pytest.approx(2.0, rel=0.03)
 
 
 def test_peer_relative_changes_nothing_on_a_healthy_noisy_run() -> None:

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM c
 STEPS, SLOW_AT, KILL_AT = 30, 8, 20
 # 3x, not the demo's 2x: a sleeping throttle hands its core to the other ranks, and on a
 # loaded 2-core machine a 2x throttle stretched rank 2's chunks only 1.3-1.5x against its
-# calibration (threshold 1.4): found in most runs, missed in some. This test is about the
-# path (detect, re-plan, switch live, survive the kill, same loss); bench/detect.py measures
-# how small a slowdown is found.
+# calibration. The demo's peer-relative policy reads that as 1.6-1.9x (docs/detector.md),
+# but this test is about the path (detect, re-plan, switch live, survive the kill, same
+# loss), not sensitivity; bench/detect.py measures how small a slowdown is found.
 SLOW_FACTOR = 3
 
 

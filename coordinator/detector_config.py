@@ -59,6 +59,9 @@ class DetectorConfig:
         for name in ("link_detection", "peer_relative", "peer_common_slowdown"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DetectorConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.peer_common_slowdown and not self.peer_relative:
+            raise ValueError("DetectorConfig.peer_common_slowdown needs peer_relative: it changes how compute is "
+                             "judged against the peers; turn both on, or both off")
         if not isinstance(self.calib_window, int) or self.calib_window < 16:
             raise ValueError(f"DetectorConfig.calib_window must be an integer >= 16, got {self.calib_window!r}")
         if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):

@@ -161,19 +161,17 @@ class RealEngine:
         changes: dict[str, Any] = {}
         detection, links = self.detection, self.link_detection
         for key, value in updates.items():
-            if key in ("detection", "links"):
+            if key not in known and key not in ("detection", "links"):
+                raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection', 'links'])}")
+            if key in ("detection", "links") or isinstance(getattr(c, key), bool):
                 if value not in ("on", "off"):
                     raise ValueError(f"policy {key} must be 'on' or 'off', got {value!r}")
                 if key == "detection":
                     detection = value == "on"
-                else:
+                elif key in ("links", "link_detection"):  # one switch, two names (policy() shows both)
                     links = value == "on"
-            elif key not in known:
-                raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection', 'links'])}")
-            elif isinstance(getattr(c, key), bool):
-                if value not in ("on", "off"):
-                    raise ValueError(f"policy {key} must be 'on' or 'off', got {value!r}")
-                changes[key] = value == "on"
+                else:
+                    changes[key] = value == "on"
             elif isinstance(getattr(c, key), int):
                 changes[key] = int(parse_float(key, value, 0))
             else:

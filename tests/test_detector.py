@@ -275,3 +275,9 @@ def test_engine_policy_switches_peer_relative_by_on_and_off() -> None:
     with pytest.raises(ValueError, match="policy peer_relative must be 'on' or 'off', got '1'"):
         engine.set_policy({"peer_relative": "1"})
     assert engine.detector.config.peer_relative is True  # a refused update changes nothing
+    # link_detection, as policy() shows it, is the same switch as links
+    assert engine.set_policy({"link_detection": "off"})["links"] == "off"
+    assert engine.detector.config.link_detection is False and engine.policy()["link_detection"] == "off"
+    with pytest.raises(ValueError, match="peer_common_slowdown needs peer_relative"):
+        engine.set_policy({"peer_relative": "off", "peer_common_slowdown": "on"})
+    assert engine.set_policy({"peer_common_slowdown": "on"})["peer_common_slowdown"] == "on"

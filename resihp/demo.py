@@ -27,7 +27,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 # The planner's view of this machine: CPU ranks over loopback gloo (not A100s over NVLink),
 # so that its predicted gains and reconfiguration costs are on the scale of what it runs.
 # Latency: a 32 KiB all-reduce of two gloo ranks between compute ops takes 1.4-2.1 ms here
-# (the model's 2 latencies per two-rank ring; a waiting rank's vCPU must be woken), so
+# (the model's 2 latencies per two-rank ring; most likely waking a waiting rank's vCPU), so
 # 0.8 ms per message. With 0.2 ms the planner rated TP2 layouts near TP1 x DP8, which runs
 # ~1.6x faster here, and its answer to a fail-slow flipped with the estimated factor.
 CPU_CLUSTER = {"devices": [{"rank": 0, "node": "node0"}], "device_flops": 2.0e9, "intra_node_bw_Bps": 2.0e9,

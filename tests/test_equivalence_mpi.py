@@ -131,14 +131,18 @@ def test_throttled_rank_is_found_in_its_trace(run_dir: Path) -> None:
     require_quiet_machine(run_dir / "throttled.jsonl", until=THROTTLE_AT)
     findings = [f for f in replay(run_dir / "throttled.jsonl") if f.get("kind") == "fail-slow"]
     compute = [f for f in findings if f["cause"] == "compute"]
-    assert compute and compute[0]["ranks"] == [THROTTLED_TRACE_RANK], findings
-    # a later finding on another rank must be a slowdown that rank really had: on these shared
-    # vCPUs a neighbour's load can raise a rank's CPU time too (seen once in CI: ranks 0 and 3
-    # 1.27-1.29x slower from iteration 17 on); the detector is right to say so
-    for f in compute[1:]:
+    throttled = [f for f in compute if THROTTLED_TRACE_RANK in f["ranks"]]
+    assert throttled and throttled[0]["ranks"] == [THROTTLED_TRACE_RANK], findings
+    assert THROTTLE_AT <= throttled[0]["iteration"] <= THROTTLE_AT + 6, throttled[0]
+    assert 1.5 <= throttled[0]["factor"] <= 3.0, throttled[0]  # a 2x throttle
+    # any other finding, before or after, must be a slowdown that rank really had: on these
+    # shared vCPUs a neighbour's load can raise a rank's CPU time too (seen in CI: ranks 0 and 3
+    # 1.27-1.29x slower from iteration 17 on; ranks 0 and 1 named at iteration 14, a step
+    # before the throttled rank, in the CI run of 2026-11-29); the detector is right to say so
+    for f in compute:
+        if f is throttled[0]:
+            continue
         for rank in f["ranks"]:
             rise = compute_rise(run_dir / "throttled.jsonl", rank, f["iteration"])
             assert rank != THROTTLED_TRACE_RANK and rise > 1 + DETECT_CONFIG["slow_threshold"], (f, rise)
-    assert THROTTLE_AT <= compute[0]["iteration"] <= THROTTLE_AT + 6
-    assert 1.5 <= compute[0]["factor"] <= 3.0, compute[0]  # a 2x throttle
     assert findings == compute, findings  # links are not judged (DETECT_CONFIG)

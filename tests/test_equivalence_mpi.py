@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fresh_rerun import fresh_on_rerun
 
 # Real multi-process jobs (mpirun with ULFM, gloo, gRPC daemons) on a 2-core machine: an
 # infrastructure crash (e.g. Open MPI's ULFM segfaulting a rank at start-up, seen once in five
@@ -64,14 +65,14 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def traces(run_dir: Path, request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    """Where the traced runs are: the module's run, or on a rerun (the flaky mark) a fresh
-    recording of the traced phases alone. pytest-rerunfailures re-runs only fixtures that
-    failed, so without this a rerun would judge the same noisy trace again."""
-    if getattr(request.node, "execution_count", 1) <= 1:
-        return run_dir
-    mpi = _mpirun_equivalence(tmp_path, "--skip-equivalence")
-    assert mpi.returncode == 0, (mpi.stdout[-3000:], mpi.stderr[-6000:])
-    return tmp_path
+    """Where the traced runs are: the module's run, or on a rerun a fresh recording of the
+    traced phases alone (~40 s)."""
+    def record() -> Path:
+        mpi = _mpirun_equivalence(tmp_path, "--skip-equivalence")
+        assert mpi.returncode == 0, (mpi.stdout[-3000:], mpi.stderr[-6000:])
+        return tmp_path
+
+    return fresh_on_rerun(request, run_dir, record)
 
 
 def losses(run_dir: Path, name: str) -> list[float]:

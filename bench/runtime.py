@@ -271,7 +271,8 @@ def _op_gaps(rec: Any) -> list[float]:
         ops = sum(1 for c in chunks if c.kind in ("F", "B"))
         if ops:
             span = max(c.end_s for c in chunks) - min(c.start_s for c in chunks)
-            out.append(max(0.0, span - sum(c.duration_s for c in chunks)) / ops)
+            # a TP chunk lies inside its F or B op: not time of its own
+            out.append(max(0.0, span - sum(c.duration_s for c in chunks if c.kind != "TP")) / ops)
     return out
 
 

@@ -361,7 +361,7 @@ def op_overhead(per_rank: list[dict[str, Any]]) -> float:
         for s in r["steps"]:
             ops = sum(1 for k, _, _ in s["chunks"] if k in ("F", "B"))
             if ops:
-                out.append(max(0.0, s["time_s"] - sum(d for _, _, d in s["chunks"])) / ops)
+                out.append(max(0.0, s["time_s"] - sum(d for k, _, d in s["chunks"] if k != "TP")) / ops)
     return statistics.median(out) if out else 0.0
 
 

@@ -46,7 +46,8 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector_config import DetectorConfig as DetectorConfig  # re-exported: its home for callers
 from resihp.coordinator.detector_evidence import (
-    BWD, FWD, IterationTimings, PlanIndex, batch_features, rank_work, timings_from_record,
+    BWD, FWD, IterationTimings, PlanIndex, batch_features, group_all, rank_work, timings_from_record,
+    tp_own_share,
 )
 from resihp.coordinator.detector_model import Predictor, fill_nan, nanmedian, trimmed_ratio
 from resihp.coordinator.plan import Plan
@@ -282,6 +283,8 @@ class Detector:
         p_p2p = pred.p2p(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
+        if t.tp_wait is not None:  # wall spans coupled by TP collectives: credit the member that is slow
+            comp = comp * tp_own_share(t.compute[:, :, :k], t.tp_wait, ix)
         if c.peer_relative:
             comp = comp / self._common_factor(comp)
         in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
@@ -340,6 +343,8 @@ class Detector:
         rw = pred.rewarming
         if t.iteration % c.calib_every == 0:
             healthy = (self.state == RankState.HEALTHY) & ~suspect
+            if t.tp_wait is not None:  # a member's spans are as slow as its group's slowest
+                healthy = group_all(healthy, ix)
             pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
         if rw:
             self._rewarm_learn(t, tok, ssq)
@@ -361,7 +366,7 @@ class Detector:
         if t.iteration >= self._rw_from:  # not the switch iteration, nor records of the old plan
             st = self.state
             self.predictor.rewarm_calibrate(t, tok, ssq, st != RankState.DEAD, st == RankState.SLOW,
-                                            self.cause_code > 0, self.score)
+                                            self.cause_code > 0, self.score, coupled=t.tp_wait is not None)
 
     def _judge_steps(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.rank_step is not None

@@ -33,6 +33,8 @@ class IterationTimings:
     compute[n, v, k, m]: rank n's own busy time of kind k (F, B, W) of chunk v, micro-batch m.
     p2p[n, v, d, m]: the inbound transfer before that F (d=0) or B (d=1) on rank n.
     dp[n], opt[n]: gradient all-reduce and optimizer step; rank_step[n]: whole-step busy time.
+    tp_wait[n]: seconds rank n's compute spans spent inside TP collectives (its ``TP``
+    chunks); None when no rank recorded any.
     """
 
     iteration: int
@@ -44,6 +46,7 @@ class IterationTimings:
     dp: FloatArray | None = None
     opt: FloatArray | None = None
     rank_step: FloatArray | None = None
+    tp_wait: FloatArray | None = None
 
 
 class PlanIndex:
@@ -183,6 +186,7 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
         dp = np.full(n, np.nan)
         opt = np.full(n, np.nan)
         pending: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+        tp_wait: FloatArray | None = None
         pos = index.pos
         for c in rec.chunks:
             i = pos.get(c.rank)
@@ -193,6 +197,10 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
                 dp[i] = c.end_s - c.start_s
             elif kind == "OPT":
                 opt[i] = c.end_s - c.start_s
+            elif kind == "TP":
+                if tp_wait is None:
+                    tp_wait = np.full(n, np.nan)
+                tp_wait[i] = (0.0 if np.isnan(tp_wait[i]) else tp_wait[i]) + (c.end_s - c.start_s)
             elif not (0 <= c.chunk < V and 0 <= c.microbatch < M):
                 continue
             elif kind == "P2P":
@@ -212,7 +220,7 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
             elif spans:
                 d = FWD if has_f else BWD
                 p2p[i, v, d, m] = spans[0][1] - spans[0][0]
-        out.compute, out.p2p, out.dp, out.opt = compute, p2p, dp, opt
+        out.compute, out.p2p, out.dp, out.opt, out.tp_wait = compute, p2p, dp, opt, tp_wait
     if rec.rank_step_s:
         steps = np.full(n, np.nan)
         for r, t in rec.rank_step_s.items():
@@ -221,6 +229,32 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
                 steps[i] = t
         out.rank_step = steps
     return out
+
+
+def group_all(mask: npt.NDArray[np.bool_], index: PlanIndex) -> npt.NDArray[np.bool_]:
+    """Per rank: whether every member of its TP group has ``mask``."""
+    missing = np.bincount(index.group_of, weights=(~mask).astype(np.float64), minlength=index.n_groups) > 0
+    out: npt.NDArray[np.bool_] = ~missing[index.group_of]
+    return out
+
+
+def tp_own_share(compute: FloatArray, tp_wait: FloatArray, index: PlanIndex) -> FloatArray:
+    """Per rank: its own time (compute spans minus the time inside TP collectives) over the
+    largest own time in its TP group, in [0, 1]; 1 where the group has one member or a
+    member recorded no TP time. Wall-clock spans of TP members are coupled by the
+    collectives: a member that waits for a slow partner has spans as long as the
+    partner's, but spends them inside the collectives, so its own time stays short."""
+    n = index.n
+    own = np.nansum(compute.reshape(n, -1), axis=1) - tp_wait  # NaN where no TP chunk
+    has = np.isfinite(own) & (index.tp_size > 1)
+    g = index.group_of
+    full = group_all(has, index) & has
+    top = np.full(index.n_groups, -np.inf)
+    np.maximum.at(top, g, np.where(full, own, -np.inf))
+    ok = full & (top[g] > 0)
+    share = np.ones(n)
+    share[ok] = np.clip(own[ok] / top[g][ok], 0.0, 1.0)
+    return share
 
 
 _GRID: dict[tuple[tuple[int, ...], int], tuple[IntArray, IntArray]] = {}

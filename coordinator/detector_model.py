@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.costmodel import Calibrator
-from resihp.coordinator.detector_evidence import BWD, FWD, IterationTimings, PlanIndex
+from resihp.coordinator.detector_evidence import BWD, FWD, IterationTimings, PlanIndex, group_all
 from resihp.coordinator.detector_program import ScheduleProgram
 
 FloatArray = npt.NDArray[np.float64]
@@ -294,19 +294,23 @@ class Predictor:
         return ck, mk, sk
 
     def rewarm_calibrate(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, alive: BoolArray,
-                         slow: BoolArray, comm: BoolArray, factor: FloatArray) -> None:
+                         slow: BoolArray, comm: BoolArray, factor: FloatArray, coupled: bool = False) -> None:
         """One learning iteration of the re-warming keys: every sample of the TP groups
         that use one (enough per key to fill the calibration window within the re-warm),
         then ``tick_rewarm``. Live healthy ranks teach; a confirmed-slow rank (``slow``,
         link-slow where ``comm``, by ``factor``) only where its TP group has no healthy
         member (a median of two would mix it in), with its times divided by its factor:
-        what a healthy device would take in its place."""
+        what a healthy device would take in its place. ``coupled``: the compute spans are
+        wall spans that contain TP collectives (the trace has ``TP`` chunks), so a member of
+        a group with a slow member runs as slow as it and does not teach either."""
         ix = self.index
         ck, mk, sk = self.rank_rewarm()
         groups = np.unique(ix.group_of[ck | mk | sk])
         if not len(groups):
             return
         healthy = alive & ~slow
+        if coupled:
+            healthy = healthy & group_all(~slow, ix)
         alone = np.bincount(ix.group_of, weights=healthy, minlength=ix.n_groups) == 0
         learn = healthy | (alive & slow & alone[ix.group_of])
         f = np.maximum(factor, 1.0)

@@ -21,7 +21,9 @@ from .plan import Plan
 from .spec import ModelSpec, SpecError
 
 FORMAT = 1
-CHUNK_KINDS = ("F", "B", "W", "P2P", "DP", "OPT")
+# TP: the seconds a rank spent inside tensor-parallel collectives during its F or B op of the
+# same micro-batch, recorded as one span that ends with the op (docs/trace-format.md)
+CHUNK_KINDS = ("F", "B", "W", "P2P", "DP", "OPT", "TP")
 COMPUTE_KINDS = ("F", "B", "W")
 
 
@@ -61,7 +63,9 @@ class ChunkTiming:
 
     kind: F, B, W (compute: forward, backward-input, backward-weight; with 1F1B the
     runtime records B covering both halves and no W), P2P (a pipeline send/recv wait),
-    DP (gradient all-reduce), OPT (optimizer step). ``chunk`` is the virtual-stage chunk
+    DP (gradient all-reduce), OPT (optimizer step), TP (time inside tensor-parallel
+    collectives during the F or B op of that micro-batch: a span within the op, ending
+    with it, whose duration alone means something). ``chunk`` is the virtual-stage chunk
     index under interleaving, else 0; ``microbatch`` is -1 for DP and OPT.
     """
 

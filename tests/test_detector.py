@@ -281,3 +281,122 @@ def test_engine_policy_switches_peer_relative_by_on_and_off() -> None:
     with pytest.raises(ValueError, match="peer_common_slowdown needs peer_relative"):
         engine.set_policy({"peer_relative": "off", "peer_common_slowdown": "on"})
     assert engine.set_policy({"peer_common_slowdown": "on"})["peer_common_slowdown"] == "on"
+
+
+def _tp_coupled_records(cfg: WorkloadConfig, comm_s: float, with_tp_chunks: bool = True) -> list[Record]:
+    """What wall-clock spans of a CPU op that contains its TP all-reduces look like: every
+    member of a TP group records the op as long as its slowest member's compute plus
+    ``comm_s`` of collectives, and (``with_tp_chunks``) a TP chunk of the time it spent
+    inside them: ``comm_s`` for the slowest member, more for the partners that waited."""
+    plan = cfg.plan
+    out: list[Record] = []
+    for rec in records_list(cfg):
+        if isinstance(rec, IterationRecord):
+            own: dict[tuple[tuple[int, ...], str, int, int], float] = {}
+            group_of = {}
+            for c in rec.chunks:
+                if c.kind in ("F", "B", "W"):
+                    pos = plan.position(c.rank)
+                    group = plan.replicas[pos.replica].stages[pos.stage]
+                    group_of[c.rank] = group
+                    key = (group, c.kind, c.microbatch, c.chunk)
+                    own[key] = max(own.get(key, 0.0), c.duration_s)
+            chunks: list[object] = []
+            for c in rec.chunks:
+                if c.kind not in ("F", "B", "W"):
+                    chunks.append(c)
+                    continue
+                span = own[(group_of[c.rank], c.kind, c.microbatch, c.chunk)] + comm_s
+                end = c.start_s + span
+                chunks.append(dataclasses.replace(c, end_s=end))
+                if with_tp_chunks:
+                    chunks.append(dataclasses.replace(c, kind="TP", start_s=end - (span - c.duration_s), end_s=end))
+            rec = dataclasses.replace(rec, chunks=tuple(chunks))  # type: ignore[arg-type]
+        out.append(rec)
+    return out
+
+
+def _observe_all(det: Detector, records: list[Record]) -> tuple[list[Finding], list[dict[int, str]]]:
+    found: list[Finding] = []
+    states: list[dict[int, str]] = []
+    for rec in records:
+        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        found += det.observe(rec, now) + det.tick(now)
+        if isinstance(rec, IterationRecord):
+            states.append(det.suspects())
+    return found, states
+
+
+@pytest.mark.parametrize("with_tp_chunks,named", [(False, (4, 5)), (True, (5,))])
+def test_tp_chunks_name_the_slow_member_whose_partner_waited(with_tp_chunks: bool, named: tuple[int, ...]) -> None:
+    # rank 5 computes 1.8x from iteration 12 to 18; its TP partner 4 waits for it inside the
+    # all-reduces, so both record ops as long. With the time inside collectives (TP chunks)
+    # the finding names rank 5 alone; without, the TP group, as before
+    cfg = _cfg((Fault("compute", 5, 12, 1.8, end_iter=18),), iterations=30)
+    records = _tp_coupled_records(cfg, comm_s=0.002, with_tp_chunks=with_tp_chunks)
+    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    found, states = _observe_all(det, records)
+    slow = [f for f in found if f.kind == "fail-slow"]
+    assert [(f.ranks, f.iteration) for f in slow] == [(named, 14)]
+    assert slow[0].factor == pytest.approx(1.8, rel=0.05)
+    rec = [f for f in found if f.kind == "recovered"]
+    assert [f.ranks for f in rec] == [named]  # back once the fault ends: nothing was learnt from it
+    if with_tp_chunks:
+        assert all(s[4] == "healthy" for s in states)
+        assert det.rank_speed()[4] == 1.0
+
+
+def test_tp_chunks_keep_a_whole_slow_tp_group_in_the_finding() -> None:
+    # both members slow (a slow TP link, or two sick devices): no member waits for the other
+    faults = (Fault("compute", 4, 12, 1.8), Fault("compute", 5, 12, 1.8))
+    cfg = _cfg(faults, iterations=20)
+    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    found, _ = _observe_all(det, _tp_coupled_records(cfg, comm_s=0.002))
+    assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (4, 5), 14)]
+
+
+def test_tp_chunks_leave_a_healthy_noisy_run_clean() -> None:
+    cfg = _cfg(noise=Noise(), iterations=30)
+    det = Detector(make_header(cfg), DetectorConfig())
+    found, states = _observe_all(det, _tp_coupled_records(cfg, comm_s=0.002))
+    assert found == [] and set(states[-1].values()) == {"healthy"}
+
+
+def test_a_tp_partner_that_waited_teaches_the_cost_model_nothing() -> None:
+    # with TP chunks the waiting partner is not a suspect, but its spans are as slow as the
+    # slow member's: the keys of that TP group must not learn from it (a TP2 x PP2 job, so
+    # no other group shares the first stage's keys)
+    plan = Plan.uniform(2, 2, 1, 32, 8)
+    cfg = _cfg((Fault("compute", 1, 12, 1.8),), iterations=40, plan=plan)
+    records = _tp_coupled_records(cfg, comm_s=0.002)
+    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    cal = det.predictor.cal
+    _observe_all(det, records[:13])
+    first_stage = [k for k in cal.keys() if k[0] == "compute" and k[4] == "first"]
+    assert len(first_stage) == 2  # F and B of stage 0
+    before = {k: cal.samples(k) for k in cal.keys()}
+    found, states = _observe_all(det, records[13:])
+    assert [(f.kind, f.ranks) for f in found] == [("fail-slow", (1,))] and states[-1][0] == "healthy"
+    assert {k: cal.samples(k) for k in first_stage} == {k: before[k] for k in first_stage}
+    assert all(cal.samples(k) > before[k] for k in cal.keys() if k[0] == "compute" and k[4] == "last")
+
+
+def test_tp_chunks_are_read_as_time_inside_collectives_not_as_compute() -> None:
+    import json
+
+    import numpy as np
+
+    from resihp.coordinator.detector_evidence import PlanIndex, timings_from_record
+    from resihp.coordinator.trace import read_trace
+
+    header = {"format": 1, "type": "header", "job": "tp", "model": {"name": "m", "num_layers": 2, "hidden": 64,
+              "num_heads": 4, "ffn_hidden": 256, "vocab": 256}, "plan": Plan.uniform(2, 1, 1, 2, 1).to_dict(),
+              "devices": [{"rank": 0, "node": "n0"}, {"rank": 1, "node": "n0"}], "tokens_per_microbatch": 64}
+    it = {"type": "iteration", "iteration": 0, "start_s": 0.0, "time_s": 0.05, "seqlens": [[[64]]], "chunks": [
+        [0, "F", 0, 0, 0.0, 0.01], [0, "TP", 0, 0, 0.006, 0.01], [0, "B", 0, 0, 0.01, 0.03],
+        [0, "TP", 0, 0, 0.02, 0.03], [1, "F", 0, 0, 0.0, 0.01], [1, "B", 0, 0, 0.01, 0.03]]}
+    hdr, recs = read_trace([json.dumps(header), json.dumps(it)])
+    t = timings_from_record(list(recs)[0], PlanIndex(hdr.plan))
+    assert t.compute is not None and t.tp_wait is not None
+    assert t.compute[0, 0, :, 0].tolist()[:2] == pytest.approx([0.01, 0.02]) and np.isnan(t.compute[0, 0, 2, 0])
+    assert t.tp_wait[0] == pytest.approx(0.014) and np.isnan(t.tp_wait[1])

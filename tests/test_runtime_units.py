@@ -203,3 +203,34 @@ def test_presets_used_by_the_examples_fit_the_runtime() -> None:
     GPTStage(spec, 32, (0, spec.num_layers), True, True)
     with pytest.raises(SpecError, match="GELU"):
         GPTStage(preset("llama2-7b"), 32, (0, 1), True, True)
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_an_op_records_its_time_inside_tp_collectives_as_a_tp_chunk(world1: None, clock: str) -> None:
+    # a real gloo all-reduce (a world of one) inside an F op: on the wall clock the op's
+    # span holds it, and a TP chunk of that time ends where the op ends; CPU-time spans
+    # leave waits out already, so they get none
+    from resihp.trainer_hooks import tp_layers
+    from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
+
+    step = PipelineStep(None, None, torch.device("cpu"), Throttle(), {}, compute_clock=clock)  # type: ignore[arg-type]
+    log = ChunkLog()
+    before = tp_layers.collective_seconds()
+
+    def forward() -> torch.Tensor:
+        x = torch.ones(1024)
+        for _ in range(5):
+            tp_layers._timed_all_reduce(x, None)
+        return x
+
+    out = step._compute(forward, "F", 3, log)
+    waited = tp_layers.collective_seconds() - before
+    assert out.tolist() == [1.0] * 1024 and waited > 0.0
+    kinds = [c[0] for c in log.chunks]
+    if clock == "cpu":
+        assert kinds == ["F"]
+        return
+    assert kinds == ["F", "TP"]
+    (_, _, _, fs, fe), (_, mb, chunk, ts, te) = log.chunks
+    assert (mb, chunk) == (3, 0) and te == fe and fs <= ts
+    assert te - ts == pytest.approx(waited, rel=1e-6)

@@ -13,11 +13,11 @@ from resihp.coordinator import service_wire as wire
 from resihp.coordinator.codec import ValidationError
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.service_tracefmt import record_line
-from resihp.coordinator.trace import ChunkTiming, ExitEvent, IterationRecord, record_to_dict
+from resihp.coordinator.trace import CHUNK_KINDS, ChunkTiming, ExitEvent, IterationRecord, record_to_dict
 from resihp.proto import resihp_pb2 as pb
 from resihp.trainer_hooks.trace_writer import RankIteration, iteration_line, join_iteration
 
-KINDS = ("F", "B", "W", "P2P", "DP", "OPT")
+KINDS = CHUNK_KINDS  # TP included: every kind crosses the wire
 
 
 def _report(rank: int, it: int, rng: random.Random, n_chunks: int = 27) -> m.RankReport:

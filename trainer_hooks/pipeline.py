@@ -20,6 +20,7 @@ from resihp.trainer_hooks.data import ReplicaBatch
 from resihp.trainer_hooks.groups import StagePlace
 from resihp.trainer_hooks.model import GPTStage, PackedMeta, loss_sum
 from resihp.trainer_hooks.throttle import Throttle
+from resihp.trainer_hooks.tp_layers import collective_seconds
 
 
 @dataclass
@@ -93,10 +94,17 @@ class PipelineStep:
             self.throttle.stall_for(time.thread_time() - cpu0)
             log.add(kind, mb, start, start + (time.thread_time() - cpu0))
             return out
-        start = time.perf_counter()
+        start, waited0 = time.perf_counter(), collective_seconds()
         out = fn()
         self.throttle.stall_for(time.perf_counter() - start)
-        log.add(kind, mb, start, time.perf_counter())
+        end = time.perf_counter()
+        log.add(kind, mb, start, end)
+        waited = collective_seconds() - waited0
+        if waited > 0.0 and self.device.type == "cpu":
+            # the op's time inside TP all-reduces, as one span ending with the op (they are
+            # interleaved with its compute; only the duration means anything): a partner
+            # that waits for a slow member spends its op there (docs/trace-format.md)
+            log.add("TP", mb, end - waited, end)
         return out
 
     def run(self, batch: ReplicaBatch, log: ChunkLog) -> torch.Tensor | None:

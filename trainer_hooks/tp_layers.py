@@ -7,16 +7,35 @@ the pair exact: ``f`` is the identity forward and an all-reduce backward (in fro
 column-parallel layer, whose input gradient is partial on every rank), ``g`` is an
 all-reduce forward and the identity backward (after a row-parallel layer). With a TP group
 of one both are the identity and no collective runs.
+
+Every TP collective adds its wall time to a process-wide counter (``collective_seconds``):
+the pipeline records, per F or B op, how much of the op was spent inside them, so the
+detector can tell the TP member that is slow from the partners that wait for it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+_COLLECTIVE_S = [0.0]  # wall seconds this process has spent inside TP all-reduces
+
+
+def collective_seconds() -> float:
+    """Wall seconds spent inside TP collectives so far (differences of two readings time one op)."""
+    return _COLLECTIVE_S[0]
+
+
+def _timed_all_reduce(t: torch.Tensor, group: Any) -> None:
+    start = time.perf_counter()
+    dist.all_reduce(t, group=group)
+    _COLLECTIVE_S[0] += time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -77,7 +96,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = grad.contiguous().clone()
-        dist.all_reduce(out, group=ctx.group)
+        _timed_all_reduce(out, ctx.group)
         return out, None
 
 
@@ -87,7 +106,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        _timed_all_reduce(out, group)
         return out
 
     @staticmethod

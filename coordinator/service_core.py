@@ -451,6 +451,18 @@ class CoordinatorCore:
             log.exception("planner failed")
             self._transition(Trigger.KEEP, f"planner failed: {exc}; keeping epoch {self.epoch}")
             return
+        if not decision.act and not decision.fatal and finding is not None and finding.kind == "fail-stop":
+            # a rank that dies outside the plan (an idle spare, an excluded rank) is still in
+            # the trainers' MPI world: the idle ranks saw it die and wait in the shrink, so the
+            # members must shrink too. The layout stays; the command's fail-stop prefix makes
+            # every trainer apply it through its recovery
+            dead = sorted(r for r in finding.ranks if r in self.ranks and self.ranks[r].dead)
+            if dead:
+                why = decision.reason if decision.reason.startswith("fail-stop") else \
+                    f"fail-stop of ranks {dead}; {decision.reason}"
+                why += "; every trainer shrinks MPI past them and goes on with the same layout"
+                kept = replace(self.plan, spares=tuple(r for r in self.plan.spares if r not in dead), reason=why)
+                decision = replace(decision, act=True, plan=kept, reason=why)
         self.events.emit("decision", epoch=self.epoch, act=decision.act, level=decision.level, reason=decision.reason)
         if decision.fatal:
             self._transition(Trigger.FATAL, decision.reason)

@@ -213,3 +213,23 @@ def test_a_command_not_acknowledged_in_time_is_adopted_with_the_reason(tmp_path:
     core.tick()
     assert core.state is State.RUNNING and core.plan == cmd.plan and core.engine_epoch == 1
     assert "ranks [1, 2] did not acknowledge epoch 1 within 5.0 s" in core.state_reason
+
+
+def test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout(tmp_path: Path) -> None:
+    # the idle spare's death loses no shard, so the planner keeps the layout; the trainers'
+    # MPI world still holds the dead rank, so a fail-stop command with that layout is sent
+    core = _core(tmp_path)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
+    first = conn.outbox.get_nowait().commands[0]
+    spares = first.plan.spares
+    assert isinstance(first, m.ReconfigCommand) and spares, first.plan
+    core.on_batch(conn, m.AgentBatch(acks=tuple(m.Ack(r, first.seq, 1, first.apply_at) for r in range(3))))
+    assert core.state is State.RUNNING
+    spare = spares[0]
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(spare, 100 + spare, 2.0, -9),)))
+    cmd = conn.outbox.get_nowait().commands[0]
+    assert isinstance(cmd, m.ReconfigCommand) and cmd.epoch == 2
+    assert cmd.plan.replicas == first.plan.replicas and spare not in cmd.plan.spares
+    assert cmd.reason.startswith(f"fail-stop of ranks [{spare}]")
+    assert cmd.reason.endswith("every trainer shrinks MPI past them and goes on with the same layout")

@@ -328,7 +328,7 @@ def reduce_run(layout: str, per_rank: list[dict[str, Any]], spec: ModelSpec) -> 
     its = [max(r["steps"][i]["time_s"] for r in per_rank) for i in range(steps)]
     slow = max(per_rank, key=lambda r: statistics.median(s["time_s"] for s in r["steps"]))
     parts = {k: statistics.median(sum(d for kk, _, d in s["chunks"] if kk == k) for s in slow["steps"])
-             for k in ("F", "B", "P2P", "DP", "OPT")}
+             for k in ("F", "B", "P2P", "DP", "OPT", "TP")}
     f = [d for r in per_rank for s in r["steps"] for k, _, d in s["chunks"] if k == "F"]
     b = [d for r in per_rank for s in r["steps"] for k, _, d in s["chunks"] if k == "B"]
     share = statistics.median(s["cpu_s"] / s["time_s"] for s in slow["steps"])
@@ -476,6 +476,10 @@ def measure(steps: int = 12, warmup: int = 3, verbose: bool = True, keep: str = 
                   f"{told[r.layout] / r.real_s - 1:>+7.1%}  "
                   f"{m.fb_per_mb[0] * 1e3:.1f}/{m.fb_per_mb[1] * 1e3:.1f}{tag}")
         print(f"sim_vs_real_mape {err:.3f} over {', '.join(r.layout for r in rows)}; real runs {wall:.0f} s (mpirun)")
+        for name, m in measured.items():  # TP chunks: the part of F+B spent inside TP all-reduces
+            if m.parts.get("TP", 0.0) > 0:
+                print(f"{name}: {m.parts['TP']:.4f} s per iteration inside TP all-reduces on its slowest rank, "
+                      f"{m.parts['TP'] / (m.parts['F'] + m.parts['B']):.0%} of its F+B")
         ring = [2.0 * (n / 2) / cal.link_bw_Bps + 2.0 * cal.link_latency_s for n, _ in probe]
         print("all-reduce over both ranks, real vs the model's ring (2(p-1) latencies + 2(p-1)/p bytes/bw): "
               + ", ".join(f"{n / 1024:.0f} KiB {t * 1e3:.2f} vs {r * 1e3:.2f} ms" for (n, t), r in zip(probe, ring)))

@@ -23,7 +23,7 @@ from resihp.coordinator.metrics import Registry
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.service_admin import CoordinatorAdmin, Refused
 from resihp.coordinator.service_config import CoordinatorConfig
-from resihp.coordinator.service_engine import Engine
+from resihp.coordinator.service_engine import Engine, EngineDecision
 from resihp.coordinator.service_trace import TraceSink
 from resihp.coordinator.joiner import Joiner
 from resihp.coordinator.statemachine import State, Trigger, can, step
@@ -423,7 +423,10 @@ class CoordinatorCore:
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
-            if self.policy["auto_reconfigure"] != "on":
+            # with re-planning off, a death outside the plan still needs every trainer to
+            # shrink MPI past it (see _plan); the layout stays either way
+            idle_death = f.kind == "fail-stop" and not any(self.plan.has_rank(r) for r in f.ranks)
+            if self.policy["auto_reconfigure"] != "on" and not idle_death:
                 continue
             if self.state in (State.RUNNING, State.SUSPECT):
                 self._transition(Trigger.FINDING, f"{f.kind} on ranks {list(f.ranks)}: {f.reason}")
@@ -445,12 +448,15 @@ class CoordinatorCore:
 
     def _plan(self, finding: m.FindingInfo | None, now: float) -> None:
         nodes = {r: i.node for r, i in self.ranks.items()}
-        try:
-            decision = self.engine.decide(self.plan, finding, self._unavailable(), now, nodes)
-        except Exception as exc:  # the planner failing must not take the control plane down
-            log.exception("planner failed")
-            self._transition(Trigger.KEEP, f"planner failed: {exc}; keeping epoch {self.epoch}")
-            return
+        if finding is not None and self.policy["auto_reconfigure"] != "on":  # a death outside the plan, then
+            decision = EngineDecision(False, self.plan, "re-planning is off (policy auto_reconfigure=off)")
+        else:
+            try:
+                decision = self.engine.decide(self.plan, finding, self._unavailable(), now, nodes)
+            except Exception as exc:  # the planner failing must not take the control plane down
+                log.exception("planner failed")
+                self._transition(Trigger.KEEP, f"planner failed: {exc}; keeping epoch {self.epoch}")
+                return
         if not decision.act and not decision.fatal and finding is not None and finding.kind == "fail-stop":
             # a rank that dies outside the plan (an idle spare, an excluded rank) is still in
             # the trainers' MPI world: the idle ranks saw it die and wait in the shrink, so the

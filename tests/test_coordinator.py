@@ -233,3 +233,24 @@ def test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout
     assert cmd.plan.replicas == first.plan.replicas and spare not in cmd.plan.spares
     assert cmd.reason.startswith(f"fail-stop of ranks [{spare}]")
     assert cmd.reason.endswith("every trainer shrinks MPI past them and goes on with the same layout")
+
+
+def test_core_with_replanning_off_still_shrinks_past_a_dead_idle_rank_and_nothing_else(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
+    first = conn.outbox.get_nowait().commands[0]
+    core.on_batch(conn, m.AgentBatch(acks=tuple(m.Ack(r, first.seq, 1, first.apply_at) for r in range(3))))
+    core.policy["auto_reconfigure"] = "off"
+    spare = first.plan.spares[0]
+    member = first.plan.ranks()[0]
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(spare, 100 + spare, 2.0, -9),)))
+    cmd = conn.outbox.get_nowait().commands[0]
+    assert cmd.plan.replicas == first.plan.replicas and cmd.plan.spares == ()
+    assert cmd.reason == (f"fail-stop of ranks [{spare}]; re-planning is off (policy auto_reconfigure=off); every "
+                          "trainer shrinks MPI past them and goes on with the same layout")
+    core.on_batch(conn, m.AgentBatch(acks=tuple(m.Ack(r, cmd.seq, 2, cmd.apply_at) for r in first.plan.ranks())))
+    assert core.state is State.RUNNING
+    # a member's death is left to the trainers' own recovery when re-planning is off
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(member, 100 + member, 3.0, -9),)))
+    assert conn.outbox.empty() and core.epoch == 2

@@ -12,7 +12,8 @@ from resihp.coordinator.codec import ValidationError
 from resihp.coordinator.statemachine import State, Trigger
 
 if TYPE_CHECKING:
-    from resihp.coordinator.service_core import AgentConn, CoordinatorCore
+    from resihp.coordinator.service_core import CoordinatorCore
+    from resihp.coordinator.service_records import AgentConn
 
 SERVICE_POLICY = ("auto_reconfigure", "apply_margin", "ack_timeout_s", "heartbeat_timeout_s")
 SHARED_POLICY = ("heartbeat_timeout_s",)  # the coordinator's liveness clock and the engine's

@@ -11,9 +11,8 @@ from __future__ import annotations
 import itertools
 import math
 import logging
-import queue
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from resihp.coordinator import messages as m
@@ -23,7 +22,8 @@ from resihp.coordinator.metrics import Registry
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.service_admin import CoordinatorAdmin, Refused
 from resihp.coordinator.service_config import CoordinatorConfig
-from resihp.coordinator.service_engine import Engine, EngineDecision
+from resihp.coordinator.service_engine import Engine, EngineDecision, shrink_past_the_dead
+from resihp.coordinator.service_records import AgentConn, Pending, RankInfo
 from resihp.coordinator.service_trace import TraceSink
 from resihp.coordinator.joiner import Joiner
 from resihp.coordinator.statemachine import State, Trigger, can, step
@@ -35,42 +35,6 @@ log = logging.getLogger(__name__)
 # MAX_EXTRAPOLATE_S (or from the future) says nothing about now
 REPORT_LAG_S = 2.0
 MAX_EXTRAPOLATE_S = 10.0
-
-
-@dataclass
-class RankInfo:
-    rank: int
-    node: str = ""
-    pid: int = 0
-    local_rank: int = 0
-    last_seen: float | None = None  # coordinator clock
-    iteration: int = -1
-    step_s: float = 0.0
-    iteration_end_s: float = 0.0  # wall clock (the rank's) at which ``iteration`` ended
-    dead: bool = False
-    finished: bool = False
-    dead_reason: str = ""
-
-
-@dataclass
-class AgentConn:
-    agent_id: str
-    node: str
-    ranks: set[int] = field(default_factory=set)
-    outbox: "queue.Queue[m.CoordinatorBatch | None]" = field(default_factory=queue.Queue)
-    streaming: bool = False
-    sampler_degraded: bool = False
-    sampler_status: str = ""
-
-
-@dataclass
-class Pending:
-    command: m.ReconfigCommand
-    awaiting: set[int]
-    issued_at: float
-    attempts: int = 1
-    applied_at: int = -1  # the latest iteration an ack says the plan took effect (apply_at or later)
-    adopted_at: int | None = None  # the engine took the plan before every ack came (its records came first)
 
 
 class CoordinatorCore:
@@ -430,7 +394,7 @@ class CoordinatorCore:
                 continue
             if self.state in (State.RUNNING, State.SUSPECT):
                 self._transition(Trigger.FINDING, f"{f.kind} on ranks {list(f.ranks)}: {f.reason}")
-                self._plan(f, now)
+                self._plan(f, now, replan=self.policy["auto_reconfigure"] == "on")
             elif self.state is not State.ABORTED:
                 self.queued_findings.append(f)
         if self.pending is not None:
@@ -446,9 +410,11 @@ class CoordinatorCore:
     def _unavailable(self) -> frozenset[int]:
         return frozenset(self.excluded | {r for r, i in self.ranks.items() if i.dead})
 
-    def _plan(self, finding: m.FindingInfo | None, now: float) -> None:
+    def _plan(self, finding: m.FindingInfo | None, now: float, replan: bool = True) -> None:
+        """Decide and command. ``replan`` False (re-planning is off, a finding outside the plan):
+        keep the layout without asking the planner."""
         nodes = {r: i.node for r, i in self.ranks.items()}
-        if finding is not None and self.policy["auto_reconfigure"] != "on":  # a death outside the plan, then
+        if not replan:
             decision = EngineDecision(False, self.plan, "re-planning is off (policy auto_reconfigure=off)")
         else:
             try:
@@ -457,18 +423,9 @@ class CoordinatorCore:
                 log.exception("planner failed")
                 self._transition(Trigger.KEEP, f"planner failed: {exc}; keeping epoch {self.epoch}")
                 return
-        if not decision.act and not decision.fatal and finding is not None and finding.kind == "fail-stop":
-            # a rank that dies outside the plan (an idle spare, an excluded rank) is still in
-            # the trainers' MPI world: the idle ranks saw it die and wait in the shrink, so the
-            # members must shrink too. The layout stays; the command's fail-stop prefix makes
-            # every trainer apply it through its recovery
+        if finding is not None and finding.kind == "fail-stop":  # acts only where the plan was kept
             dead = sorted(r for r in finding.ranks if r in self.ranks and self.ranks[r].dead)
-            if dead:
-                why = decision.reason if decision.reason.startswith("fail-stop") else \
-                    f"fail-stop of ranks {dead}; {decision.reason}"
-                why += "; every trainer shrinks MPI past them and goes on with the same layout"
-                kept = replace(self.plan, spares=tuple(r for r in self.plan.spares if r not in dead), reason=why)
-                decision = replace(decision, act=True, plan=kept, reason=why)
+            decision = shrink_past_the_dead(decision, self.plan, dead)
         self.events.emit("decision", epoch=self.epoch, act=decision.act, level=decision.level, reason=decision.reason)
         if decision.fatal:
             self._transition(Trigger.FATAL, decision.reason)
@@ -580,7 +537,7 @@ class CoordinatorCore:
         if relevant:
             f = relevant[-1]
             self._transition(Trigger.FINDING, f"queued {f.kind} on ranks {list(f.ranks)}: {f.reason}")
-            self._plan(f, now)
+            self._plan(f, now, replan=self.policy["auto_reconfigure"] == "on")
 
     # --- periodic ---------------------------------------------------------------------
     def tick(self) -> None:

@@ -13,7 +13,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 from resihp.coordinator.messages import FindingInfo
 from resihp.coordinator.plan import PipelinePlan, Plan, even_split
@@ -32,6 +32,20 @@ class EngineDecision:
     reason: str
     level: str = "none"  # none | dp-shares | layer-split | tp-regroup | full-replan
     fatal: bool = False  # no viable plan exists: the job cannot go on
+
+
+def shrink_past_the_dead(decision: EngineDecision, plan: Plan, dead: Sequence[int]) -> EngineDecision:
+    """After a fail-stop that the decision answers by keeping the plan (the dead ranks held no
+    shard: idle spares, excluded ranks): they are still in every trainer's MPI world, and the
+    idle ranks that saw them die wait in the shrink, so the members must shrink too. Act with
+    the same layout less the dead spares; the command's fail-stop prefix makes every trainer
+    apply it through its recovery."""
+    if decision.act or decision.fatal or not dead:
+        return decision
+    why = decision.reason if decision.reason.startswith("fail-stop") else f"fail-stop of ranks {list(dead)}; {decision.reason}"
+    why += "; every trainer shrinks MPI past them and goes on with the same layout"
+    kept = replace(plan, spares=tuple(r for r in plan.spares if r not in dead), reason=why)
+    return replace(decision, act=True, plan=kept, reason=why)
 
 
 class Engine(Protocol):

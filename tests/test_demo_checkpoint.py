@@ -3,12 +3,10 @@ the survivors fall back on the latest asynchronous checkpoint, say so in the pro
 re-train the steps since, and end on the uninterrupted run's loss curve."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from demo_run import jsonl, run_demo
 
 pytestmark = pytest.mark.flaky(reruns=2)  # real ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -17,19 +15,13 @@ STEPS, KILL_AT, EVERY = 18, 10, 4
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dp1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "demo", "--tp", "2", "--pp", "2", "--dp", "1", "--no-slow",
-         "--kill-rank", "3", "--kill-at", str(KILL_AT), "--checkpoint-every", str(EVERY), "--steps", str(STEPS),
-         "--quiet", "--run-dir", str(out), "--timeout-s", "500"],
-        capture_output=True, text=True, timeout=800,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{(out / 'launch.log').read_text()[-3000:]}"
-    return out
+    return run_demo(tmp_path_factory.mktemp("dp1"), "--tp", "2", "--pp", "2", "--dp", "1", "--no-slow",
+                    "--kill-rank", "3", "--kill-at", str(KILL_AT), "--checkpoint-every", str(EVERY),
+                    "--steps", str(STEPS), timeout_s=500)
 
 
 def test_the_survivors_restore_the_latest_checkpoint_and_say_so(run: Path) -> None:
-    lines = [json.loads(x) for x in (run / "progress.jsonl").read_text().splitlines() if x.strip()]
+    lines = jsonl(run / "progress.jsonl")
     rec = [x for x in lines if x["type"] == "reconfig"]
     assert len(rec) == 1 and rec[0]["kind"] == "fail-stop-checkpoint", rec
     assert "restored from the checkpoint of step" in rec[0]["reason"] and "lost ranks [3]" in rec[0]["reason"]

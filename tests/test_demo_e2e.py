@@ -4,12 +4,11 @@ then a SIGKILL of rank 5. The job must detect both, reconfigure live, finish eve
 exactly once, and train the same loss curve as an uninterrupted single-process run."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from demo_run import jsonl, run_demo
 from fresh_rerun import fresh_on_rerun
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
@@ -24,13 +23,8 @@ SLOW_FACTOR = 3
 
 
 def _run_demo(out: Path) -> Path:
-    proc = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "demo", "--steps", str(STEPS), "--slow-at", str(SLOW_AT), "--slow-factor", str(SLOW_FACTOR), "--kill-at",
-         str(KILL_AT), "--quiet", "--run-dir", str(out), "--timeout-s", "600"],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{(out / 'launch.log').read_text()[-3000:]}"
-    return out
+    return run_demo(out, "--steps", str(STEPS), "--slow-at", str(SLOW_AT), "--slow-factor", str(SLOW_FACTOR),
+                    "--kill-at", str(KILL_AT))
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +38,12 @@ def run(first_run: Path, request: pytest.FixtureRequest, tmp_path_factory: pytes
     return fresh_on_rerun(request, first_run, lambda: _run_demo(tmp_path_factory.mktemp("demo")))
 
 
-def _progress(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "progress.jsonl").read_text().splitlines() if x.strip()]
+def _progress(run: Path) -> list[dict[str, Any]]:
+    return jsonl(run / "progress.jsonl")
 
 
-def _events(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+def _events(run: Path) -> list[dict[str, Any]]:
+    return jsonl(run / "events.jsonl")
 
 
 def test_every_step_is_trained_and_the_loss_matches_the_reference(run: Path) -> None:

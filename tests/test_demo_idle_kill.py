@@ -10,13 +10,10 @@ members finished the job and the idle spare waited in the shrink until the launc
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from demo_run import jsonl, run_demo
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -25,29 +22,19 @@ STEPS, EXCLUDE_AT, KILL_AT, RANK = 24, 6, 12, 3
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("idlekill")
-    proc = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "demo", "--steps", str(STEPS), "--no-slow",
-         "--admin", f"{EXCLUDE_AT}:exclude --rank {RANK}", "--kill-rank", str(RANK), "--kill-at", str(KILL_AT),
-         "--quiet", "--run-dir", str(out), "--timeout-s", "300"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{(out / 'launch.log').read_text()[-3000:]}"
-    return out
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return run_demo(tmp_path_factory.mktemp("idlekill"), "--steps", str(STEPS), "--no-slow",
+                    "--admin", f"{EXCLUDE_AT}:exclude --rank {RANK}", "--kill-rank", str(RANK),
+                    "--kill-at", str(KILL_AT), timeout_s=300)
 
 
 def test_the_members_shrink_past_the_dead_idle_rank_and_keep_their_layout(run: Path) -> None:
-    recs = [r for r in _lines(run / "progress.jsonl") if r["type"] == "reconfig"]
+    recs = [r for r in jsonl(run / "progress.jsonl") if r["type"] == "reconfig"]
     assert [(r["kind"], r["epoch"]) for r in recs] == [("planned", 1), ("fail-stop", 2)], recs
     planned, failstop = recs
     assert failstop["plan"] == planned["plan"]
     assert failstop["bytes_moved"] == 0 and f"lost ranks [{RANK}]" in failstop["reason"]
     assert "every trainer shrinks MPI past them and goes on with the same layout" in failstop["reason"]
-    cmds = [e for e in _lines(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
+    cmds = [e for e in jsonl(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
     assert len(cmds) == 2 and cmds[1]["reason"].startswith(f"fail-stop of ranks [{RANK}]"), cmds
     ranks = [{r for rep in c["plan"]["replicas"] for stage in rep["stages"] for r in stage} for c in cmds]
     assert RANK not in ranks[0] and ranks[1] == ranks[0] and cmds[1]["plan"]["replicas"] == cmds[0]["plan"]["replicas"]
@@ -56,10 +43,10 @@ def test_the_members_shrink_past_the_dead_idle_rank_and_keep_their_layout(run: P
 def test_every_step_is_trained_and_the_loss_is_the_references(run: Path) -> None:
     from resihp.report import summarize
 
-    steps = [r["step"] for r in _lines(run / "progress.jsonl") if r["type"] == "step"]
+    steps = [r["step"] for r in jsonl(run / "progress.jsonl") if r["type"] == "step"]
     assert sorted(set(steps)) == list(range(STEPS)) and steps[-1] == STEPS - 1
     s = summarize(run)
     assert s.reference_steps_compared == STEPS
     assert s.loss_delta_vs_reference is not None and s.loss_delta_vs_reference <= 1e-5, s.loss_delta_vs_reference
-    finished = {e["rank"] for e in _lines(run / "events.jsonl") if e["event"] == "rank-finished"}
+    finished = {e["rank"] for e in jsonl(run / "events.jsonl") if e["event"] == "rank-finished"}
     assert finished == set(range(8)) - {RANK}  # the idle spare left cleanly too

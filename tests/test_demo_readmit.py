@@ -11,12 +11,11 @@ the detector makes of CPU timings on two shared cores.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_run import jsonl, run_demo
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -25,25 +24,14 @@ STEPS, EXCLUDE_AT, READMIT_AT, RANK = 26, 6, 16, 3
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("readmit")
-    proc = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "demo", "--steps", str(STEPS), "--no-slow", "--no-kill", "--no-adapt",
-         "--admin", f"{EXCLUDE_AT}:exclude --rank {RANK}", "--admin", f"{READMIT_AT}:readmit --rank {RANK}",
-         "--quiet", "--run-dir", str(out), "--timeout-s", "600"],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{(out / 'launch.log').read_text()[-3000:]}"
-    return out
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return run_demo(tmp_path_factory.mktemp("readmit"), "--steps", str(STEPS), "--no-slow", "--no-kill", "--no-adapt",
+                    "--admin", f"{EXCLUDE_AT}:exclude --rank {RANK}", "--admin", f"{READMIT_AT}:readmit --rank {RANK}")
 
 
 def test_the_operator_calls_were_accepted(run: Path) -> None:
     actions = json.loads((run / "demo.json").read_text())["operator_actions"]
     assert [(a["args"][0], a["ok"]) for a in actions] == [("exclude", True), ("readmit", True)], actions
-    events = [e["event"] for e in _lines(run / "events.jsonl")]
+    events = [e["event"] for e in jsonl(run / "events.jsonl")]
     assert "exclude" in events and "readmit" in events
 
 
@@ -51,11 +39,11 @@ def test_the_rank_leaves_as_a_spare_and_comes_back(run: Path) -> None:
     def ranks(plan: dict[str, Any]) -> set[int]:
         return {r for rep in plan["replicas"] for stage in rep["stages"] for r in stage}
 
-    commands = [e for e in _lines(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
+    commands = [e for e in jsonl(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
     assert len(commands) == 2, commands
     assert RANK not in ranks(commands[0]["plan"]) and "ranks [3]" in commands[0]["reason"], commands[0]
     assert ranks(commands[1]["plan"]) == set(range(8)) and "ranks [3] recovered" in commands[1]["reason"], commands[1]
-    recs = [r for r in _lines(run / "progress.jsonl") if r["type"] == "reconfig"]
+    recs = [r for r in jsonl(run / "progress.jsonl") if r["type"] == "reconfig"]
     assert [(r["kind"], r["epoch"]) for r in recs] == [("planned", 1), ("planned", 2)], recs
     out, back = recs
     assert EXCLUDE_AT < out["step"] <= READMIT_AT < back["step"], (out, back)
@@ -65,7 +53,7 @@ def test_the_rank_leaves_as_a_spare_and_comes_back(run: Path) -> None:
 def test_every_step_once_and_the_loss_of_the_reference(run: Path) -> None:
     from resihp.report import summarize
 
-    steps = [r["step"] for r in _lines(run / "progress.jsonl") if r["type"] == "step"]
+    steps = [r["step"] for r in jsonl(run / "progress.jsonl") if r["type"] == "step"]
     assert steps == list(range(STEPS)), steps  # no rollback: planned switches lose nothing
     s = summarize(run)
     assert s.reference_steps_compared == STEPS

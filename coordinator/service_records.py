@@ -1,0 +1,43 @@
+"""What the coordinator's core keeps per rank, per agent connection and per pending command."""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+from resihp.coordinator import messages as m
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    node: str = ""
+    pid: int = 0
+    local_rank: int = 0
+    last_seen: float | None = None  # coordinator clock
+    iteration: int = -1
+    step_s: float = 0.0
+    iteration_end_s: float = 0.0  # wall clock (the rank's) at which ``iteration`` ended
+    dead: bool = False
+    finished: bool = False
+    dead_reason: str = ""
+
+
+@dataclass
+class AgentConn:
+    agent_id: str
+    node: str
+    ranks: set[int] = field(default_factory=set)
+    outbox: "queue.Queue[m.CoordinatorBatch | None]" = field(default_factory=queue.Queue)
+    streaming: bool = False
+    sampler_degraded: bool = False
+    sampler_status: str = ""
+
+
+@dataclass
+class Pending:
+    command: m.ReconfigCommand
+    awaiting: set[int]
+    issued_at: float
+    attempts: int = 1
+    applied_at: int = -1  # the latest iteration an ack says the plan took effect (apply_at or later)
+    adopted_at: int | None = None  # the engine took the plan before every ack came (its records came first)

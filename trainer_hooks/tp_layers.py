@@ -14,10 +14,9 @@ detector can tell the TP member that is slow from the partners that wait for it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import time
 
 import torch
 import torch.distributed as dist

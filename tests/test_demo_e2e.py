@@ -78,12 +78,25 @@ def test_the_killed_rank_is_survived_with_the_coordinators_plan(run: Path) -> No
     assert stop.rank == 5 and stop.finding_kind == "fail-stop" and stop.latency_s is not None
     failstop = [r for r in s.reconfigs if r.kind == "fail-stop"]
     assert len(failstop) == 1 and "lost ranks [5]" in failstop[0].reason
-    # resumed after the last step every replica finished before the SIGKILL, not from a
-    # checkpoint. Not KILL_AT + small: the kill lands when the demo's driver has seen step
-    # KILL_AT and called `resihp admin inject`, steps later when the re-plan made steps fast
     killed_at = max(e["time"] for e in _events(run) if e["event"] == "inject-result" and e.get("kind") == "kill")
     done = max(x["step"] for x in _progress(run) if x["type"] == "step" and x["time"] < killed_at)
-    assert done + 1 <= failstop[0].step <= done + 2, (done, failstop[0].step)
+    commands = [e for e in _events(run) if e["event"] == "command" and e["kind"] == "reconfigure"]
+    in_force = [c for c in commands if c["time"] < killed_at]
+    members = {r for rep in in_force[-1]["plan"]["replicas"] for st in rep["stages"] for r in st} if in_force else set(range(8))
+    if 5 in members:
+        # resumed after the last step every replica finished before the SIGKILL, not from a
+        # checkpoint. Not KILL_AT + small: the kill lands when the demo's driver has seen step
+        # KILL_AT and called `resihp admin inject`, steps later when the re-plan made steps fast
+        assert done + 1 <= failstop[0].step <= done + 2, (done, failstop[0].step)
+    else:
+        # the re-plan after the fail-slow left rank 5 idle as a spare (the planner's answer to
+        # the throttle varies between near-equal layouts): its death loses no state and stops
+        # no member; every trainer shrinks past it with the layout unchanged, later, at the
+        # command's apply_at, and no step is trained twice
+        assert failstop[0].step > done and failstop[0].bytes_moved == 0, (done, failstop[0])
+        assert commands[-1]["plan"]["replicas"] == in_force[-1]["plan"]["replicas"]
+        steps = [x["step"] for x in _progress(run) if x["type"] == "step"]
+        assert steps == list(range(STEPS)), steps
     acked = [e for e in _events(run) if e["event"] == "state" and e.get("trigger") == "acked"]
     assert acked, "the coordinator never saw its plan acknowledged"
     assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,7 @@
     python bench/e2e.py [--steps 70 --slow-at 14 --kill-at 42 --checkpoint-every 5 --out DIR --quick]
 
 The job is `resihp demo`'s: 8 ranks (TP2 x PP2 x DP2) of gpt-tiny on CPU under `resihp
-launch`; rank 2 computes 2x slower from step --slow-at, rank 5 is SIGKILLed at --kill-at.
+launch`; rank 2 computes 2x slower from step --slow-at, rank 5 (or, if the re-plan left it idle, a rank that holds state) is SIGKILLed at --kill-at.
 
 - resihp: `resihp demo` itself (live detection, re-plan, live reconfiguration, fail-stop
   recovery) via ``resihp.demo.run_job``;

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+DEFAULT_KILL_RANK = 5  # the fail-stop target unless the plan then leaves it idle (see _kill_target)
 
 # The planner's view of this machine: CPU ranks over loopback gloo (not A100s over NVLink),
 # so that its predicted gains and reconfiguration costs are on the scale of what it runs.
@@ -51,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slow-rank", type=int, default=2)
     ap.add_argument("--slow-factor", type=float, default=2.0)
     ap.add_argument("--slow-at", type=int, default=14, help="step at which the fail-slow is injected")
-    ap.add_argument("--kill-rank", type=int, default=5)
+    ap.add_argument("--kill-rank", type=int, default=None,
+                    help="the rank to SIGKILL (default: rank 5, or if the plan in force left it idle, the "
+                         "highest rank that holds state and is not the throttled one)")
     ap.add_argument("--kill-at", type=int, default=42, help="step at which the fail-stop is injected")
     ap.add_argument("--admin", action="append", default=[], metavar="STEP:ARGS",
                     help="an operator action at a step, e.g. '20:exclude --rank 3' runs `resihp admin exclude "
@@ -151,13 +154,14 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     if not args.no_slow:
         todo.append({"kind": "slow", "rank": args.slow_rank, "factor": args.slow_factor, "step": args.slow_at})
     if not args.no_kill:
-        todo.append({"kind": "kill", "rank": args.kill_rank, "step": args.kill_at})
+        todo.append({"kind": "kill", "rank": args.kill_rank, "step": args.kill_at, "auto": args.kill_rank is None})
     todo += [_admin_action(a) for a in args.admin]
     todo.sort(key=lambda x: int(x["step"]))
     done: list[dict[str, Any]] = []  # injected faults
     actions: list[dict[str, Any]] = []  # operator actions (--admin)
     last: dict[str, Any] = {}
     window: list[tuple[float, int]] = []
+    members = list(range(args.tp * args.pp * args.dp))  # the ranks of the plan last commanded
     try:
         while proc.poll() is None:
             if time.time() - t0 > args.timeout_s:
@@ -166,6 +170,8 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                 line = _event_line(ev, t0)
                 if line and not args.quiet:
                     print("\r" + " " * 120 + "\r" + line, flush=True)
+                if ev.get("event") == "command" and ev.get("kind") == "reconfigure":
+                    members = sorted({r for rep in ev["plan"]["replicas"] for st in rep["stages"] for r in st})
             for rec in progress.new():
                 if rec.get("type") == "step":
                     last = rec
@@ -182,6 +188,8 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                           end="", flush=True)
                 while todo and step + 1 >= todo[0]["step"]:
                     inj = todo.pop(0)
+                    if inj.get("auto"):
+                        inj["rank"] = _kill_target(members, None if args.no_slow else args.slow_rank)
                     extra = ["--factor", str(inj["factor"])] if inj["kind"] == "slow" else []
                     what = (list(inj["args"]) if inj["kind"] == "admin"
                             else ["inject", inj["kind"], "--rank", str(inj["rank"]), *extra])
@@ -208,6 +216,15 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                          "adapt": not args.no_adapt, "launch_rc": proc.returncode,
                          "wall_s": round(time.time() - t0, 3)},
             "injections": done, "operator_actions": actions}
+
+
+def _kill_target(members: list[int], slow_rank: int | None) -> int:
+    """Rank 5 while it holds state; else the highest rank that does, other than the throttled
+    one: a kill of an idle spare (the re-plan may leave rank 5 idle) loses nothing to recover."""
+    if DEFAULT_KILL_RANK in members:
+        return DEFAULT_KILL_RANK
+    others = [r for r in members if r != slow_rank] or members
+    return max(others)
 
 
 def _admin_action(text: str) -> dict[str, Any]:
@@ -260,7 +277,9 @@ def main(argv: list[str]) -> int:
     if not args.no_slow:
         print(f"  fail-slow: rank {args.slow_rank} computes {args.slow_factor:g}x slower from step {args.slow_at}")
     if not args.no_kill:
-        print(f"  fail-stop: rank {args.kill_rank} is killed (SIGKILL) at step {args.kill_at}")
+        who = (f"rank {args.kill_rank}" if args.kill_rank is not None else
+               f"rank {DEFAULT_KILL_RANK} (or, if the plan then leaves it idle, a rank that holds state)")
+        print(f"  fail-stop: {who} is killed (SIGKILL) at step {args.kill_at}")
     try:
         demo = run_job(args, run)
         if demo["scenario"]["launch_rc"] != 0 and not _trained_any(run):

@@ -1,6 +1,6 @@
 """The main job for real: ``resihp demo`` — 8 ranks (TP2 x PP2 x DP2) under ``resihp launch``
 (coordinator + agent processes, mpirun with ULFM), a real 2x throttle of rank 2's compute,
-then a SIGKILL of rank 5. The job must detect both, reconfigure live, finish every step
+then a SIGKILL of rank 5 (or of a rank holding state, if the re-plan left 5 idle). The job must detect both, reconfigure live, finish every step
 exactly once, and train the same loss curve as an uninterrupted single-process run."""
 from __future__ import annotations
 
@@ -75,28 +75,22 @@ def test_the_killed_rank_is_survived_with_the_coordinators_plan(run: Path) -> No
 
     s = summarize(run)
     stop = next(d for d in s.detections if d.kind == "kill")
-    assert stop.rank == 5 and stop.finding_kind == "fail-stop" and stop.latency_s is not None
+    killed = stop.rank
+    assert stop.finding_kind == "fail-stop" and stop.latency_s is not None
     failstop = [r for r in s.reconfigs if r.kind == "fail-stop"]
-    assert len(failstop) == 1 and "lost ranks [5]" in failstop[0].reason
+    assert len(failstop) == 1 and f"lost ranks [{killed}]" in failstop[0].reason
+    # the demo kills rank 5, or, when the re-plan after the fail-slow left rank 5 idle (the
+    # planner's answer varies between near-equal layouts), a rank that holds state
     killed_at = max(e["time"] for e in _events(run) if e["event"] == "inject-result" and e.get("kind") == "kill")
-    done = max(x["step"] for x in _progress(run) if x["type"] == "step" and x["time"] < killed_at)
     commands = [e for e in _events(run) if e["event"] == "command" and e["kind"] == "reconfigure"]
     in_force = [c for c in commands if c["time"] < killed_at]
     members = {r for rep in in_force[-1]["plan"]["replicas"] for st in rep["stages"] for r in st} if in_force else set(range(8))
-    if 5 in members:
-        # resumed after the last step every replica finished before the SIGKILL, not from a
-        # checkpoint. Not KILL_AT + small: the kill lands when the demo's driver has seen step
-        # KILL_AT and called `resihp admin inject`, steps later when the re-plan made steps fast
-        assert done + 1 <= failstop[0].step <= done + 2, (done, failstop[0].step)
-    else:
-        # the re-plan after the fail-slow left rank 5 idle as a spare (the planner's answer to
-        # the throttle varies between near-equal layouts): its death loses no state and stops
-        # no member; every trainer shrinks past it with the layout unchanged, later, at the
-        # command's apply_at, and no step is trained twice
-        assert failstop[0].step > done and failstop[0].bytes_moved == 0, (done, failstop[0])
-        assert commands[-1]["plan"]["replicas"] == in_force[-1]["plan"]["replicas"]
-        steps = [x["step"] for x in _progress(run) if x["type"] == "step"]
-        assert steps == list(range(STEPS)), steps
+    assert killed in members and (killed == 5 or 5 not in members), (killed, sorted(members))
+    # resumed after the last step every replica finished before the SIGKILL, not from a
+    # checkpoint. Not KILL_AT + small: the kill lands when the demo's driver has seen step
+    # KILL_AT and called `resihp admin inject`, steps later when the re-plan made steps fast
+    done = max(x["step"] for x in _progress(run) if x["type"] == "step" and x["time"] < killed_at)
+    assert done + 1 <= failstop[0].step <= done + 2, (done, failstop[0].step)
     acked = [e for e in _events(run) if e["event"] == "state" and e.get("trigger") == "acked"]
     assert acked, "the coordinator never saw its plan acknowledged"
     assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

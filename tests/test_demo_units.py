@@ -30,3 +30,13 @@ def test_a_failed_start_is_set_aside_so_the_retry_starts_clean(tmp_path: Path) -
         "events.jsonl", "journal.jsonl", "launch.log", "token"]
     assert (tmp_path / "failed-start" / "journal.jsonl").read_text() == "journal.jsonl"
     assert (tmp_path / "profile" / "cluster.json").exists()
+
+
+def test_the_demo_kills_rank_5_or_a_rank_that_holds_state() -> None:
+    from resihp.demo import _kill_target
+
+    assert _kill_target(list(range(8)), 2) == 5
+    assert _kill_target([0, 1, 3, 4], 2) == 4  # the re-plan left 2, 5, 6, 7 idle
+    assert _kill_target([0, 1, 2], 2) == 1  # never the throttled rank while another holds state
+    assert _kill_target([2], 2) == 2
+    assert _kill_target([0, 3, 4, 6], None) == 6

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resihp.coordinator.plan import Plan
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 DEFAULT_KILL_RANK = 5  # the fail-stop target unless the plan then leaves it idle (see _kill_target)
 
@@ -171,7 +173,7 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
                 if line and not args.quiet:
                     print("\r" + " " * 120 + "\r" + line, flush=True)
                 if ev.get("event") == "command" and ev.get("kind") == "reconfigure":
-                    members = sorted({r for rep in ev["plan"]["replicas"] for st in rep["stages"] for r in st})
+                    members = list(Plan.from_dict(ev["plan"]).ranks())
             for rec in progress.new():
                 if rec.get("type") == "step":
                     last = rec

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from resihp.coordinator.plan import Plan
 from demo_run import jsonl, run_demo
 from fresh_rerun import fresh_on_rerun
 
@@ -84,7 +85,7 @@ def test_the_killed_rank_is_survived_with_the_coordinators_plan(run: Path) -> No
     killed_at = max(e["time"] for e in _events(run) if e["event"] == "inject-result" and e.get("kind") == "kill")
     commands = [e for e in _events(run) if e["event"] == "command" and e["kind"] == "reconfigure"]
     in_force = [c for c in commands if c["time"] < killed_at]
-    members = {r for rep in in_force[-1]["plan"]["replicas"] for st in rep["stages"] for r in st} if in_force else set(range(8))
+    members = set(Plan.from_dict(in_force[-1]["plan"]).ranks()) if in_force else set(range(8))
     assert killed in members and (killed == 5 or 5 not in members), (killed, sorted(members))
     # resumed after the last step every replica finished before the SIGKILL, not from a
     # checkpoint. Not KILL_AT + small: the kill lands when the demo's driver has seen step

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from resihp.coordinator.plan import Plan
 from demo_run import jsonl, run_demo
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
@@ -36,7 +37,7 @@ def test_the_members_shrink_past_the_dead_idle_rank_and_keep_their_layout(run: P
     assert "every trainer shrinks MPI past them and goes on with the same layout" in failstop["reason"]
     cmds = [e for e in jsonl(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
     assert len(cmds) == 2 and cmds[1]["reason"].startswith(f"fail-stop of ranks [{RANK}]"), cmds
-    ranks = [{r for rep in c["plan"]["replicas"] for stage in rep["stages"] for r in stage} for c in cmds]
+    ranks = [set(Plan.from_dict(c["plan"]).ranks()) for c in cmds]
     assert RANK not in ranks[0] and ranks[1] == ranks[0] and cmds[1]["plan"]["replicas"] == cmds[0]["plan"]["replicas"]
 
 

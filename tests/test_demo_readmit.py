@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from resihp.coordinator.plan import Plan
 from demo_run import jsonl, run_demo
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
@@ -37,7 +38,7 @@ def test_the_operator_calls_were_accepted(run: Path) -> None:
 
 def test_the_rank_leaves_as_a_spare_and_comes_back(run: Path) -> None:
     def ranks(plan: dict[str, Any]) -> set[int]:
-        return {r for rep in plan["replicas"] for stage in rep["stages"] for r in stage}
+        return set(Plan.from_dict(plan).ranks())
 
     commands = [e for e in jsonl(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
     assert len(commands) == 2, commands

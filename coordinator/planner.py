@@ -63,7 +63,7 @@ def simulate_plan(
     plan: Plan, cluster: Cluster, model: ModelSpec, batch: GlobalBatch, config: PlannerConfig | None = None
 ) -> IterationResult:
     """Replay ``plan`` through the schedule simulator: per-stage F and B durations from the
-    cost model at each stage's (slowest member's) speed, every stage edge an inter-node hop,
+    cost model at each stage's (slowest member's) speed, each op with its blocking inter-node send,
     the DP all-reduce and optimizer step after the slowest replica. Identical replicas are
     simulated once."""
     cfg = config or PlannerConfig()
@@ -74,10 +74,11 @@ def simulate_plan(
     devs = cluster.by_rank()
     speed = {r: d.speed for r, d in devs.items()}
     mem = {r: float(d.memory_bytes) for r, d in devs.items()}
-    # a communication slowdown (DeviceState.link_factor) stretches the p2p hop and the DP
-    # ring, priced here at the worst link of the plan (the simulator takes one hop time)
+    # a communication slowdown (DeviceState.link_factor) stretches the p2p sends and the DP
+    # ring, priced here at the worst link of the plan; a send is blocking, so it is part of
+    # its op (as in Costs.extra_s), not a free delay between ops
     worst_link = max((devs[r].link_factor for r in plan.ranks()), default=1.0)
-    hop = costs.hops_s(2) / 2.0 * worst_link
+    hop = costs.hop_s() * worst_link
     works: list[ReplicaWork] = []
     seen: dict[tuple[object, ...], int] = {}
     shards: list[tuple[int, int, bool, bool, float]] = []
@@ -104,16 +105,17 @@ def simulate_plan(
                        + (costs.last_flops if last else 0.0)) / (k * sp * costs.flops)
             comm = layers * costs.tp_comm_s(k)
             fwd = compute * costs.fwd_fraction + comm / 2.0
-            f_rows.append([fwd] * rep.microbatches)
+            send_f, send_b = (0.0 if last else hop), (0.0 if first else hop)
+            f_rows.append([fwd + send_f] * rep.microbatches)
             if split_w:
                 bwd = compute * costs.bwd_input_fraction + comm / 2.0
-                b_rows.append([bwd] * rep.microbatches)
+                b_rows.append([bwd + send_b] * rep.microbatches)
                 w_rows.append([compute + comm - fwd - bwd] * rep.microbatches)
             else:
-                b_rows.append([compute + comm - fwd] * rep.microbatches)
+                b_rows.append([compute + comm - fwd + send_b] * rep.microbatches)
         seen[key] = len(works)
         order.append(len(works))
         works.append(ReplicaWork(f=f_rows, b=b_rows, w=w_rows if split_w else None, pp=rep.pp))
     sync = costs.sync_s(plan.dp, shards, worst_link)
     active = [w for w in works if len(w.f[0]) > 0] or works[:1]
-    return simulate_iteration(plan.schedule, active, dp_sync_s=sync, p2p_s=hop, virtual_chunks=plan.virtual_chunks)
+    return simulate_iteration(plan.schedule, active, dp_sync_s=sync, p2p_s=0.0, virtual_chunks=plan.virtual_chunks)

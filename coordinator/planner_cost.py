@@ -7,7 +7,8 @@ Stage time for one micro-batch on a TP group of k devices whose slowest member h
 
 with FLOPs from the cost model (``costmodel.layer_flops`` etc., F+B+W) and tp_comm the four
 ring all-reduces per layer of Megatron TP inside a node. A pipeline of stages t_s running m
-micro-batches takes Oobleck's closed form ``Σ t_s·β + (m − 1)·max t_s`` plus the p2p hops,
+micro-batches takes Oobleck's closed form ``Σ t_s·β + (m − 1)·max t_s``, each t_s holding the
+stage's blocking p2p sends of one micro-batch,
 β = 1 for 1F1B, 1/v for interleaved 1F1B, 1/3 for ZB-H1 (the bubble shrinks with them).
 An iteration is the slowest replica + the DP gradient all-reduce + the optimizer step.
 Pure: no torch, grpc or MPI.
@@ -155,13 +156,22 @@ class Costs:
         return self.layer_flops / (k * speed * self.flops) + self.tp_comm_s(k)
 
     def extra_s(self, k: int, speed: float, first: bool, last: bool) -> float:
+        """A stage's per-micro-batch time besides its layers: the embedding or LM head, and its
+        blocking sends — activations forward unless last, gradients back unless first. The
+        sends sit on every micro-batch of the stage (as in sim/perf.py), so a bottleneck
+        stage's sends stretch the steady state too, not only the fill."""
         work = (self.first_flops if first else 0.0) + (self.last_flops if last else 0.0)
-        return work / (k * speed * self.flops)
+        sends = (0 if first else 1) + (0 if last else 1)
+        return work / (k * speed * self.flops) + sends * self.hop_s()
+
+    def hop_s(self) -> float:
+        """One stage edge, one direction: a micro-batch's activations (or their gradients)."""
+        c = self.cluster
+        return c.inter_node_latency_s + self.boundary_bytes / c.inter_node_bw_Bps
 
     def hops_s(self, p: int) -> float:
-        """Activations forward and gradients backward across the p − 1 stage edges."""
-        c = self.cluster
-        return 2.0 * (p - 1) * (c.inter_node_latency_s + self.boundary_bytes / c.inter_node_bw_Bps)
+        """Activations forward and gradients backward across the p − 1 stage edges, once."""
+        return 2.0 * (p - 1) * self.hop_s()
 
     def layer_cap(self, key: StageKey, first: bool, last: bool, inflight: float) -> int:
         ck = (key, first, last, inflight)
@@ -223,7 +233,7 @@ class Costs:
             if self.stage_bytes(k, layers[s], first, last, self.inflight(p, s, m)) > mem:
                 return INF
             times.append(self.extra_s(k, sp, first, last) + layers[s] * self.per_layer_s(k, sp))
-        return (m - 1) * max(times) + self.beta * sum(times) + self.hops_s(p)
+        return (m - 1) * max(times) + self.beta * sum(times)  # the sends are in extra_s
 
     # --- whole iteration ---------------------------------------------------------------
     def sync_s(self, dp: int, shards: Sequence[tuple[int, int, bool, bool, float]], link: float = 1.0) -> float:
@@ -243,12 +253,18 @@ class Costs:
         ring = 2.0 * (dp - 1) / dp * worst_params * self.config.grad_reduce_bytes / c.inter_node_bw_Bps
         return (ring + 2.0 * (dp - 1) * c.inter_node_latency_s) * link + opt
 
-    def link_extra_s(self, factors: Sequence[float]) -> float:
-        """Extra point-to-point time of a pipeline whose stages have these worst link
-        slowdown factors: each stage edge runs at the slower of its two ends."""
-        c = self.cluster
-        edge = 2.0 * (c.inter_node_latency_s + self.boundary_bytes / c.inter_node_bw_Bps)
-        return sum(edge * (max(a, b) - 1.0) for a, b in zip(factors, factors[1:]))
+    def link_extra_s(self, factors: Sequence[float], m: int) -> float:
+        """Extra point-to-point time of a pipeline of m micro-batches whose stages have these
+        worst link slowdown factors: each stage edge runs at the slower of its two ends, and
+        a stage pays its slower sends on every micro-batch. Charged as if the most delayed
+        stage set the steady state, ``(m − 1)·max δ_s + β·Σ δ_s`` (exact when the stages were
+        balanced, which the split makes them nearly; an upper bound otherwise)."""
+        hop = self.hop_s()
+        edges = [max(a, b) - 1.0 for a, b in zip(factors, factors[1:])]
+        # stage s sends forward over edge s and backward over edge s − 1
+        delta = [hop * ((edges[s] if s < len(edges) else 0.0) + (edges[s - 1] if s > 0 else 0.0))
+                 for s in range(len(factors))]
+        return max(m - 1, 0) * max(delta, default=0.0) + self.beta * sum(delta)
 
 
 @dataclass(frozen=True)
@@ -377,7 +393,7 @@ def evaluate_with(costs: Costs, plan: Plan) -> Evaluation:
             factors = [max(slow_links.get(r, 1.0) for r in g) for g in rep.stages]
             worst_link = max(worst_link, max(factors))
             if rep.microbatches > 0:
-                t += costs.link_extra_s(factors)
+                t += costs.link_extra_s(factors, rep.microbatches)
         rep_s.append(t)
         if (sig, per_dev) not in seen:
             seen.add((sig, per_dev))

@@ -147,10 +147,9 @@ class Exhaustive:
         total = np.concatenate(totals)
         shard_all = np.concatenate(shards)
         ok_all = np.concatenate(feas, axis=1)  # [M, O*C]
-        hops = costs.hops_s(p)
         out: list[tuple[float, tuple[StageKey, ...], tuple[int, ...]]] = [(INF, block, ())] * (m_max + 1)
         for m in range(1, m_max + 1):
-            t = np.where(ok_all[m - 1], (m - 1) * peak + costs.beta * total + hops, np.inf)
+            t = np.where(ok_all[m - 1], (m - 1) * peak + costs.beta * total, np.inf)  # sends: in e
             tmin = float(t.min())
             if tmin == INF:
                 continue
@@ -202,9 +201,11 @@ class Exhaustive:
                 if dp > m_total:
                     continue
                 rate = sorted((1.0 / self.costs.per_layer_s(k[0], k[1]) for k in items), reverse=True)
-                busiest = (-(-m_total // dp) - 1) * -(-n_layers // pp) / rate[0]
+                # every stage of a pipeline sends at least once per micro-batch
+                send = self.costs.hop_s() if pp > 1 else 0.0
+                busiest = (-(-m_total // dp) - 1) * (-(-n_layers // pp) / rate[0] + send)
                 lb = (max(max(m_total - dp, 0) * n_layers / sum(rate), busiest)
-                      + self.costs.beta * n_layers / rate[0] + self.costs.hops_s(pp))
+                      + self.costs.beta * (n_layers / rate[0] + self.costs.hops_s(pp)))
                 work.append((lb, choice, pp, dp, items))
         work.sort(key=lambda w: (w[0], w[2], w[3]))
         for lb, choice, pp, dp, items in work:

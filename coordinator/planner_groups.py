@@ -209,6 +209,8 @@ def _form(speeds: Sequence[float], lo: int, hi: int, variant: str) -> list[tuple
     size = hi - lo
     if variant == "keep" or size == 1 or speeds[hi - 1] >= speeds[lo]:
         return [(lo, hi)]
+    if variant == "halve":  # the slow device keeps half its group at work: k/2 fast + k/2 with it
+        return [(lo, lo + size // 2), (lo + size // 2, hi)]
     best_k, best_v = size, size * speeds[hi - 1]
     k = size // 2
     while k >= 1:

@@ -4,7 +4,8 @@
    their current TP group, so healthy groups survive unchanged) are cut into groups of the
    TP size; a group holding a slow device may shrink to the power-of-two prefix maximising
    ``k · min pᵢ`` (ResiHP's TP exclusion), the excluded members forming smaller groups.
-   Variants: keep every group whole, shrink on ties, keep on ties; the remainder of a node
+   Variants: keep every group whole, shrink on ties, keep on ties, halve (the slow device's
+   group splits into two of half the size, so half of it keeps full speed); the remainder of a node
    whose device count is not a multiple of the TP size forms smaller groups from its
    slowest or ("-lead") its fastest devices. On small clusters (≤ 8 nodes) the weakest
    r nodes may also use half the TP size (mixed-TP layouts).
@@ -15,7 +16,9 @@
    possible shard — and evaluated best-bound first until the bound exceeds the best time.
 4. A shape takes the dp·pp fastest groups and arranges them into pipelines concentrated
    (slow groups share pipelines), spread (one per pipeline) or, on small clusters, snaked
-   (the fastest paired with the slowest); identical
+   (the fastest paired with the slowest); on small clusters the best arrangement is then
+   improved by swapping groups between pipelines while that helps (a weak group between
+   two strong ones beside a uniform pipeline, which no fixed arrangement yields). Identical
    pipelines form classes. Each class gets its stage order (which type runs the embedding
    and the LM head), its exact min-max layer split, and the classes share the global batch
    by exact water-filling (planner_shares).
@@ -49,12 +52,14 @@ _SHAPES: dict[tuple[object, ...], tuple[list["ShapeResult"], int, int]] = {}
 # (id(a node's alive-device list), tp size, variant) -> (that list, its groups as (type, ranks))
 _NODE_GROUPS: dict[tuple[int, int, str], tuple[list[DeviceState], list[tuple[StageKey, tuple[int, ...]]]]] = {}
 
-VARIANTS = ("keep", "exclude", "kmin", "keep-lead", "exclude-lead")
+VARIANTS = ("keep", "exclude", "kmin", "keep-lead", "exclude-lead", "halve")
 ARRANGEMENTS = ("concentrate", "spread", "snake")
 
 
 class Searcher:
     MIXED_TP_MAX_NODES = 8  # up to this many nodes: mixed-TP pools and the snake arrangement
+    SWAP_MAX_PIPELINES = 16  # improve_by_swaps on shapes of at most this many pipelines
+    SWAP_WITHIN = 0.25  # ... whose best arrangement is within this of the best time so far
     def __init__(
         self, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, current: Plan | None, config: PlannerConfig,
         schedule: Schedule | None = None, virtual_chunks: int | None = None,
@@ -231,10 +236,13 @@ class Searcher:
         spread = max(m - dp, 0) * n_layers / total_rate
         # the busiest replica runs ⌈M/dp⌉ micro-batches through at least ⌈L/pp⌉ layers of
         # its bottleneck stage, no stage being faster than the fastest group
-        busiest = (math.ceil(m / dp) - 1) * math.ceil(n_layers / pp) / best_rate
-        head = head_alone if pp == 1 else head_last  # the LM head runs somewhere
-        busiest = max(busiest, (math.ceil(m / dp) - 1) * (n_layers / best_rate + head) / pp)
-        bound = max(spread, busiest) + c.beta * (n_layers / best_rate + head) + c.hops_s(pp)
+        # (every stage of a pipeline also sends at least once per micro-batch: Costs.extra_s)
+        send = c.hop_s() if pp > 1 else 0.0
+        busiest = (math.ceil(m / dp) - 1) * (math.ceil(n_layers / pp) / best_rate + send)
+        head = head_alone if pp == 1 else head_last  # the LM head runs somewhere (head_last: + its send)
+        sends = c.hops_s(pp) - send  # all the pipeline's sends but the one already in head_last
+        busiest = max(busiest, (math.ceil(m / dp) - 1) * (n_layers / best_rate + head + sends) / pp)
+        bound = max(spread, busiest) + c.beta * (n_layers / best_rate + head + sends)
         shard = n_layers * c.layer_params / (pp * max_k)
         bound += shard * self.config.memory.state_bytes_per_param * 2.0 / self.config.hbm_bw_Bps / max_speed
         if dp > 1:
@@ -277,6 +285,8 @@ class Searcher:
                     if len(partial) == pp:
                         out.append((partial, 1))
                         partial = []
+                    if not count:  # all of this type went into the partial pipeline: keep it
+                        continue
                 full, rest = divmod(count, pp)
                 if full:
                     out.append(([key] * pp, full))
@@ -348,7 +358,52 @@ class Searcher:
         )
 
     def evaluate_shape(self, pool: Pool, pp: int, dp: int, arrangement: str, bound: float) -> ShapeResult | None:
-        groups = self.arrange(pool, pp, dp, arrangement)
+        return self.evaluate_groups(pool, pp, dp, arrangement, self.arrange(pool, pp, dp, arrangement), bound)
+
+    def improve_by_swaps(self, shape: ShapeResult, bound: float, rounds: int = 8) -> ShapeResult:
+        """Hill-climb from an arranged shape: swap two groups of different types between two
+        pipelines while that helps. The three arrangements miss layouts such as the weakest
+        group between two strong ones beside a uniform pipeline, which matter once a middle
+        stage pays two sends per micro-batch (small clusters only: large ones have many
+        identical groups and few types)."""
+        pipes = [list(sig.stages) for sig, count in shape.classes for _ in range(count)]
+        if len(pipes) < 2 or len(pipes) > self.SWAP_MAX_PIPELINES:
+            return shape
+        best = shape
+        seen: set[tuple[tuple[StageKey, ...], ...]] = {tuple(sorted(tuple(sorted(p)) for p in pipes))}
+        for _ in range(rounds):
+            found = None
+            for trial in self._swaps(pipes):
+                ident = tuple(sorted(tuple(sorted(p)) for p in trial))
+                if ident in seen:
+                    continue
+                seen.add(ident)
+                groups = [(list(keys), n) for keys, n in sorted(Counter(tuple(sorted(p)) for p in trial).items())]
+                res = self.evaluate_groups(shape.pool, shape.pp, shape.dp, "swap", groups, bound)
+                if res is not None and res.time_s < best.time_s * (1 - 1e-9):
+                    best, found = res, trial
+            if found is None:
+                break
+            pipes = found  # the best neighbour: climb from there
+        return best
+
+    @staticmethod
+    def _swaps(pipes: list[list[StageKey]]) -> list[list[list[StageKey]]]:
+        """Every layout one swap away: a group of pipeline i traded for one of another type in j."""
+        out = []
+        for i in range(len(pipes)):
+            for j in range(i + 1, len(pipes)):
+                for a in sorted(set(pipes[i])):
+                    for b in sorted(set(pipes[j])):
+                        if a != b:
+                            trial = [list(p) for p in pipes]
+                            trial[i][trial[i].index(a)] = b
+                            trial[j][trial[j].index(b)] = a
+                            out.append(trial)
+        return out
+
+    def evaluate_groups(self, pool: Pool, pp: int, dp: int, arrangement: str,
+                        groups: list[tuple[list[StageKey], int]], bound: float) -> ShapeResult | None:
         costs = self.costs
         m_total = self.batch.microbatches
         typical = max(1, math.ceil(m_total / dp))
@@ -379,7 +434,8 @@ class Searcher:
                     shards.append((key[0], layers, s == 0, s == pp - 1, key[1]))
         total = makespan + costs.sync_s(dp, shards, self.link)
         if self.link > 1.0 and pp > 1:  # the slow node's stage: its (at most two) edges
-            total += costs.link_extra_s([self.link] * min(pp, 2) + [1.0] * (pp - min(pp, 2)))
+            busiest_m = max((max(row) for row in shares if row), default=1)
+            total += costs.link_extra_s([self.link] * min(pp, 2) + [1.0] * (pp - min(pp, 2)), busiest_m)
         classes = [(sig, c) for sig, (_, c) in zip(sigs, groups)]
         return ShapeResult(total, pool, pp, dp, arrangement, classes, shares, bound)
 
@@ -457,8 +513,11 @@ class Searcher:
         mixes = [(0, 1)]
         if n_nodes <= self.MIXED_TP_MAX_NODES:
             mixes += [(r, 1) for r in range(1, n_nodes + 1)] + [(r, d) for r in (1, 2) for d in (2, 3)]
+        # halving a slow device's group pays where groups are few (small clusters); on large
+        # ones it multiplies the pools for little: the other variants already shrink the group
+        variants = VARIANTS if n_nodes <= self.MIXED_TP_MAX_NODES else VARIANTS[:-1]
         for tp in legal_tp_sizes(self.spec, self.cluster, self.config):
-            for variant in VARIANTS:
+            for variant in variants:
                 for split, depth in mixes:
                     if split and tp >> depth < 1:
                         continue
@@ -484,10 +543,19 @@ class Searcher:
             arrangements: tuple[str, ...] = ARRANGEMENTS[:1] if uniform else ARRANGEMENTS
             if len(self.node_devs) > self.MIXED_TP_MAX_NODES:
                 arrangements = arrangements[:2]  # snake pairs matter only with few, uneven groups
+            shape_best: ShapeResult | None = None
             for arrangement in arrangements:
                 res = self.evaluate_shape(pools[pi], pp, dp, arrangement, bound)
                 evaluated += 1
                 if res is not None and res.time_s < INF:
+                    results.append(res)
+                    best = min(best, res.time_s)
+                    if shape_best is None or res.time_s < shape_best.time_s:
+                        shape_best = res
+            if (shape_best is not None and not uniform and len(self.node_devs) <= self.MIXED_TP_MAX_NODES
+                    and shape_best.time_s <= best * (1 + self.SWAP_WITHIN)):
+                res = self.improve_by_swaps(shape_best, bound)
+                if res is not shape_best:
                     results.append(res)
                     best = min(best, res.time_s)
         if not results:

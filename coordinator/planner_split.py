@@ -1,7 +1,7 @@
 """The best layer split of one pipeline, as a function of its micro-batch count.
 
 For m micro-batches a pipeline with stage times t_s = e_s + l_s·a_s takes
-``(m − 1)·max t_s + β·Σ t_s + hops``. For a bound C on the bottleneck every stage can take
+``(m − 1)·max t_s + β·Σ t_s`` (e_s holds the stage's p2p sends: Costs.extra_s). For a bound C on the bottleneck every stage can take
 at most ``min(cap_s, ⌊(C − e_s)/a_s⌋)`` layers (cap_s: what fits in memory with the in-flight
 micro-batches), and the cheapest way to place L layers under that bound is greedy: fastest
 stages first. The optimum's own bottleneck is one of the values ``e_s + j·a_s``, so trying
@@ -33,7 +33,6 @@ class PipeProfile:
         # fastest stages take extra layers first; on ties the ones without the embedding or
         # LM head (their shard is smaller, which shortens the DP all-reduce), then middle-out
         self.order = sorted(range(p), key=lambda s: (self.a[s], (s == 0) + (s == p - 1), s))
-        self.hops = costs.hops_s(p)
         self.beta = costs.beta
         # in-flight counts (hence memory caps) stop changing once m reaches m_sat
         self.m_sat = p * (self.v + 1) if self.v > 1 else p
@@ -139,20 +138,45 @@ class PipeProfile:
             if c == last_c:
                 continue
             last_c = c
-            if best is not None and (m_eff - 1) * c + self.beta * floor_sum + self.hops >= best[0]:
+            if best is not None and (m_eff - 1) * c + self.beta * floor_sum >= best[0]:
                 break
             n = self._caps_at(caps, c)
             assert n is not None
             layers, total, peak = self._fill(n)
-            obj = (m_eff - 1) * peak + self.beta * total + self.hops
+            obj = (m_eff - 1) * peak + self.beta * total
             if best is None or obj < best[0] - 1e-15:
                 best = (obj, tuple(layers))
             if m_eff == 1 and total <= floor_sum + 1e-15:
                 break
+        if best is not None and m_eff == 1:
+            best = (best[0], self._smallest_shards(list(best[1]), caps))
         return best
 
+    def _smallest_shards(self, layers: list[int], caps: list[int]) -> tuple[int, ...]:
+        """One micro-batch costs Σ t_s whatever the split among stages of equal per-layer
+        time, but the DP all-reduce and the optimizer wait for the largest parameter shard:
+        spread each such group's layers to make that shard as small as possible (the
+        exhaustive search breaks the same ties the same way)."""
+        costs, p = self.costs, self.p
+        k = [key[0] for key in self.sig.stages]
+        fixed = [(costs.emb_params if s == 0 else 0) + (costs.emb_params if s == p - 1 else 0) for s in range(p)]
+        groups: dict[float, list[int]] = {}
+        for s in range(p):
+            groups.setdefault(round(self.a[s], 15), []).append(s)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            total = sum(layers[s] for s in members)
+            for s in members:
+                layers[s] = self.v
+            for _ in range(total - self.v * len(members)):  # water-filling: few layers, few stages
+                s = min((s for s in members if layers[s] < caps[s]),
+                        key=lambda s: ((layers[s] + 1) * costs.layer_params + fixed[s]) / k[s])
+                layers[s] += 1
+        return tuple(layers)
+
     def _affine_part(self) -> tuple[int, float, float, tuple[int, ...]] | None:
-        """(m_aff, bottleneck, β·Σt + hops, layers): for m ≥ m_aff the time is
+        """(m_aff, bottleneck, β·Σt, layers): for m ≥ m_aff the time is
         (m − 1)·bottleneck + rest with this split."""
         if self._affine is not False:
             return self._affine  # type: ignore[return-value]
@@ -170,7 +194,7 @@ class PipeProfile:
                 if nxt < len(cands) and total > floor_sum:
                     gap = cands[nxt] - peak
                     m_aff = max(m_aff, 1 + math.ceil(self.beta * (total - floor_sum) / gap) + 1)
-                res = (m_aff, peak, self.beta * total + self.hops, tuple(layers))
+                res = (m_aff, peak, self.beta * total, tuple(layers))
         self._affine = res
         return res
 

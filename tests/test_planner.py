@@ -76,12 +76,28 @@ def test_slow_device_is_excluded_or_given_less_work(healthy: tuple[Cluster, Plan
 
 
 def test_layer_split_gives_slow_stage_fewer_layers() -> None:
-    costs = Costs(Cluster.uniform(1, 4), preset("gpt-tiny"), GlobalBatch(16, 256), PlannerConfig())
+    costs = Costs(Cluster.uniform(1, 4), preset("llama2-7b"), GlobalBatch(16, 4096), PlannerConfig())
     fast, sick = (1, 1.0, 80.0 * 2**30), (1, 0.5, 80.0 * 2**30)
     res = profile(costs, PipeSig((fast, sick, fast))).best(16)
     assert res is not None
     layers = res[1]
-    assert sum(layers) == 8 and layers[1] < min(layers[0], layers[2])
+    assert sum(layers) == 32 and layers[1] < min(layers[0], layers[2])
+
+
+def test_stage_sends_are_paid_on_every_microbatch() -> None:
+    # gpt-tiny at GPU speed: a send (20 µs latency) costs ~30 layers of compute
+    costs = Costs(Cluster.uniform(1, 4), preset("gpt-tiny"), GlobalBatch(16, 256), PlannerConfig())
+    dev = (1, 1.0, 80.0 * 2**30)
+    sig = PipeSig((dev, dev, dev))
+    hop, layer = costs.hop_s(), costs.per_layer_s(1, 1.0)
+    assert hop > 20 * layer
+    # a middle stage sends twice per micro-batch (activations on, gradients back): the
+    # bottleneck of an even split is the middle stage, and every extra micro-batch pays it
+    step = costs.pipeline_time(sig, (3, 3, 2), 9) - costs.pipeline_time(sig, (3, 3, 2), 8)
+    assert step == pytest.approx(3 * layer + 2 * hop, rel=1e-9)
+    # so the best split moves layers off the middle stage, onto the ends that send once
+    res = profile(costs, sig).best(16)
+    assert res is not None and res[1][1] < res[1][0], res
 
 
 def test_split_matches_brute_force() -> None:
@@ -123,6 +139,46 @@ def test_search_matches_exhaustive_on_tiny_clusters() -> None:
         assert ex is not None
         best = evaluate(ex[1], cluster, spec, batch, cfg).tokens_per_s
         assert got >= best * 0.99
+
+
+@pytest.mark.parametrize("nodes, per_node, speeds, failed, layers", [
+    # bench/plan.py's hardest cases once sends are paid per micro-batch: the optimum pairs a
+    # [TP4, TP1, TP4] pipeline with a uniform [TP2, TP2, TP2] one (found by swapping groups)
+    (4, 4, {}, (13,), 8),
+    # ... and halves the slow device's TP4 group into two TP2 groups (the "halve" variant)
+    (2, 8, {4: 0.67}, (12,), 4),
+    # one micro-batch per replica: every split costs the same, the smaller shard syncs faster
+    (8, 2, {}, (), 4),
+])
+def test_search_finds_the_exhaustive_optimum_where_arrangements_alone_did_not(
+        nodes: int, per_node: int, speeds: dict[int, float], failed: tuple[int, ...], layers: int) -> None:
+    spec = ModelSpec("bench-small", layers, 2048, 16, 5504, 32000, gated_mlp=True)
+    batch = GlobalBatch(4 if nodes == 8 else 12, 2048)
+    cfg = PlannerConfig(equal_speed_tolerance=0.0)
+    cluster = Cluster.uniform(nodes, per_node).with_speeds(speeds).with_failed(failed)
+    got = evaluate(search_plan(cluster, spec, batch, None, cfg), cluster, spec, batch, cfg).iteration_s
+    ex = Exhaustive(cluster, spec, batch, cfg, Costs(cluster, spec, batch, cfg)).run()
+    assert ex is not None
+    assert got == pytest.approx(evaluate(ex[1], cluster, spec, batch, cfg).iteration_s, rel=1e-9)
+
+
+def test_halve_variant_splits_the_slow_devices_group() -> None:
+    speeds = [1.0] * 7 + [0.67]
+    assert node_ranges(speeds, 4, "halve") == [(0, 4), (4, 6), (6, 8)]
+    assert node_ranges([1.0] * 8, 4, "halve") == [(0, 4), (4, 8)]  # healthy groups stay whole
+
+
+def test_concentrate_arrangement_keeps_every_pipeline() -> None:
+    from resihp.coordinator.planner_search import Searcher
+
+    spec = ModelSpec("bench-small", 4, 2048, 16, 5504, 32000, gated_mlp=True)
+    cluster = Cluster.uniform(2, 8).with_speeds({4: 0.67}).with_failed((12,))
+    searcher = Searcher(cluster, spec, GlobalBatch(12, 2048), None, PlannerConfig())
+    pool = searcher.pool(4, "halve")  # types 4 x2, 2 x2, 2 (slow) x1, 1 x1: six groups
+    for arrangement in ("concentrate", "spread", "snake"):
+        pipes = searcher.arrange(pool, 3, 2, arrangement)
+        assert sum(count for _, count in pipes) == 2, (arrangement, pipes)
+        assert all(len(keys) == 3 for keys, _ in pipes)
 
 
 def test_simulator_agrees_with_closed_form_on_uniform_plan(healthy: tuple[Cluster, Plan]) -> None:

@@ -530,8 +530,18 @@ class Detector:
         names = {RankState.HEALTHY: "healthy", RankState.SUSPECT: "suspect", RankState.SLOW: "slow", RankState.DEAD: "dead"}
         return {r: names[s] for r, s in sorted(self._state.items())}
 
+    def _left_slow(self) -> dict[int, tuple[float, bool]]:
+        """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and
+        whether the cause was communication. Nothing observes them any more, so their last
+        verdict stands until a readmission (``readmit``): forgetting it would hand a still
+        slow device back to the next re-plan as a healthy one."""
+        live = set(self.index.ranks)
+        return {r: (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
+                for r, s in self._state.items() if s == RankState.SLOW and r not in live}
+
     def rank_speed(self) -> dict[int, float]:
-        """1.0 healthy, 1/factor for a slow rank (0.5 = 2x slow), 0.0 dead."""
+        """1.0 healthy, 1/factor for a slow rank (0.5 = 2x slow), 0.0 dead; ranks outside the
+        plan keep their last verdict (``_left_slow``)."""
         out = {}
         for i, r in enumerate(self.index.ranks):
             s = self.state[i]
@@ -539,6 +549,8 @@ class Detector:
         for r, s in self._state.items():
             if r not in out and s == RankState.DEAD:
                 out[r] = 0.0
+        for r, (factor, _) in self._left_slow().items():
+            out[r] = 1.0 / factor
         return out
 
     def compute_speed(self) -> dict[int, float]:
@@ -548,12 +560,28 @@ class Detector:
         for i, r in enumerate(self.index.ranks):
             if self.state[i] == RankState.SLOW and int(self.cause_code[i]):
                 speed[r] = 1.0
+        for r, (_, comm) in self._left_slow().items():
+            if comm:
+                speed[r] = 1.0
         return speed
 
     def link_factor(self) -> dict[int, float]:
         """Link slowdown factor (>= 1) of every rank confirmed slow because of communication."""
-        return {r: max(1.0, float(self.score[i])) for i, r in enumerate(self.index.ranks)
-                if self.state[i] == RankState.SLOW and int(self.cause_code[i])}
+        out = {r: max(1.0, float(self.score[i])) for i, r in enumerate(self.index.ranks)
+               if self.state[i] == RankState.SLOW and int(self.cause_code[i])}
+        out.update({r: factor for r, (factor, comm) in self._left_slow().items() if comm})
+        return out
+
+    def readmit(self, rank: int) -> bool:
+        """Forget the slow verdict of a rank outside the plan (an operator's readmission: the
+        device was repaired or the fault is over); True if there was one. A rank in the plan
+        recovers through its own timings (the ``recovered`` finding) instead."""
+        if rank not in self._left_slow():
+            return False
+        self._state[rank] = RankState.HEALTHY
+        self._factor[rank] = 1.0
+        self._cause.pop(rank, None)
+        return True
 
 
 @dataclass

@@ -84,13 +84,18 @@ class CoordinatorAdmin:
         with self.core.lock:
             self.core._check_rank(rank, "readmit.rank")
             info = self.core.ranks[rank]
-            if rank not in self.core.excluded and not info.dead:
+            # a rank the detector found slow and a re-plan left out: nothing observes it any
+            # more, so only a readmission clears its verdict
+            slow_spare = (not info.dead and not self.core.plan.has_rank(rank)
+                          and self.core.engine.suspects().get(rank) == "slow")
+            if rank not in self.core.excluded and not info.dead and not slow_spare:
                 raise Refused(f"rank {rank} is neither excluded nor dead; nothing to readmit")
             if info.dead:
                 raise Refused(f"rank {rank} is dead ({info.dead_reason}); it can rejoin only as a new process")
             if self.core.state not in (State.RUNNING, State.SUSPECT):
                 raise Refused(f"the coordinator is {self.core.state.value} ({self.core.state_reason}); retry when it is RUNNING")
             self.core.excluded.discard(rank)
+            self.core.engine.readmit(rank)
             self.core.journal.exclusion(rank, False)
             self.core.events.emit("readmit", rank=rank, reason=reason or "operator")
             # to the planner a readmitted device is a recovered one: it may take work again

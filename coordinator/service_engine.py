@@ -55,6 +55,7 @@ class Engine(Protocol):
     def tick(self, now: float) -> list[FindingInfo]: ...
     def suspects(self) -> dict[int, str]: ...  # rank -> healthy / suspect / slow / dead
     def rank_speed(self) -> dict[int, float]: ...
+    def readmit(self, rank: int) -> bool: ...  # forget a slow verdict of a rank outside the plan
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
                nodes: Mapping[int, str]) -> EngineDecision: ...
     def set_plan(self, plan: Plan, iteration: int) -> None: ...
@@ -202,6 +203,13 @@ class RuleEngine:
     def rank_speed(self) -> dict[int, float]:
         return {r: (0.0 if t.state == "dead" else 1.0 / max(t.ratio, 1.0) if t.state == "slow" else 1.0)
                 for r, t in self._tracks.items()}
+
+    def readmit(self, rank: int) -> bool:
+        tr = self._tracks.get(rank)
+        if tr is None or tr.state != "slow" or self.plan.has_rank(rank):
+            return False
+        tr.state, tr.ratio, tr.ok_streak, tr.slow_streak = "healthy", 1.0, 0, 0
+        return True
 
     # --- planning ---------------------------------------------------------------------
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,

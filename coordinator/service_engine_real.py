@@ -86,6 +86,9 @@ class RealEngine:
     def rank_speed(self) -> dict[int, float]:
         return self.detector.rank_speed()
 
+    def readmit(self, rank: int) -> bool:
+        return self.detector.readmit(rank)
+
     def set_plan(self, plan: Plan, iteration: int) -> None:
         self.detector.set_plan(plan, iteration)  # its first iteration: the detector re-warms from there
         self._rules.set_plan(plan, iteration)

@@ -254,3 +254,25 @@ def test_core_with_replanning_off_still_shrinks_past_a_dead_idle_rank_and_nothin
     # a member's death is left to the trainers' own recovery when re-planning is off
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(member, 100 + member, 3.0, -9),)))
     assert conn.outbox.empty() and core.epoch == 2
+
+
+def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> None:
+    from resihp.coordinator.detector import RankState
+    from resihp.coordinator.plan import PipelinePlan
+
+    plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
+    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
+    engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: 1000.0)
+    core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    # rank 3 as a fail-slow re-plan leaves it: found 2x slow, then moved out of the plan
+    det = engine.detector  # type: ignore[attr-defined]
+    det._state[3], det._factor[3], det._cause[3] = RankState.SLOW, 2.0, "compute"
+    assert engine.rank_speed()[3] == 0.5 and engine.suspects()[3] == "slow"
+    with pytest.raises(Refused, match="neither excluded nor dead"):
+        core.admin.readmit(2, "")  # a healthy spare: nothing to readmit
+    core.admin.readmit(3, "repaired")
+    assert engine.suspects()[3] == "healthy" and engine.rank_speed().get(3, 1.0) == 1.0
+    readmits = [e for e in core.events.since(0, 100) if e["event"] == "readmit"]
+    assert [(e["rank"], e["reason"]) for e in readmits] == [(3, "repaired")]

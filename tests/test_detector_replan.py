@@ -309,3 +309,24 @@ def test_engine_tells_the_planner_which_unavailable_ranks_are_excluded() -> None
     engine.observe(ExitEvent(3, 1.0, -9), 1.0)  # now it is dead
     d = engine.decide(plan, None, frozenset({3}), 2.0, nodes)
     assert "ranks [3] have failed" in d.reason, d.reason
+
+
+def test_confirmed_slow_rank_left_out_of_the_plan_stays_slow_until_readmitted() -> None:
+    # nothing observes a spare: forgetting its verdict handed the still-throttled rank back to
+    # the next re-plan as healthy (bench/e2e.py, 2026-11-30: the fail-stop's re-plan took the
+    # 2x slow spare over three healthy ones)
+    det = Detector(_header())
+    found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
+    assert _slow(found) == [(13, (5,))]
+    alone = Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1)
+    det.set_plan(alone)
+    assert _run(det, CHANGE, CHANGE + 4) == []
+    assert det.suspects()[5] == "slow" and det.suspects()[4] == "healthy"
+    assert det.rank_speed()[5] == pytest.approx(0.5, rel=0.05)
+    assert det.compute_speed()[5] == pytest.approx(0.5, rel=0.05)
+    assert 5 not in det.link_factor() and det.rank_speed().get(4, 1.0) == 1.0
+    assert det.readmit(0) is False  # in the plan: it recovers through its own timings
+    assert det.readmit(5) is True and det.readmit(5) is False
+    assert det.suspects()[5] == "healthy" and det.rank_speed().get(5, 1.0) == 1.0
+    det.set_plan(replace(OLD, epoch=2))  # back in the plan, judged afresh
+    assert det.suspects()[5] == "healthy"

@@ -115,6 +115,8 @@ class Detector:
         self._state: dict[int, RankState] = {}
         self._factor: dict[int, float] = {}
         self._cause: dict[int, str] = {}
+        self._slow_at: dict[int, float] = {}  # when each rank's slow verdict was given (injected time)
+        self._now = 0.0  # the latest time the detector was told of
         self._seen = 0  # iterations observed with the current evidence level
         self._level = ""
         self._last_beat: dict[int, float] = {}
@@ -200,6 +202,7 @@ class Detector:
 
     def tick(self, now: float) -> list[Finding]:
         """Heartbeat timeouts as of ``now``."""
+        self._now = max(self._now, now)
         if not self._beats_on:
             return []
         out = []
@@ -215,6 +218,7 @@ class Detector:
         return out
 
     def _exit(self, ev: ExitEvent, now: float) -> list[Finding]:
+        self._now = max(self._now, now)
         i = self.index.pos.get(ev.rank)
         if i is not None:
             if self.state[i] == RankState.DEAD:
@@ -249,6 +253,7 @@ class Detector:
     def observe_timings(self, t: IterationTimings, now: float) -> list[Finding]:
         """The detector's per-iteration work on dense arrays (what ``observe`` converts to)."""
         self._last_iter = t.iteration
+        self._now = max(self._now, now)
         ix, pred = self.index, self.predictor
         tok, ssq = batch_features(t.seqlens, ix.M)
         level = "chunks" if t.compute is not None else "rank_step" if t.rank_step is not None else "iteration"
@@ -447,6 +452,8 @@ class Detector:
         out: list[Finding] = []
         if confirm.any():
             st[confirm] = RankState.SLOW
+            for i in np.nonzero(confirm)[0]:
+                self._slow_at[self.index.ranks[int(i)]] = now
             self.score = np.where(confirm, score, self.score)
             if is_comm is not None:
                 self.cause_code = np.where(confirm, is_comm.astype(np.int64), self.cause_code)
@@ -525,19 +532,35 @@ class Detector:
 
     # --- queries --------------------------------------------------------------------------
     def suspects(self) -> dict[int, str]:
-        """Current state of every rank of the plan (and of dead ranks outside it)."""
+        """Current state of every rank of the plan (and of dead or slow ranks outside it)."""
         self._sync_out()
+        self._left_slow()  # lapsed verdicts of ranks outside the plan read healthy
         names = {RankState.HEALTHY: "healthy", RankState.SUSPECT: "suspect", RankState.SLOW: "slow", RankState.DEAD: "dead"}
         return {r: names[s] for r, s in sorted(self._state.items())}
 
     def _left_slow(self) -> dict[int, tuple[float, bool]]:
         """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and
         whether the cause was communication. Nothing observes them any more, so their last
-        verdict stands until a readmission (``readmit``): forgetting it would hand a still
-        slow device back to the next re-plan as a healthy one."""
+        verdict stands — forgetting it would hand a still slow device back to the next re-plan
+        as a healthy one — until an operator readmits the rank (``readmit``) or
+        ``spare_verdict_s`` has passed since the verdict (a fail-slow's expected duration:
+        the next re-plan may then use the rank again, and its own timings judge it afresh)."""
         live = set(self.index.ranks)
-        return {r: (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
-                for r, s in self._state.items() if s == RankState.SLOW and r not in live}
+        out = {}
+        for r, s in self._state.items():
+            if s != RankState.SLOW or r in live:
+                continue
+            if self._now - self._slow_at.get(r, self._now) >= self.config.spare_verdict_s:
+                self._forget(r)
+                continue
+            out[r] = (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
+        return out
+
+    def _forget(self, rank: int) -> None:
+        self._state[rank] = RankState.HEALTHY
+        self._factor[rank] = 1.0
+        self._cause.pop(rank, None)
+        self._slow_at.pop(rank, None)
 
     def rank_speed(self) -> dict[int, float]:
         """1.0 healthy, 1/factor for a slow rank (0.5 = 2x slow), 0.0 dead; ranks outside the
@@ -578,9 +601,7 @@ class Detector:
         recovers through its own timings (the ``recovered`` finding) instead."""
         if rank not in self._left_slow():
             return False
-        self._state[rank] = RankState.HEALTHY
-        self._factor[rank] = 1.0
-        self._cause.pop(rank, None)
+        self._forget(rank)
         return True
 
 

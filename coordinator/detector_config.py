@@ -29,6 +29,10 @@ class DetectorConfig:
     # at one micro-batch per iteration that is min_samples, and one odd iteration is 1/8 of a robust fit
     rewarm_iters: int = 8
     heartbeat_timeout_s: float = 30.0
+    # how long the slow verdict of a rank a re-plan left out stands (nothing observes an idle
+    # rank): Greyhound's mean compute fail-slow lasts 10 minutes. After it the next re-plan may
+    # use the rank again and its timings judge it afresh; `resihp admin readmit` ends it sooner
+    spare_verdict_s: float = 600.0
     # False: judge compute only. For jobs whose P2P timings include waiting for the sender
     # (CPU / gloo over loopback): a slow rank's neighbours would otherwise look link-slow
     link_detection: bool = True
@@ -64,6 +68,8 @@ class DetectorConfig:
                              "judged against the peers; turn both on, or both off")
         if not isinstance(self.calib_window, int) or self.calib_window < 16:
             raise ValueError(f"DetectorConfig.calib_window must be an integer >= 16, got {self.calib_window!r}")
+        if not (isinstance(self.spare_verdict_s, (int, float)) and self.spare_verdict_s > 0):
+            raise ValueError(f"DetectorConfig.spare_verdict_s must be > 0 seconds, got {self.spare_verdict_s!r}")
         if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
             raise ValueError(f"DetectorConfig.heartbeat_timeout_s must be > 0 seconds, got {self.heartbeat_timeout_s!r}")
 

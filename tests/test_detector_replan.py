@@ -330,3 +330,20 @@ def test_confirmed_slow_rank_left_out_of_the_plan_stays_slow_until_readmitted() 
     assert det.suspects()[5] == "healthy" and det.rank_speed().get(5, 1.0) == 1.0
     det.set_plan(replace(OLD, epoch=2))  # back in the plan, judged afresh
     assert det.suspects()[5] == "healthy"
+
+
+def test_slow_verdict_of_a_rank_out_of_the_plan_lapses_after_spare_verdict_s() -> None:
+    det = Detector(_header(), DetectorConfig(spare_verdict_s=100.0))
+    found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
+    assert _slow(found) == [(13, (5,))]  # at t = 135 s (_run: iteration i at 10 i + 5 s)
+    det.set_plan(Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1))
+    _run(det, CHANGE, CHANGE + 3)  # up to t = 225 s: 90 s after the verdict
+    assert det.rank_speed()[5] == pytest.approx(0.5, rel=0.05) and det.suspects()[5] == "slow"
+    _run(det, CHANGE + 3, CHANGE + 4)  # t = 235 s: the verdict has lapsed
+    assert det.rank_speed().get(5, 1.0) == 1.0 and det.suspects()[5] == "healthy"
+    assert det.readmit(5) is False  # nothing left to clear
+
+
+def test_spare_verdict_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="spare_verdict_s must be > 0 seconds"):
+        DetectorConfig(spare_verdict_s=0.0)

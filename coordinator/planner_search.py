@@ -4,8 +4,9 @@
    their current TP group, so healthy groups survive unchanged) are cut into groups of the
    TP size; a group holding a slow device may shrink to the power-of-two prefix maximising
    ``k · min pᵢ`` (ResiHP's TP exclusion), the excluded members forming smaller groups.
-   Variants: keep every group whole, shrink on ties, keep on ties, halve (the slow device's
-   group splits into two of half the size, so half of it keeps full speed); the remainder of a node
+   Variants: keep every group whole, shrink on ties, keep on ties, and on clusters of a few
+   nodes halve (the slow device's group splits into two of half the size, so half of it
+   keeps full speed); the remainder of a node
    whose device count is not a multiple of the TP size forms smaller groups from its
    slowest or ("-lead") its fastest devices. On small clusters (≤ 8 nodes) the weakest
    r nodes may also use half the TP size (mixed-TP layouts).
@@ -58,8 +59,11 @@ ARRANGEMENTS = ("concentrate", "spread", "snake")
 
 class Searcher:
     MIXED_TP_MAX_NODES = 8  # up to this many nodes: mixed-TP pools and the snake arrangement
+    HALVE_MAX_NODES = 4  # up to this many nodes: the "halve" TP-group variant
     SWAP_MAX_PIPELINES = 16  # improve_by_swaps on shapes of at most this many pipelines
-    SWAP_WITHIN = 0.25  # ... whose best arrangement is within this of the best time so far
+    SWAP_WITHIN = 0.25  # ... whose best arrangement is within this of the best time
+    SWAP_SEEDS = 6  # ... the best this many of them (each climb costs hundreds of evaluations)
+    SWAP_BUDGET = 300  # evaluations per climb
     def __init__(
         self, cluster: Cluster, spec: ModelSpec, batch: GlobalBatch, current: Plan | None, config: PlannerConfig,
         schedule: Schedule | None = None, virtual_chunks: int | None = None,
@@ -371,6 +375,7 @@ class Searcher:
             return shape
         best = shape
         seen: set[tuple[tuple[StageKey, ...], ...]] = {tuple(sorted(tuple(sorted(p)) for p in pipes))}
+        budget = self.SWAP_BUDGET
         for _ in range(rounds):
             found = None
             for trial in self._swaps(pipes):
@@ -378,6 +383,9 @@ class Searcher:
                 if ident in seen:
                     continue
                 seen.add(ident)
+                budget -= 1
+                if budget < 0:
+                    break
                 groups = [(list(keys), n) for keys, n in sorted(Counter(tuple(sorted(p)) for p in trial).items())]
                 res = self.evaluate_groups(shape.pool, shape.pp, shape.dp, "swap", groups, bound)
                 if res is not None and res.time_s < best.time_s * (1 - 1e-9):
@@ -513,9 +521,10 @@ class Searcher:
         mixes = [(0, 1)]
         if n_nodes <= self.MIXED_TP_MAX_NODES:
             mixes += [(r, 1) for r in range(1, n_nodes + 1)] + [(r, d) for r in (1, 2) for d in (2, 3)]
-        # halving a slow device's group pays where groups are few (small clusters); on large
-        # ones it multiplies the pools for little: the other variants already shrink the group
-        variants = VARIANTS if n_nodes <= self.MIXED_TP_MAX_NODES else VARIANTS[:-1]
+        # halving a slow device's group pays where groups are few (a handful of nodes); on
+        # larger clusters it multiplies the pools (+40 % search time on 8 nodes) for little:
+        # the other variants already shrink the group
+        variants = VARIANTS if n_nodes <= self.HALVE_MAX_NODES else VARIANTS[:-1]
         for tp in legal_tp_sizes(self.spec, self.cluster, self.config):
             for variant in variants:
                 for split, depth in mixes:
@@ -534,6 +543,7 @@ class Searcher:
                         shapes.append((self.lower_bound(pool, pp, dp), pi, pp, dp, len(shapes)))
         shapes.sort()
         results: list[ShapeResult] = []
+        seeds: list[tuple[float, int, ShapeResult, float]] = []
         best = INF
         evaluated = 0
         for bound, pi, pp, dp, _ in shapes:
@@ -552,12 +562,18 @@ class Searcher:
                     best = min(best, res.time_s)
                     if shape_best is None or res.time_s < shape_best.time_s:
                         shape_best = res
-            if (shape_best is not None and not uniform and len(self.node_devs) <= self.MIXED_TP_MAX_NODES
-                    and shape_best.time_s <= best * (1 + self.SWAP_WITHIN)):
-                res = self.improve_by_swaps(shape_best, bound)
-                if res is not shape_best:
-                    results.append(res)
-                    best = min(best, res.time_s)
+            if shape_best is not None and not uniform and len(self.node_devs) <= self.MIXED_TP_MAX_NODES:
+                seeds.append((shape_best.time_s, len(seeds), shape_best, bound))
+        # the most promising arranged shapes are improved by swapping groups (after the loop,
+        # so that how many climb does not depend on the order the shapes came in)
+        seeds.sort(key=lambda x: (x[0], x[1]))
+        for time_s, _, seed, bound in seeds[:self.SWAP_SEEDS]:
+            if time_s > best * (1 + self.SWAP_WITHIN):
+                break
+            res = self.improve_by_swaps(seed, bound)
+            if res is not seed:
+                results.append(res)
+                best = min(best, res.time_s)
         if not results:
             raise SpecError(
                 f"planner: no layout of {self.spec.name} fits the healthy devices "

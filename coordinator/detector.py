@@ -75,6 +75,7 @@ class Detector:
         self._factor: dict[int, float] = {}
         self._cause: dict[int, str] = {}
         self._slow_at: dict[int, float] = {}  # when each rank's slow verdict was given (injected time)
+        self._lapsed: list[tuple[int, float]] = []  # spares whose verdict lapsed, not yet reported (rank, age)
         self._now = 0.0  # the latest time the detector was told of
         self._seen = 0  # iterations observed with the current evidence level
         self._level = ""
@@ -160,11 +161,14 @@ class Detector:
         self._last_beat[rank] = max(t, self._last_beat.get(rank, t))
 
     def tick(self, now: float) -> list[Finding]:
-        """Heartbeat timeouts as of ``now``."""
+        """Heartbeat timeouts as of ``now``, and spares whose slow verdict lapsed (``_left_slow``)
+        as ``recovered`` findings: the coordinator re-plans on them as on any recovery."""
         self._now = max(self._now, now)
+        self._left_slow()
+        out = [self._lapse_finding(r, age, now) for r, age in self._lapsed]
+        self._lapsed = []
         if not self._beats_on:
-            return []
-        out = []
+            return out
         timeout = self.config.heartbeat_timeout_s
         for i, r in enumerate(self.index.ranks):
             last = self._last_beat.get(r)
@@ -509,11 +513,20 @@ class Detector:
         for r, s in self._state.items():
             if s != RankState.SLOW or r in live:
                 continue
-            if self._now - self._slow_at.get(r, self._now) >= self.config.spare_verdict_s:
+            age = self._now - self._slow_at.get(r, self._now)
+            if age >= self.config.spare_verdict_s:
                 self._forget(r)
+                self._lapsed.append((r, age))
                 continue
             out[r] = (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
         return out
+
+    def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
+        return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
+                       f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "
+                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle, where "
+                       "nothing can observe it; a plan that uses it again lets its timings judge it",
+                       {"verdict_age_s": age}, now)
 
     def _forget(self, rank: int) -> None:
         self._state[rank] = RankState.HEALTHY

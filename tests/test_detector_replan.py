@@ -339,9 +339,16 @@ def test_slow_verdict_of_a_rank_out_of_the_plan_lapses_after_spare_verdict_s() -
     det.set_plan(Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1))
     _run(det, CHANGE, CHANGE + 3)  # up to t = 225 s: 90 s after the verdict
     assert det.rank_speed()[5] == pytest.approx(0.5, rel=0.05) and det.suspects()[5] == "slow"
+    assert det.tick(230.0) == []
     _run(det, CHANGE + 3, CHANGE + 4)  # t = 235 s: the verdict has lapsed
     assert det.rank_speed().get(5, 1.0) == 1.0 and det.suspects()[5] == "healthy"
     assert det.readmit(5) is False  # nothing left to clear
+    # the coordinator hears of it as a recovery (it re-plans on that), once
+    back = det.tick(236.0)
+    assert [(f.kind, f.ranks, f.stage) for f in back] == [("recovered", (5,), None)]
+    assert "slow verdict lapsed 100 s after it was given" in back[0].reason
+    assert back[0].evidence["verdict_age_s"] == pytest.approx(100.0)
+    assert det.tick(237.0) == []
 
 
 def test_spare_verdict_s_must_be_positive() -> None:

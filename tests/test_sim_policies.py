@@ -163,3 +163,19 @@ def test_resihp_rebuilds_only_the_damaged_pipeline_after_a_lost_node() -> None:
     assert res.restarts == 0 and res.reconfigurations == 1
     # at least as fast as Oobleck's template re-instantiation after the failure
     assert res.segments[-1].tokens_per_s >= oob.segments[-1].tokens_per_s * (1 - 1e-9)
+
+
+def test_resihp_takes_an_idle_slow_rank_back_when_its_verdict_lapses() -> None:
+    # TP8 x DP2: the fail-slow's full re-plan leaves rank 5 idle, where nothing observes it;
+    # its verdict lapses spare_verdict_s (600 s) after the finding, as in Detector.tick: the
+    # re-plan takes it back, the detector finds it still slow, and after the fault's end it
+    # is back for good
+    job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
+    res, r0 = run("resihp", job, [FailSlow(500.0, (5,), 3.0, 1500.0)], 6000.0)
+    notes = [(line.time_s, line.note) for line in res.log]
+    found = [t for t, n in notes if "fail-slow#0 detected" in n]
+    lapsed = [t for t, n in notes if "verdict lapsed" in n]
+    assert len(found) == 2 and len(lapsed) == 1, notes
+    assert "full-replan" in notes[0][1] and lapsed[0] == pytest.approx(found[0] + 600.0)
+    assert found[0] < lapsed[0] < found[1] < 2000.0  # found again while the fault is still on
+    assert res.segments[-1].tokens_per_s >= 0.99 * r0  # after the fault: full speed (or the planner's better layout)

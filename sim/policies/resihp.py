@@ -12,7 +12,10 @@ a real run:
   ``Detector.link_factor()``: a confirmed compute fail-slow gives its ranks compute speed
   1/estimated factor; a communication fail-slow gives a link-slow node's devices that link
   slowdown factor (their compute stays 1.0); a fail-stop marks them failed; a recovery or a
-  repair clears them.
+  repair clears them. A recovery is seen only on ranks the plan uses; the verdict of ranks
+  it left idle lapses ``DetectorConfig.spare_verdict_s`` after the finding, into a recovery
+  (the detector's ``tick``); if the fault is still on and the new plan uses them, the
+  detector finds them again.
 - **Decision.** ``resihp.coordinator.planner.decide(cluster, model, batch, current,
   finding, now, config)`` on that view. If it acts, the job pauses for the decision's
   ``move_s`` (state moved / link bandwidth) plus the regroup latency, then runs the new
@@ -27,9 +30,11 @@ Source: the ResiHP paper (arXiv:2605.06374) and this repository's coordinator.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from resihp.coordinator.detector import Finding
+from resihp.coordinator.detector_config import DetectorConfig
 from resihp.coordinator.spec import SpecError
 from resihp.sim import detection
 from resihp.sim.detection import DetectionOracle
@@ -61,6 +66,9 @@ class ResiHP(Policy):
         self.oracle = oracle or oracle_for(job)
         self.known_dead: set[int] = set()
         self.known_slow: dict[int, tuple[tuple[int, ...], float, str]] = {}  # fault id -> (ranks, factor, cause)
+        self.verdict_at: dict[int, float] = {}  # fault id -> when its fail-slow was found
+        # a slow rank the plan leaves idle is observed by nothing: its verdict lapses after this
+        self.spare_verdict_s = DetectorConfig().spare_verdict_s
         self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
         self.waiting = False  # no feasible plan: waiting for repairs
         self.decisions = 0
@@ -190,6 +198,8 @@ class ResiHP(Policy):
             return self.steady(timers=((now + det.detect_iters * t_iter, f"slow:{ev.fault_id}"),))
         if ev.fault_id not in self.known_slow:
             return self.steady()
+        if not any(self.plan.has_rank(r) for r in self.known_slow[ev.fault_id][0]):
+            return self.steady()  # idle ranks: only the verdict's lapse (the "lapse" timer) brings them back
         t_iter = self.perf.iteration_s(self.plan, self.world)
         iters = det.recover_iters if det.recover_iters is not None else 10
         wait = iters * (t_iter if math.isfinite(t_iter) else 60.0)
@@ -218,8 +228,29 @@ class ResiHP(Policy):
             ranks = ev.ranks if ev.slow_kind == "compute" else tuple(
                 r for n in sorted({self.world.node_of(x) for x in ev.ranks}) for r in node_ranks(self.job, n))
             self.known_slow[fid] = (tuple(ranks), max(1.0, det.factor), det.cause)
+            self.verdict_at[fid] = now
             finding = self._finding("fail-slow", ranks, det.factor, det.cause, now)
-            return self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
+            res = self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
+            return replace(res, timers=res.timers + ((now + self.spare_verdict_s, f"lapse:{fid}"),))
+        if kind == "lapse":
+            # as Detector.tick: the verdict of ranks the plan left idle lapses into a recovery
+            entry = self.known_slow.get(fid)
+            if entry is None or now < self.verdict_at.get(fid, now) + self.spare_verdict_s - 1e-6:
+                return self.steady()  # recovered meanwhile, or an older verdict's timer
+            if any(self.plan.has_rank(r) for r in entry[0]):
+                if self._active(fid):
+                    return self.steady()  # in the plan: its own timings keep judging it
+            del self.known_slow[fid]
+            finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
+            res = self._apply(finding, now, f"fail-slow#{fid}: verdict lapsed", False)
+            if self._active(fid) and any(self.plan.has_rank(r) for r in entry[0]):
+                # back in the plan while still slow: the detector finds it again
+                assert isinstance(ev, FailSlow)
+                det = self.oracle.failslow("compute" if ev.slow_kind == "compute" else "communication", ev.factor)
+                t_iter = self.perf.iteration_s(self.plan, self.world)
+                if det.detect_iters is not None and math.isfinite(t_iter):
+                    res = replace(res, timers=res.timers + ((now + det.detect_iters * t_iter, f"slow:{fid}"),))
+            return res
         if kind == "recovered":
             entry = self.known_slow.pop(fid, None)
             if entry is None:

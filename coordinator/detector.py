@@ -163,8 +163,7 @@ class Detector:
     def tick(self, now: float) -> list[Finding]:
         """Heartbeat timeouts as of ``now``, and spares whose slow verdict lapsed (``_left_slow``)
         as ``recovered`` findings: the coordinator re-plans on them as on any recovery."""
-        self._now = max(self._now, now)
-        self._left_slow()
+        self._set_clock(now)
         out = [self._lapse_finding(r, age, now) for r, age in self._lapsed]
         self._lapsed = []
         if not self._beats_on:
@@ -181,7 +180,7 @@ class Detector:
         return out
 
     def _exit(self, ev: ExitEvent, now: float) -> list[Finding]:
-        self._now = max(self._now, now)
+        self._set_clock(now)
         i = self.index.pos.get(ev.rank)
         if i is not None:
             if self.state[i] == RankState.DEAD:
@@ -216,7 +215,7 @@ class Detector:
     def observe_timings(self, t: IterationTimings, now: float) -> list[Finding]:
         """The detector's per-iteration work on dense arrays (what ``observe`` converts to)."""
         self._last_iter = t.iteration
-        self._now = max(self._now, now)
+        self._set_clock(now)
         ix, pred = self.index, self.predictor
         tok, ssq = batch_features(t.seqlens, ix.M)
         level = "chunks" if t.compute is not None else "rank_step" if t.rank_step is not None else "iteration"
@@ -497,7 +496,6 @@ class Detector:
     def suspects(self) -> dict[int, str]:
         """Current state of every rank of the plan (and of dead or slow ranks outside it)."""
         self._sync_out()
-        self._left_slow()  # lapsed verdicts of ranks outside the plan read healthy
         names = {RankState.HEALTHY: "healthy", RankState.SUSPECT: "suspect", RankState.SLOW: "slow", RankState.DEAD: "dead"}
         return {r: names[s] for r, s in sorted(self._state.items())}
 
@@ -505,21 +503,22 @@ class Detector:
         """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and
         whether the cause was communication. Nothing observes them any more, so their last
         verdict stands — forgetting it would hand a still slow device back to the next re-plan
-        as a healthy one — until an operator readmits the rank (``readmit``) or
-        ``spare_verdict_s`` has passed since the verdict (a fail-slow's expected duration:
-        the next re-plan may then use the rank again, and its own timings judge it afresh)."""
+        as a healthy one — until an operator readmits the rank (``readmit``) or it lapses
+        (``_set_clock``)."""
         live = set(self.index.ranks)
-        out = {}
-        for r, s in self._state.items():
-            if s != RankState.SLOW or r in live:
-                continue
+        return {r: (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
+                for r, s in self._state.items() if s == RankState.SLOW and r not in live}
+
+    def _set_clock(self, now: float) -> None:
+        """Move the detector's clock: a left-out rank's verdict lapses ``spare_verdict_s``
+        after it was given (a fail-slow's expected duration), queued for ``tick`` to report
+        as a recovery; a plan that uses the rank again lets its own timings judge it."""
+        self._now = max(self._now, now)
+        for r in self._left_slow():
             age = self._now - self._slow_at.get(r, self._now)
             if age >= self.config.spare_verdict_s:
                 self._forget(r)
                 self._lapsed.append((r, age))
-                continue
-            out[r] = (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
-        return out
 
     def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
         return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",

@@ -1,9 +1,9 @@
 """The best layer split of one pipeline, as a function of its micro-batch count.
 
 For m micro-batches a pipeline with stage times t_s = e_s + l_s·a_s takes
-``(m − 1)·max t_s + β·Σ t_s`` (e_s holds the stage's p2p sends: Costs.extra_s). For a bound C on the bottleneck every stage can take
-at most ``min(cap_s, ⌊(C − e_s)/a_s⌋)`` layers (cap_s: what fits in memory with the in-flight
-micro-batches), and the cheapest way to place L layers under that bound is greedy: fastest
+``(m − 1)·max t_s + β·Σ t_s`` (e_s holds the stage's p2p sends: Costs.extra_s). For a
+bound C on the bottleneck every stage can take at most ``min(cap_s, ⌊(C − e_s)/a_s⌋)`` layers
+(cap_s: what fits in memory with the in-flight micro-batches), and the cheapest way to place L layers under that bound is greedy: fastest
 stages first. The optimum's own bottleneck is one of the values ``e_s + j·a_s``, so trying
 them from the smallest feasible upwards (stopping once the bound alone costs more than the
 best found) is exact. Beyond a threshold m the min-bottleneck split is optimal and the time

@@ -237,9 +237,8 @@ class ResiHP(Policy):
             entry = self.known_slow.get(fid)
             if entry is None or now < self.verdict_at.get(fid, now) + self.spare_verdict_s - 1e-6:
                 return self.steady()  # recovered meanwhile, or an older verdict's timer
-            if any(self.plan.has_rank(r) for r in entry[0]):
-                if self._active(fid):
-                    return self.steady()  # in the plan: its own timings keep judging it
+            if self._active(fid) and any(self.plan.has_rank(r) for r in entry[0]):
+                return self.steady()  # in the plan: its own timings keep judging it
             del self.known_slow[fid]
             finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
             res = self._apply(finding, now, f"fail-slow#{fid}: verdict lapsed", False)

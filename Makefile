@@ -27,7 +27,7 @@ demo: venv
 # tree that mirrors the installed resihp.* namespace. PURE lists the decision modules that
 # promise to stay clean under --strict.
 PURE := $(addprefix resihp.coordinator.,spec plan trace costmodel schedule schedule_orders \
-	detector detector_config detector_types detector_evidence detector_model detector_program detect_cli \
+	detector detector_config detector_types detector_idle detector_probe detector_evidence detector_model detector_program detect_cli \
 	cluster memory planner planner_cost planner_split planner_shares planner_groups planner_search \
 	planner_levels planner_decision planner_move planner_exhaustive planner_tables planner_arrange plan_cli statemachine joiner) \
 	resihp.trainer_hooks.layout resihp.trainer_hooks.reshard resihp.trainer_hooks.checkpoint_format \

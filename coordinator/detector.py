@@ -48,6 +48,8 @@ from resihp.coordinator.detector_evidence import (
     tp_own_share,
 )
 from resihp.coordinator.detector_model import Predictor, fill_nan, nanmedian, trimmed_ratio
+from resihp.coordinator.detector_idle import IdleRankVerdicts
+from resihp.coordinator.detector_probe import ProbeBook
 from resihp.coordinator.detector_types import TRANSITIONS as TRANSITIONS  # re-exported: callers import them here
 from resihp.coordinator.detector_types import Finding as Finding
 from resihp.coordinator.detector_types import FindingKind as FindingKind
@@ -62,7 +64,7 @@ log = logging.getLogger(__name__)
 FloatArray = npt.NDArray[np.float64]
 
 
-class Detector:
+class Detector(IdleRankVerdicts):
     def __init__(self, header: TraceHeader, config: DetectorConfig | None = None) -> None:
         self.header = header
         self.config = config or DetectorConfig()
@@ -81,6 +83,7 @@ class Detector:
         self._level = ""
         self._last_beat: dict[int, float] = {}
         self._beats_on = False
+        self._probes = ProbeBook()  # idle ranks' compute probes (detector_probe.py)
         self._job = _Track()  # iteration-level (job-wide) evidence
         self._last_iter = -1
         self._pending: tuple[FloatArray, FloatArray] | None = None
@@ -499,40 +502,6 @@ class Detector:
         names = {RankState.HEALTHY: "healthy", RankState.SUSPECT: "suspect", RankState.SLOW: "slow", RankState.DEAD: "dead"}
         return {r: names[s] for r, s in sorted(self._state.items())}
 
-    def _left_slow(self) -> dict[int, tuple[float, bool]]:
-        """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and
-        whether the cause was communication. Nothing observes them any more, so their last
-        verdict stands — forgetting it would hand a still slow device back to the next re-plan
-        as a healthy one — until an operator readmits the rank (``readmit``) or it lapses
-        (``_set_clock``)."""
-        live = set(self.index.ranks)
-        return {r: (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
-                for r, s in self._state.items() if s == RankState.SLOW and r not in live}
-
-    def _set_clock(self, now: float) -> None:
-        """Move the detector's clock: a left-out rank's verdict lapses ``spare_verdict_s``
-        after it was given (a fail-slow's expected duration), queued for ``tick`` to report
-        as a recovery; a plan that uses the rank again lets its own timings judge it."""
-        self._now = max(self._now, now)
-        for r in self._left_slow():
-            age = self._now - self._slow_at.get(r, self._now)
-            if age >= self.config.spare_verdict_s:
-                self._forget(r)
-                self._lapsed.append((r, age))
-
-    def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
-        return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
-                       f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "
-                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle, where "
-                       "nothing can observe it; a plan that uses it again lets its timings judge it",
-                       {"verdict_age_s": age}, now)
-
-    def _forget(self, rank: int) -> None:
-        self._state[rank] = RankState.HEALTHY
-        self._factor[rank] = 1.0
-        self._cause.pop(rank, None)
-        self._slow_at.pop(rank, None)
-
     def rank_speed(self) -> dict[int, float]:
         """1.0 healthy, 1/factor for a slow rank (0.5 = 2x slow), 0.0 dead; ranks outside the
         plan keep their last verdict (``_left_slow``)."""
@@ -565,16 +534,6 @@ class Detector:
                if self.state[i] == RankState.SLOW and int(self.cause_code[i])}
         out.update({r: factor for r, (factor, comm) in self._left_slow().items() if comm})
         return out
-
-    def readmit(self, rank: int) -> bool:
-        """Forget the slow verdict of a rank outside the plan (an operator's readmission: the
-        device was repaired or the fault is over); True if there was one. A rank in the plan
-        recovers through its own timings (the ``recovered`` finding) instead."""
-        if rank not in self._left_slow():
-            return False
-        self._forget(rank)
-        return True
-
 
 @dataclass
 class _Track:

@@ -17,6 +17,9 @@ class DetectorConfig:
     dp_threshold: float = 0.20  # a DP ring alone (one noisy all-reduce per iteration)
     step_threshold: float = 0.06  # rank_step_s evidence
     iteration_threshold: float = 0.10  # iteration-time-only evidence
+    # an idle rank's compute probe against the other ranks' probes (detector_probe.py): above
+    # 1 + this is a slow probe, at or below it a normal one
+    probe_threshold: float = 0.10
     confirm_iters: int = 2  # consecutive suspect iterations that make a finding
     recover_threshold: float = 0.03  # below this excess an iteration counts as normal again
     recover_iters: int = 3
@@ -29,9 +32,10 @@ class DetectorConfig:
     # at one micro-batch per iteration that is min_samples, and one odd iteration is 1/8 of a robust fit
     rewarm_iters: int = 8
     heartbeat_timeout_s: float = 30.0
-    # how long the slow verdict of a rank a re-plan left out stands (nothing observes an idle
-    # rank): Greyhound's mean compute fail-slow lasts 10 minutes. After it the next re-plan may
-    # use the rank again and its timings judge it afresh; `resihp admin readmit` ends it sooner
+    # how long the slow verdict of a rank a re-plan left out stands when nothing observes it (a
+    # rank that does not probe, or one slow because of its links): Greyhound's mean compute
+    # fail-slow lasts 10 minutes. After it the next re-plan may use the rank again and its
+    # timings judge it afresh; a slow probe renews the verdict; `resihp admin readmit` ends it
     spare_verdict_s: float = 600.0
     # False: judge compute only. For jobs whose P2P timings include waiting for the sender
     # (CPU / gloo over loopback): a slow rank's neighbours would otherwise look link-slow
@@ -46,7 +50,8 @@ class DetectorConfig:
     peer_common_slowdown: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold"):
+        for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold",
+                     "probe_threshold"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 10):
                 raise ValueError(f"DetectorConfig.{name} must be a relative excess in (0, 10), e.g. 0.05 for 5 %; got {v!r}")

@@ -15,6 +15,7 @@ PURE = [
     "resihp.coordinator.spec", "resihp.coordinator.plan", "resihp.coordinator.trace",
     "resihp.coordinator.costmodel", "resihp.coordinator.schedule", "resihp.coordinator.schedule_orders",
     "resihp.coordinator.detector", "resihp.coordinator.detector_config", "resihp.coordinator.detector_types",
+    "resihp.coordinator.detector_idle", "resihp.coordinator.detector_probe",
     "resihp.coordinator.detector_evidence",
     "resihp.coordinator.detector_model",
     "resihp.coordinator.detector_program", "resihp.coordinator.cluster", "resihp.coordinator.memory",

@@ -1,0 +1,116 @@
+"""The detector's verdicts on ranks the plan does not use (spares, excluded ranks).
+
+Nothing the detector normally reads observes an idle rank, so its verdict is kept (a
+still-slow device is not handed back to the next re-plan as healthy), judged afresh by the
+rank's compute probes (``detector_probe``), ended by an operator (``readmit``), or, where no
+probe can judge it, left to lapse after ``DetectorConfig.spare_verdict_s``. ``Detector``
+inherits this; it is split out only to keep modules small. Pure.
+"""
+from __future__ import annotations
+
+from resihp.coordinator.detector_config import DetectorConfig
+from resihp.coordinator.detector_evidence import PlanIndex
+from resihp.coordinator.detector_probe import ProbeBook, check_probe
+from resihp.coordinator.detector_types import Finding, RankState
+
+
+class IdleRankVerdicts:
+    # the detector's state this part reads and writes (set by Detector.__init__)
+    config: DetectorConfig
+    index: PlanIndex
+    _nodes: dict[int, str]
+    _state: dict[int, RankState]
+    _factor: dict[int, float]
+    _cause: dict[int, str]
+    _slow_at: dict[int, float]
+    _lapsed: list[tuple[int, float]]
+    _now: float
+    _last_iter: int
+    _probes: ProbeBook
+
+    def _sync_out(self) -> None:
+        raise NotImplementedError  # Detector's: copies the plan's rank arrays into the dicts
+
+    def observe_probe(self, rank: int, probe_s: float, now: float) -> list[Finding]:
+        """An idle rank's compute probe (``detector_probe``): a fail-slow finding when a healthy
+        idle rank's probes turn slow, a recovered one when a slow idle rank's turn normal; a
+        slow probe renews the rank's verdict. A rank of the plan only refreshes the reference
+        (its iterations judge it). Raises ValueError on an unknown rank or a bad duration."""
+        check_probe(rank, probe_s, set(self._nodes))
+        self._set_clock(now)
+        self._sync_out()
+        state = self._state.get(rank, RankState.HEALTHY)
+        unreliable = {r for r, s in self._state.items() if s in (RankState.SLOW, RankState.DEAD)}
+        got = self._probes.read(rank, probe_s, unreliable)
+        if got.ratio is None or state == RankState.DEAD or rank in self.index.ranks:
+            self._probes.forget_runs(rank)
+            return []
+        slow = got.ratio > 1.0 + self.config.probe_threshold
+        run = self._probes.count(rank, slow)
+        evidence = {"probe_s": got.probe_s, "reference_s": float(got.reference_s or 0.0), "ratio": got.ratio,
+                    "probes": float(run)}
+        if state == RankState.SLOW:
+            if self._cause.get(rank) == "communication":
+                return []  # a compute probe says nothing of links: the lapse decides
+            if slow:  # still slow: the evidence renews the verdict (and its factor)
+                self._slow_at[rank], self._factor[rank] = self._now, got.ratio
+                return []
+            if run < self.config.recover_iters:
+                return []
+            self._forget(rank)
+            self._probes.forget_runs(rank)
+            return [Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "compute",
+                            f"idle rank {rank} recovered: its last {run} compute probes ran at x{got.ratio:.2f} of "
+                            f"the other ranks' (threshold x{1 + self.config.probe_threshold:.2f})", evidence, now)]
+        if not slow or run < self.config.confirm_iters:
+            return []
+        self._state[rank], self._factor[rank], self._cause[rank] = RankState.SLOW, got.ratio, "compute"
+        self._slow_at[rank] = self._now
+        self._probes.forget_runs(rank)
+        return [Finding(self._last_iter, "fail-slow", (rank,), None, None, None, got.ratio, "compute",
+                        f"idle rank {rank} is compute-slow: its last {run} compute probes ran at x{got.ratio:.2f} of "
+                        f"the other ranks' (threshold x{1 + self.config.probe_threshold:.2f})", evidence, now)]
+
+    def _left_slow(self) -> dict[int, tuple[float, bool]]:
+        """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and
+        whether the cause was communication. Nothing observes them any more, so their last
+        verdict stands — forgetting it would hand a still slow device back to the next re-plan
+        as a healthy one — until an operator readmits the rank (``readmit``) or it lapses
+        (``_set_clock``)."""
+        live = set(self.index.ranks)
+        return {r: (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
+                for r, s in self._state.items() if s == RankState.SLOW and r not in live}
+
+    def _set_clock(self, now: float) -> None:
+        """Move the detector's clock: a left-out rank's verdict lapses ``spare_verdict_s``
+        after it was given (a fail-slow's expected duration), queued for ``tick`` to report
+        as a recovery; a plan that uses the rank again lets its own timings judge it."""
+        self._now = max(self._now, now)
+        for r in self._left_slow():
+            age = self._now - self._slow_at.get(r, self._now)
+            if age >= self.config.spare_verdict_s:
+                self._forget(r)
+                self._lapsed.append((r, age))
+
+    def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
+        return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
+                       f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "
+                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle, where "
+                       "nothing can observe it; a plan that uses it again lets its timings judge it",
+                       {"verdict_age_s": age}, now)
+
+    def _forget(self, rank: int) -> None:
+        self._state[rank] = RankState.HEALTHY
+        self._factor[rank] = 1.0
+        self._cause.pop(rank, None)
+        self._slow_at.pop(rank, None)
+
+    def readmit(self, rank: int) -> bool:
+        """Forget the slow verdict of a rank outside the plan (an operator's readmission: the
+        device was repaired or the fault is over); True if there was one. A rank in the plan
+        recovers through its own timings (the ``recovered`` finding) instead."""
+        if rank not in self._left_slow():
+            return False
+        self._forget(rank)
+        return True
+

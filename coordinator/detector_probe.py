@@ -1,0 +1,73 @@
+"""Judging idle ranks by probes.
+
+A rank the plan leaves idle (a spare, or one excluded for being slow) runs no iteration, so
+nothing the detector normally reads can say whether its device is slow or healthy. Instead,
+every ``probe_every_s`` an idle rank times a short fixed compute probe (a few GEMMs on its
+device, stretched by the same throttle as its compute chunks; ``trainer_hooks/probe.py``)
+and reports the duration. Every rank also probes once at start-up, which gives the
+healthy reference: the median of the latest probe of every *other* rank not judged slow or
+dead. The probe's ratio to that reference is judged like a step's: ``confirm_iters``
+consecutive probes above ``1 + probe_threshold`` make an idle healthy rank slow (a
+fail-slow finding, so the planner will not take it back as healthy), ``recover_iters``
+consecutive probes at or below it make an idle slow rank recovered (a recovered finding,
+so the planner may take it back), and every slow probe renews the slow verdict, so it does
+not lapse (``spare_verdict_s``) while the evidence says it is still slow.
+
+A probe measures compute only: the verdict of a rank slow because of its links is left to
+the lapse. Pure: no torch, grpc or MPI; ``ProbeBook`` only keeps numbers.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ProbeReading:
+    """One probe set against the reference: ``ratio`` None when no reference exists yet."""
+
+    rank: int
+    probe_s: float
+    reference_s: float | None
+    ratio: float | None
+
+
+def check_probe(rank: int, probe_s: float, known: frozenset[int] | set[int]) -> None:
+    """Refuse a probe no judgement can use, saying what was wrong."""
+    if rank not in known:
+        raise ValueError(f"probe from rank {rank}: not a rank of this job (ranks {min(known)}..{max(known)}); "
+                         "check the trainer's rank")
+    if not (isinstance(probe_s, (int, float)) and math.isfinite(probe_s) and probe_s > 0):
+        raise ValueError(f"probe from rank {rank}: probe_s must be a finite duration > 0 seconds, got {probe_s!r}")
+
+
+@dataclass
+class ProbeBook:
+    """The latest probe of every rank and, per idle rank, its current run of slow or
+    normal probes (reset when the plan uses the rank)."""
+
+    latest: dict[int, float] = field(default_factory=dict)
+    slow_run: dict[int, int] = field(default_factory=dict)
+    ok_run: dict[int, int] = field(default_factory=dict)
+
+    def read(self, rank: int, probe_s: float, unreliable: set[int]) -> ProbeReading:
+        """Record ``probe_s`` and set it against the other ranks' latest probes, leaving out
+        ``unreliable`` ones (judged slow or dead): their probes do not say what healthy is."""
+        others = [v for r, v in self.latest.items() if r != rank and r not in unreliable]
+        self.latest[rank] = float(probe_s)
+        if not others:
+            return ProbeReading(rank, float(probe_s), None, None)
+        ref = float(statistics.median(others))
+        return ProbeReading(rank, float(probe_s), ref, float(probe_s) / ref)
+
+    def count(self, rank: int, slow: bool) -> int:
+        """Extend the rank's run of slow (or normal) probes; returns its length."""
+        grow, reset = (self.slow_run, self.ok_run) if slow else (self.ok_run, self.slow_run)
+        reset.pop(rank, None)
+        grow[rank] = grow.get(rank, 0) + 1
+        return grow[rank]
+
+    def forget_runs(self, rank: int) -> None:
+        self.slow_run.pop(rank, None)
+        self.ok_run.pop(rank, None)

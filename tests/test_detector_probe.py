@@ -1,0 +1,122 @@
+"""Idle ranks judged by their compute probes (coordinator/detector_probe.py).
+
+The same synthetic 8-rank TP2 x PP2 x DP2 job as test_detector_replan.py: rank 5 turns 2x
+slow at iteration 12, is found, and a re-plan leaves ranks 4-7 idle. Every rank probed once
+at start-up (0.050 s, rank 5 then healthy); idle ranks then probe again at chosen times.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from resihp.coordinator.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.detector_probe import ProbeBook
+from resihp.coordinator.plan import Plan
+from test_detector_replan import CHANGE, OLD, _header, _run, _slow
+
+PROBE_S = 0.050
+ALONE = Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1)
+
+
+def _excluded(config: DetectorConfig | None = None) -> Detector:
+    """Rank 5 confirmed 2x slow at t = 135 s, then left idle with ranks 4, 6, 7."""
+    det = Detector(_header(), config)
+    for r in range(8):
+        assert det.observe_probe(r, PROBE_S * (1 + 0.01 * (r % 3)), now=1.0) == []
+    assert _slow(_run(det, 0, CHANGE, slow_from={5: (12, 2.0)})) == [(13, (5,))]
+    det.set_plan(ALONE)
+    return det
+
+
+def _kinds(found: list[Finding]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(f.kind, f.ranks, f.cause) for f in found]
+
+
+def test_a_slow_idle_rank_recovers_after_recover_iters_normal_probes() -> None:
+    det = _excluded()
+    k = det.config.recover_iters
+    found = [f for i in range(k) for f in det.observe_probe(5, PROBE_S * 1.02, now=300.0 + i)]
+    assert _kinds(found) == [("recovered", (5,), "compute")]
+    assert "its last 3 compute probes ran at x1.01 of the other ranks'" in found[0].reason, found[0].reason
+    assert found[0].evidence["reference_s"] == pytest.approx(PROBE_S * 1.01)
+    assert det.suspects()[5] == "healthy" and det.rank_speed().get(5, 1.0) == 1.0
+
+
+def test_one_slow_probe_breaks_the_run_of_normal_ones() -> None:
+    det = _excluded()
+    assert det.observe_probe(5, PROBE_S, now=300.0) == []
+    assert det.observe_probe(5, PROBE_S, now=301.0) == []
+    assert det.observe_probe(5, PROBE_S * 2, now=302.0) == []  # still slow after all
+    assert det.observe_probe(5, PROBE_S, now=303.0) == []
+    assert det.observe_probe(5, PROBE_S, now=304.0) == []
+    assert det.suspects()[5] == "slow"
+    assert _kinds(det.observe_probe(5, PROBE_S, now=305.0)) == [("recovered", (5,), "compute")]
+
+
+def test_slow_probes_renew_the_verdict_so_it_does_not_lapse() -> None:
+    det = _excluded(DetectorConfig(spare_verdict_s=100.0))
+    assert det.observe_probe(5, PROBE_S * 1.6, now=200.0) == []  # 65 s after the verdict: renewed
+    assert det.tick(290.0) == []  # 155 s after the verdict, 90 s after the renewal: stands
+    assert det.suspects()[5] == "slow"
+    assert det.rank_speed()[5] == pytest.approx(1 / 1.6 * 1.01, rel=0.02)  # the probe's factor now
+    back = det.tick(301.0)  # 101 s after the last slow probe, none since: lapses
+    assert _kinds(back) == [("recovered", (5,), "unknown")]
+
+
+def test_a_healthy_idle_rank_whose_probes_turn_slow_is_found() -> None:
+    det = _excluded()
+    assert det.observe_probe(6, PROBE_S * 1.5, now=300.0) == []  # one slow probe is no finding
+    found = det.observe_probe(6, PROBE_S * 1.5, now=330.0)
+    assert _kinds(found) == [("fail-slow", (6,), "compute")]
+    assert found[0].factor == pytest.approx(1.5 / 1.01, rel=0.01) and found[0].stage is None
+    assert "idle rank 6 is compute-slow: its last 2 compute probes" in found[0].reason
+    assert det.rank_speed()[6] == pytest.approx(1.01 / 1.5, rel=0.01)
+
+
+def test_a_rank_of_the_plan_only_refreshes_the_reference() -> None:
+    det = _excluded()
+    for t in range(5):
+        assert det.observe_probe(0, PROBE_S * 3, now=300.0 + t) == []  # its iterations judge it
+    assert det.suspects()[0] == "healthy"
+
+
+def test_slow_and_dead_ranks_do_not_make_the_reference() -> None:
+    book = ProbeBook()
+    book.read(0, 0.05, set())
+    book.read(1, 0.05, set())
+    book.read(2, 0.20, set())
+    got = book.read(3, 0.05, {2})
+    assert got.reference_s == pytest.approx(0.05) and got.ratio == pytest.approx(1.0)
+    alone = ProbeBook().read(0, 0.05, set())
+    assert alone.ratio is None and alone.reference_s is None
+
+
+def test_a_link_slow_idle_rank_is_left_to_the_lapse() -> None:
+    det = _excluded()
+    det._cause[5] = "communication"  # as if its finding had named its links
+    for t in range(5):
+        assert det.observe_probe(5, PROBE_S, now=300.0 + t) == []
+    assert det.suspects()[5] == "slow"
+
+
+@pytest.mark.parametrize("rank, probe_s, message", [
+    (8, 0.05, "probe from rank 8: not a rank of this job (ranks 0..7)"),
+    (-1, 0.05, "probe from rank -1: not a rank of this job"),
+    (2, math.nan, "probe from rank 2: probe_s must be a finite duration > 0 seconds, got nan"),
+    (2, -0.1, "probe_s must be a finite duration > 0 seconds, got -0.1"),
+    (2, 0.0, "probe_s must be a finite duration > 0 seconds, got 0.0"),
+    (2, math.inf, "got inf"),
+])
+def test_bad_probes_are_refused_and_change_nothing(rank: int, probe_s: float, message: str) -> None:
+    det = _excluded()
+    before = (det.suspects(), det.rank_speed(), dict(det._probes.latest))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        det.observe_probe(rank, probe_s, now=300.0)
+    assert (det.suspects(), det.rank_speed(), dict(det._probes.latest)) == before
+
+
+def test_probe_threshold_is_validated() -> None:
+    with pytest.raises(ValueError, match="DetectorConfig.probe_threshold must be a relative excess"):
+        DetectorConfig(probe_threshold=0.0)

@@ -14,7 +14,7 @@ from resihp.sim.policies.base import Settings
 from resihp.sim.policies.failslow import Greyhound
 from resihp.sim.policies.oobleck import Oobleck
 from resihp.sim.runner import failure_free_tps
-from resihp.sim.world import FailSlow, FailStop, Fault, World
+from resihp.sim.world import FailSlow, FailStop, Fault, World, WorldEvent
 
 SETTINGS = Settings(checkpoint_interval_s=600.0, checkpoint_stall_s=0.0, restart_s=300.0, failstop_detect_s=30.0,
                     regroup_s=10.0, failslow_detect_iters=10, failslow_validate_s=30.0, spare_nodes=1)
@@ -166,12 +166,12 @@ def test_resihp_rebuilds_only_the_damaged_pipeline_after_a_lost_node() -> None:
 
 
 def test_resihp_takes_an_idle_slow_rank_back_when_its_verdict_lapses() -> None:
-    # TP8 x DP2: the fail-slow's full re-plan leaves rank 5 idle, where nothing observes it;
-    # its verdict lapses spare_verdict_s (600 s) after the finding, as in Detector.tick: the
-    # re-plan takes it back, the detector finds it still slow, and after the fault's end it
-    # is back for good
+    # TP8 x DP2 without probes: the fail-slow's full re-plan leaves rank 5 idle, where
+    # nothing observes it; its verdict lapses spare_verdict_s (600 s) after the finding, as in
+    # Detector.tick: the re-plan takes it back, the detector finds it still slow, and after
+    # the fault's end it is back for good
     job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
-    res, r0 = run("resihp", job, [FailSlow(500.0, (5,), 3.0, 1500.0)], 6000.0)
+    res, r0 = run_without_probes(job, [FailSlow(500.0, (5,), 3.0, 1500.0)], 6000.0)
     notes = [(line.time_s, line.note) for line in res.log]
     found = [t for t, n in notes if "fail-slow#0 detected" in n]
     lapsed = [t for t, n in notes if "verdict lapsed" in n]
@@ -179,3 +179,41 @@ def test_resihp_takes_an_idle_slow_rank_back_when_its_verdict_lapses() -> None:
     assert "full-replan" in notes[0][1] and lapsed[0] == pytest.approx(found[0] + 600.0)
     assert found[0] < lapsed[0] < found[1] < 2000.0  # found again while the fault is still on
     assert res.segments[-1].tokens_per_s >= 0.99 * r0  # after the fault: full speed (or the planner's better layout)
+
+
+def run_without_probes(job: JobSpec, faults: list[Fault], horizon: float) -> tuple[RunResult, float]:
+    perf = PerfModel(job)
+    r0 = failure_free_tps(job, perf)
+    pol = make("resihp", job, perf, SETTINGS)
+    pol.probe_every_s = None  # type: ignore[attr-defined]
+    return Simulation(pol, job.world_size, job.gpus_per_node, r0).run(faults, horizon), r0
+
+
+def test_resihp_probes_keep_an_idle_slow_rank_out_until_it_recovers() -> None:
+    # the same fault with the idle rank probing every 30 s: each slow probe renews the
+    # verdict (no lapse, no second detection); three normal probes after the fault's end
+    # (at 2000 s) are its recovery, and the re-plan takes the rank back at full speed
+    job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
+    res, r0 = run("resihp", job, [FailSlow(500.0, (5,), 3.0, 1500.0)], 6000.0)
+    notes = [(line.time_s, line.note) for line in res.log]
+    found = [t for t, n in notes if "fail-slow#0 detected" in n]
+    back = [t for t, n in notes if "idle ranks' probes normal" in n]
+    assert len(found) == 1 and not any("verdict lapsed" in n for _, n in notes), notes
+    assert len(back) == 1 and 2000.0 + 2 * 30.0 < back[0] <= 2000.0 + 3 * 30.0, notes
+    assert res.segments[-1].tokens_per_s >= 0.99 * r0
+
+
+def test_resihp_finds_a_fail_slow_of_idle_ranks_by_their_probes() -> None:
+    # rank 5 idle after the first fault's re-plan: a fault that starts there is found by
+    # confirm_iters (2) slow probes, 30 s apart, not by iterations it does not run
+    job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
+    perf = PerfModel(job)
+    pol = make("resihp", job, perf, SETTINGS)
+    Simulation(pol, job.world_size, job.gpus_per_node, failure_free_tps(job, perf)).run(
+        [FailSlow(500.0, (5,), 3.0, 1500.0)], 600.0)
+    assert not pol.plan.has_rank(5)
+    second = FailSlow(650.0, (5,), 2.0, 100.0)
+    reaction = pol.on_world(WorldEvent(650.0, second, 7, True), 650.0)
+    assert reaction.timers == ((650.0 + 2 * 30.0, "slow:7"),)
+    in_plan = pol.on_world(WorldEvent(650.0, FailSlow(650.0, (4,), 2.0, 100.0), 8, True), 650.0)
+    assert in_plan.timers[0][0] < 650.0 + 30.0  # a rank of the plan: its iterations find it

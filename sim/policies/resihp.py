@@ -12,9 +12,14 @@ a real run:
   ``Detector.link_factor()``: a confirmed compute fail-slow gives its ranks compute speed
   1/estimated factor; a communication fail-slow gives a link-slow node's devices that link
   slowdown factor (their compute stays 1.0); a fail-stop marks them failed; a recovery or a
-  repair clears them. A recovery is seen only on ranks the plan uses; the verdict of ranks
-  it left idle lapses ``DetectorConfig.spare_verdict_s`` after the finding, into a recovery
-  (the detector's ``tick``); if the fault is still on and the new plan uses them, the
+  repair clears them. A recovery is seen by the iterations of ranks the plan uses; ranks it
+  left idle are judged by their compute probes (``coordinator/detector_probe.py``), one every
+  ``probe_every_s`` (the hooks' default, 30 s), with the detector's rules: a probe above
+  ``1 + probe_threshold`` renews the verdict, ``recover_iters`` probes in a row at or below
+  it are a recovery; a compute fail-slow that starts on idle ranks is found by
+  ``confirm_iters`` slow probes. A link-slow verdict, which no compute probe can judge,
+  lapses ``DetectorConfig.spare_verdict_s`` after it was given, into a recovery (the
+  detector's ``tick``); if the fault is still on and the new plan uses the ranks, the
   detector finds them again.
 - **Decision.** ``resihp.coordinator.planner.decide(cluster, model, batch, current,
   finding, now, config)`` on that view. If it acts, the job pauses for the decision's
@@ -43,6 +48,7 @@ from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings, node_ranks
 from resihp.sim.world import FailSlow, FailStop, WorldEvent
 
+PROBE_EVERY_S = 30.0  # trainer_hooks: an idle rank's probe interval (init's probe_every_s)
 _DECISIONS: dict[tuple[object, ...], Any] = {}
 _CLUSTERS: dict[tuple[object, ...], tuple[JobSpec, Any]] = {}
 
@@ -67,8 +73,14 @@ class ResiHP(Policy):
         self.known_dead: set[int] = set()
         self.known_slow: dict[int, tuple[tuple[int, ...], float, str]] = {}  # fault id -> (ranks, factor, cause)
         self.verdict_at: dict[int, float] = {}  # fault id -> when its fail-slow was found
-        # a slow rank the plan leaves idle is observed by nothing: its verdict lapses after this
-        self.spare_verdict_s = DetectorConfig().spare_verdict_s
+        # a slow rank the plan leaves idle is judged by its compute probes (None: no probes);
+        # a verdict no probe renews lapses after spare_verdict_s
+        det = DetectorConfig()
+        self.spare_verdict_s = det.spare_verdict_s
+        self.probe_every_s: float | None = PROBE_EVERY_S
+        self.probe_threshold = det.probe_threshold
+        self.probe_confirm, self.probe_recover = det.confirm_iters, det.recover_iters
+        self.probe_ok: dict[int, int] = {}  # fault id -> normal probes in a row
         self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
         self.waiting = False  # no feasible plan: waiting for repairs
         self.decisions = 0
@@ -192,6 +204,9 @@ class ResiHP(Policy):
         if ev.start:
             if det.detect_iters is None:
                 return self.steady(f"{ev.label}: not detected")
+            if kind == "compute" and self.probe_every_s is not None and not any(self.plan.has_rank(r) for r in f.ranks):
+                # idle devices: their probes find it (confirm_iters slow probes)
+                return self.steady(timers=((now + self.probe_confirm * self.probe_every_s, f"slow:{ev.fault_id}"),))
             t_iter = self.perf.iteration_s(self.plan, self.world)
             if not math.isfinite(t_iter):
                 t_iter = self.perf.iteration_s(self.job.initial_plan(), self.world.__class__(self.world.world_size, self.world.gpus_per_node))
@@ -199,7 +214,7 @@ class ResiHP(Policy):
         if ev.fault_id not in self.known_slow:
             return self.steady()
         if not any(self.plan.has_rank(r) for r in self.known_slow[ev.fault_id][0]):
-            return self.steady()  # idle ranks: only the verdict's lapse (the "lapse" timer) brings them back
+            return self.steady()  # idle ranks: their probes (or the verdict's lapse) bring them back
         t_iter = self.perf.iteration_s(self.plan, self.world)
         iters = det.recover_iters if det.recover_iters is not None else 10
         wait = iters * (t_iter if math.isfinite(t_iter) else 60.0)
@@ -231,12 +246,21 @@ class ResiHP(Policy):
             self.verdict_at[fid] = now
             finding = self._finding("fail-slow", ranks, det.factor, det.cause, now)
             res = self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
-            return replace(res, timers=res.timers + ((now + self.spare_verdict_s, f"lapse:{fid}"),))
+            timers = ((now + self.spare_verdict_s, f"lapse:{fid}"),)
+            if det.cause != "communication" and self.probe_every_s is not None:
+                self.probe_ok.pop(fid, None)
+                timers += ((now + self.probe_every_s, f"probe:{fid}"),)
+            return replace(res, timers=res.timers + timers)
+        if kind == "probe":
+            return self._probe(fid, now)
         if kind == "lapse":
             # as Detector.tick: the verdict of ranks the plan left idle lapses into a recovery
             entry = self.known_slow.get(fid)
-            if entry is None or now < self.verdict_at.get(fid, now) + self.spare_verdict_s - 1e-6:
-                return self.steady()  # recovered meanwhile, or an older verdict's timer
+            if entry is None:
+                return self.steady()  # recovered meanwhile
+            due = self.verdict_at.get(fid, now) + self.spare_verdict_s
+            if now < due - 1e-6:  # a slow probe renewed the verdict: lapse from then on
+                return self.steady(timers=((due, f"lapse:{fid}"),))
             if self._active(fid) and any(self.plan.has_rank(r) for r in entry[0]):
                 return self.steady()  # in the plan: its own timings keep judging it
             del self.known_slow[fid]
@@ -257,6 +281,28 @@ class ResiHP(Policy):
             finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
             return self._apply(finding, now, f"recovery#{fid} detected", False)
         return self.steady()
+
+    def _probe(self, fid: int, now: float) -> Reaction:
+        """An idle slow rank's compute probe, judged as Detector.observe_probe judges it."""
+        entry = self.known_slow.get(fid)
+        if entry is None or self.probe_every_s is None:
+            return self.steady()  # recovered (or readmitted and judged by its iterations)
+        nxt = ((now + self.probe_every_s, f"probe:{fid}"),)
+        if any(self.plan.has_rank(r) for r in entry[0]):
+            self.probe_ok.pop(fid, None)
+            return self.steady(timers=nxt)  # in the plan: its iterations judge it
+        ratio = max(max(self.world.slow.get(r, {}).values(), default=1.0) for r in entry[0])
+        if ratio > 1.0 + self.probe_threshold:
+            self.probe_ok.pop(fid, None)
+            self.verdict_at[fid] = now  # the evidence renews the verdict
+            return self.steady(timers=nxt)
+        self.probe_ok[fid] = self.probe_ok.get(fid, 0) + 1
+        if self.probe_ok[fid] < self.probe_recover:
+            return self.steady(timers=nxt)
+        del self.known_slow[fid]
+        self.probe_ok.pop(fid, None)
+        finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
+        return self._apply(finding, now, f"fail-slow#{fid}: idle ranks' probes normal", False)
 
     # --- helpers --------------------------------------------------------------------------------
     def _fault(self, fid: int) -> FailStop | FailSlow:

@@ -154,6 +154,16 @@ class AgentDaemon:
         if raw:
             self.uplink.send(m.AgentBatch(raw_reports=tuple(raw)))
 
+    def hook_probes(self, probes: Sequence[m.RankProbe]) -> None:
+        """Idle ranks' compute probes, validated: on to the coordinator's detector."""
+        now = self.clock()
+        with self._lock:
+            for p in probes:
+                loc = self.locals.get(p.rank)
+                if loc is not None:
+                    loc.last_seen = now
+        self.uplink.send(m.AgentBatch(probes=tuple(probes)))
+
     def hook_ack(self, ack: m.Ack) -> None:
         self.uplink.send(m.AgentBatch(acks=(ack,)), urgent=True)
 

@@ -42,6 +42,7 @@ class HookSink(Protocol):
     def hook_hello(self, rank: int, local_rank: int, pid: int) -> None: ...
     def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
                      raw: Sequence[pb.RankReport]) -> None: ...
+    def hook_probes(self, probes: Sequence[m.RankProbe]) -> None: ...
     def hook_ack(self, ack: m.Ack) -> None: ...
     def hook_leave(self, rank: int, pid: int) -> None: ...
     def check_rank(self, rank: int) -> None: ...
@@ -157,20 +158,25 @@ class HookServicer(pbg.HookServicer):
         return await self._guard(context, run)  # type: ignore[return-value]
 
     def _accept(self, request: pb.HookReportBatch) -> int:
-        reports, heartbeats = request.reports, request.heartbeats
-        if len(reports) + len(heartbeats) > MAX_HOOK_BATCH:
+        reports, heartbeats, raw_probes = request.reports, request.heartbeats, request.probes
+        if len(reports) + len(heartbeats) + len(raw_probes) > MAX_HOOK_BATCH:
             raise ValidationError(f"report batch holds more than {MAX_HOOK_BATCH} items; send smaller batches")
         check = wire.check_report  # packed or per-chunk form
         seen = [check(r, f"reports[{i}]") for i, r in enumerate(reports)]
         beats = [codec.check_heartbeat_pb(h, f"heartbeats[{i}]") for i, h in enumerate(heartbeats)]
+        probes = [codec.probe_from_pb(p, f"probes[{i}]") for i, p in enumerate(raw_probes)]
         check_rank = self.sink.check_rank
         for rank, _ in seen:
             check_rank(rank)
         for rank, _ in beats:
             check_rank(rank)
+        for p in probes:
+            check_rank(p.rank)
         # validated: forwarded in wire form; the agent itself needs only (rank, iteration)
         self.sink.hook_reports(seen, beats, reports)
-        return len(seen) + len(beats)
+        if probes:
+            self.sink.hook_probes(probes)
+        return len(seen) + len(beats) + len(probes)
 
     async def Report(self, request: pb.HookReportBatch, context: grpc.aio.ServicerContext) -> pb.HookReportReply:
         return await self._guard(context, lambda: pb.HookReportReply(accepted=self._accept(request)))  # type: ignore[return-value]

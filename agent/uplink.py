@@ -30,7 +30,7 @@ from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
 
 log = logging.getLogger(__name__)
-LIST_FIELDS = ("reports", "acks", "exits", "gpus", "processes", "joined", "injections", "raw_reports")
+LIST_FIELDS = ("reports", "acks", "exits", "gpus", "processes", "joined", "injections", "raw_reports", "probes")
 
 
 class Uplink:

@@ -177,6 +177,16 @@ def heartbeat_from_pb(h: pb.RankHeartbeat, name: str = "heartbeat") -> m.RankHea
     return m.RankHeartbeat(_rank(h.rank, f"{name}.rank"), _time(h.time_s, f"{name}.time_s"), h.iteration)
 
 
+def probe_to_pb(p: m.RankProbe) -> pb.RankProbe:
+    return pb.RankProbe(rank=p.rank, time_s=p.time_s, probe_s=p.probe_s)
+
+
+def probe_from_pb(p: pb.RankProbe, name: str = "probe") -> m.RankProbe:
+    if not (math.isfinite(p.probe_s) and p.probe_s > 0):
+        raise ValidationError(f"{name}.probe_s must be a finite duration > 0 seconds, got {p.probe_s!r}")
+    return m.RankProbe(_rank(p.rank, f"{name}.rank"), _time(p.time_s, f"{name}.time_s"), float(p.probe_s))
+
+
 # --- commands and acks -------------------------------------------------------------------
 def command_to_pb(c: m.Command) -> pb.Command:
     out = pb.Command(seq=c.seq, epoch=c.epoch, apply_at=c.apply_at, reason=c.reason, ranks=list(c.ranks),
@@ -288,6 +298,7 @@ def agent_batch_to_pb(b: m.AgentBatch) -> pb.AgentMessage:
         gpus=[gpu_to_pb(g) for g in b.gpus], processes=[process_to_pb(p) for p in b.processes],
         joined=[local_rank_to_pb(r) for r in b.joined],
         injections=[pb.InjectResult(kind=i.kind, rank=i.rank, ok=i.ok, detail=i.detail) for i in b.injections],
+        probes=[probe_to_pb(p) for p in b.probes],
     )
     if b.heartbeat is not None:
         h = b.heartbeat
@@ -299,7 +310,8 @@ def agent_batch_to_pb(b: m.AgentBatch) -> pb.AgentMessage:
 
 
 def agent_batch_from_pb(b: pb.AgentMessage) -> m.AgentBatch:
-    total = len(b.reports) + len(b.acks) + len(b.exits) + len(b.gpus) + len(b.processes) + len(b.joined)
+    total = (len(b.reports) + len(b.acks) + len(b.exits) + len(b.gpus) + len(b.processes) + len(b.joined)
+             + len(b.probes))
     if total > MAX_BATCH_ITEMS:
         raise ValidationError(f"agent message carries {total} items; the limit is {MAX_BATCH_ITEMS}")
     hb = None
@@ -322,6 +334,7 @@ def agent_batch_from_pb(b: pb.AgentMessage) -> m.AgentBatch:
         injections=tuple(m.InjectResult(i.kind, i.rank, i.ok, _text(i.detail, "injections.detail"))
                          for i in b.injections),
         heartbeat=hb,
+        probes=tuple(probe_from_pb(p, f"probes[{i}]") for i, p in enumerate(b.probes)),
     )
 
 

@@ -35,6 +35,16 @@ class RankHeartbeat:
 
 
 @dataclass(frozen=True)
+class RankProbe:
+    """A rank's compute probe (coordinator/detector_probe.py): ``probe_s`` seconds for a fixed
+    few GEMMs on its device, timed like its compute chunks; ``time_s`` when it ended."""
+
+    rank: int
+    time_s: float
+    probe_s: float
+
+
+@dataclass(frozen=True)
 class GpuSample:
     gpu: int
     time_s: float
@@ -172,6 +182,7 @@ class AgentBatch:
     joined: tuple[LocalRank, ...] = ()
     injections: tuple[InjectResult, ...] = ()
     heartbeat: AgentHeartbeat | None = None
+    probes: tuple[RankProbe, ...] = ()
     # the agent's fast path: reports already validated by the codec, forwarded in their wire
     # form (protobuf ``RankReport``) instead of being converted back; opaque outside codec.py
     raw_reports: tuple[Any, ...] = ()

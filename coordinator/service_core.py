@@ -235,6 +235,9 @@ class CoordinatorCore:
                     lab = {"rank": p.rank, "node": conn.node, "job": self.config.job}
                     self.metrics.set("resihp_rank_cpu_seconds_total", p.cpu_seconds_total, lab)
                     self.metrics.set("resihp_rank_resident_memory_bytes", p.rss_bytes, lab)
+            for pr in batch.probes:
+                if self._valid_item(pr.rank, "probe"):
+                    self._safely("probe", self._on_probe, pr, now)
             for inj in batch.injections:
                 self.events.emit("inject-result", kind=inj.kind, rank=inj.rank, ok=inj.ok, node=conn.node,
                                  reason=inj.detail)
@@ -273,6 +276,21 @@ class CoordinatorCore:
             self.metrics.inc("resihp_reports_late_total", 1, {"job": self.config.job})
         for rec in records:
             self._on_record(rec, now)
+
+    def _on_probe(self, pr: m.RankProbe, now: float) -> None:
+        info = self.ranks[pr.rank]
+        info.last_seen = now  # a probing spare is alive
+        self.metrics.set("resihp_rank_probe_seconds", pr.probe_s, {"rank": pr.rank, "node": info.node,
+                                                                   "job": self.config.job})
+        try:
+            found = self.engine.observe_probe(pr.rank, pr.probe_s, now)
+        except ValueError as exc:
+            self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "probe"})
+            log.warning("dropped probe of rank %d: %s", pr.rank, exc)
+            return
+        idle = not self.plan.has_rank(pr.rank)
+        self.events.emit("probe", epoch=self.epoch, rank=pr.rank, probe_s=round(pr.probe_s, 6), idle=idle)
+        self._findings(found, now)
 
     def _adopt(self, plan: Plan, first: int, now: float) -> None:
         """The engine (detector) judges iterations from ``first`` on by ``plan``."""

@@ -56,6 +56,8 @@ class Engine(Protocol):
     def suspects(self) -> dict[int, str]: ...  # rank -> healthy / suspect / slow / dead
     def rank_speed(self) -> dict[int, float]: ...
     def readmit(self, rank: int) -> bool: ...  # forget a slow verdict of a rank outside the plan
+    # an idle rank's compute probe (detector_probe.py); ValueError on a bad rank or duration
+    def observe_probe(self, rank: int, probe_s: float, now: float) -> list[FindingInfo]: ...
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
                nodes: Mapping[int, str]) -> EngineDecision: ...
     def set_plan(self, plan: Plan, iteration: int) -> None: ...
@@ -203,6 +205,11 @@ class RuleEngine:
     def rank_speed(self) -> dict[int, float]:
         return {r: (0.0 if t.state == "dead" else 1.0 / max(t.ratio, 1.0) if t.state == "slow" else 1.0)
                 for r, t in self._tracks.items()}
+
+    def observe_probe(self, rank: int, probe_s: float, now: float) -> list[FindingInfo]:
+        """The rule engine judges iterations only: a probe just says the rank is alive."""
+        self._track(rank).last_seen = now
+        return []
 
     def readmit(self, rank: int) -> bool:
         tr = self._tracks.get(rank)

@@ -80,6 +80,11 @@ class RealEngine:
     def tick(self, now: float) -> list[FindingInfo]:
         return self._convert(self.detector.tick(now))
 
+    def observe_probe(self, rank: int, probe_s: float, now: float) -> list[FindingInfo]:
+        if not self.detection:
+            return []
+        return self._convert(self.detector.observe_probe(rank, probe_s, now))
+
     def suspects(self) -> dict[int, str]:
         return self.detector.suspects()
 

@@ -122,7 +122,8 @@ def agent_batch_from_wire(b: pb.AgentMessage) -> m.AgentBatch:
     """``codec.agent_batch_from_pb`` that also reads packed reports. Consumes ``b``'s reports."""
     if not len(b.reports):
         return codec.agent_batch_from_pb(b)
-    total = len(b.reports) + len(b.acks) + len(b.exits) + len(b.gpus) + len(b.processes) + len(b.joined)
+    total = (len(b.reports) + len(b.acks) + len(b.exits) + len(b.gpus) + len(b.processes) + len(b.joined)
+             + len(b.probes))
     if total > MAX_BATCH_ITEMS:
         raise ValidationError(f"agent message carries {total} items; the limit is {MAX_BATCH_ITEMS}")
     reports = tuple([report_from_wire(r, f"reports[{i}]") for i, r in enumerate(b.reports)])
@@ -130,6 +131,8 @@ def agent_batch_from_wire(b: pb.AgentMessage) -> m.AgentBatch:
     return replace(codec.agent_batch_from_pb(b), reports=reports)
 
 
-def report_batch(reports: Sequence[m.RankReport], heartbeats: Sequence[Any] = ()) -> pb.HookReportBatch:
-    """A hook's batch of reports (packed) and heartbeats, ready for ``ReportStream``."""
-    return pb.HookReportBatch(reports=[report_to_wire(r) for r in reports], heartbeats=list(heartbeats))
+def report_batch(reports: Sequence[m.RankReport], heartbeats: Sequence[Any] = (),
+                 probes: Sequence[m.RankProbe] = ()) -> pb.HookReportBatch:
+    """A hook's batch of reports (packed), heartbeats and probes, ready for ``ReportStream``."""
+    return pb.HookReportBatch(reports=[report_to_wire(r) for r in reports], heartbeats=list(heartbeats),
+                              probes=[pb.RankProbe(rank=p.rank, time_s=p.time_s, probe_s=p.probe_s) for p in probes])

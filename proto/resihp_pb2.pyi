@@ -76,6 +76,16 @@ class RankHeartbeat(_message.Message):
     iteration: int
     def __init__(self, rank: _Optional[int] = ..., time_s: _Optional[float] = ..., iteration: _Optional[int] = ...) -> None: ...
 
+class RankProbe(_message.Message):
+    __slots__ = ("rank", "time_s", "probe_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    PROBE_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    time_s: float
+    probe_s: float
+    def __init__(self, rank: _Optional[int] = ..., time_s: _Optional[float] = ..., probe_s: _Optional[float] = ...) -> None: ...
+
 class GpuSample(_message.Message):
     __slots__ = ("gpu", "uuid", "model_name", "time_s", "sm_clock_hz", "sm_clock_max_hz", "clock_event_reasons", "temperature_celsius", "power_watts", "ecc_corrected_total", "ecc_uncorrected_total", "xid_events")
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -211,12 +221,14 @@ class HookWelcome(_message.Message):
     def __init__(self, node: _Optional[str] = ..., job: _Optional[str] = ..., coordinator_connected: _Optional[bool] = ...) -> None: ...
 
 class HookReportBatch(_message.Message):
-    __slots__ = ("reports", "heartbeats")
+    __slots__ = ("reports", "heartbeats", "probes")
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
     reports: _containers.RepeatedCompositeFieldContainer[RankReport]
     heartbeats: _containers.RepeatedCompositeFieldContainer[RankHeartbeat]
-    def __init__(self, reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., heartbeats: _Optional[_Iterable[_Union[RankHeartbeat, _Mapping]]] = ...) -> None: ...
+    probes: _containers.RepeatedCompositeFieldContainer[RankProbe]
+    def __init__(self, reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., heartbeats: _Optional[_Iterable[_Union[RankHeartbeat, _Mapping]]] = ..., probes: _Optional[_Iterable[_Union[RankProbe, _Mapping]]] = ...) -> None: ...
 
 class HookReportReply(_message.Message):
     __slots__ = ("accepted",)
@@ -311,7 +323,7 @@ class InjectResult(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("agent_id", "node", "reports", "acks", "exits", "gpus", "processes", "joined", "injections", "heartbeat")
+    __slots__ = ("agent_id", "node", "reports", "acks", "exits", "gpus", "processes", "joined", "injections", "heartbeat", "probes")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +334,7 @@ class AgentMessage(_message.Message):
     JOINED_FIELD_NUMBER: _ClassVar[int]
     INJECTIONS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     node: str
     reports: _containers.RepeatedCompositeFieldContainer[RankReport]
@@ -332,7 +345,8 @@ class AgentMessage(_message.Message):
     joined: _containers.RepeatedCompositeFieldContainer[LocalRank]
     injections: _containers.RepeatedCompositeFieldContainer[InjectResult]
     heartbeat: AgentHeartbeat
-    def __init__(self, agent_id: _Optional[str] = ..., node: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[Ack, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessSample, _Mapping]]] = ..., joined: _Optional[_Iterable[_Union[LocalRank, _Mapping]]] = ..., injections: _Optional[_Iterable[_Union[InjectResult, _Mapping]]] = ..., heartbeat: _Optional[_Union[AgentHeartbeat, _Mapping]] = ...) -> None: ...
+    probes: _containers.RepeatedCompositeFieldContainer[RankProbe]
+    def __init__(self, agent_id: _Optional[str] = ..., node: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[Ack, _Mapping]]] = ..., exits: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessSample, _Mapping]]] = ..., joined: _Optional[_Iterable[_Union[LocalRank, _Mapping]]] = ..., injections: _Optional[_Iterable[_Union[InjectResult, _Mapping]]] = ..., heartbeat: _Optional[_Union[AgentHeartbeat, _Mapping]] = ..., probes: _Optional[_Iterable[_Union[RankProbe, _Mapping]]] = ...) -> None: ...
 
 class AgentOrder(_message.Message):
     __slots__ = ("kill",)

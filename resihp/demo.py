@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--admin", action="append", default=[], metavar="STEP:ARGS",
                     help="an operator action at a step, e.g. '20:exclude --rank 3' runs `resihp admin exclude "
                          "--rank 3` once step 20 is reached (repeatable)")
+    ap.add_argument("--probe-every-s", type=float, default=2.0,
+                    help="seconds between an idle spare's compute probes (resihp launch's default is 30)")
     ap.add_argument("--no-slow", action="store_true")
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--no-adapt", action="store_true", help="static: detect but do not reconfigure")
@@ -146,7 +148,8 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     if args.checkpoint_every:
         train += ["--checkpoint-dir", str(run / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every)]
     cmd = _resihp("launch", "-n", str(args.tp * args.pp * args.dp), *layout, "--microbatches",
-                  str(args.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", *coord_args, "--", *train)
+                  str(args.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", "--probe-every-s", str(args.probe_every_s),
+                  *coord_args, "--", *train)
     (run / "progress.jsonl").unlink(missing_ok=True)
     log = open(run / "launch.log", "wb")
     t0 = time.time()

@@ -192,3 +192,42 @@ def test_report_checks_name_the_bad_field() -> None:
     with pytest.raises(codec.ValidationError, match=r"heartbeats\[0\].time_s must be a finite number"):
         codec.check_heartbeat_pb(pb.RankHeartbeat(rank=1, time_s=float("nan")), "heartbeats[0]")
     assert codec.check_heartbeat_pb(pb.RankHeartbeat(rank=1, time_s=2.0, iteration=-1)) == (1, -1)
+
+
+def test_probes_go_up_through_the_agent_and_a_bad_one_is_refused_by_name() -> None:
+    import grpc
+    from cp_helpers import wait_until
+
+    from resihp.agent.daemon import AgentConfig, AgentDaemon
+    from resihp.coordinator import codec
+    from resihp.proto import resihp_pb2 as pb
+    from resihp.proto import resihp_pb2_grpc as pbg
+
+    agent = AgentDaemon(AgentConfig(node="n0", coordinator="127.0.0.1:1", gpu_sampler="off", world_size=4))
+    agent.start()
+    c = AgentClient(2, agent.hook_server.address, 2, flush_s=0.05).start()
+    try:
+        c.probe(0.0123)
+
+        def forwarded() -> list[m.RankProbe]:
+            with agent.uplink._lock:
+                return [p for b in agent.uplink._buf for p in b.probes]
+
+        wait_until(lambda: forwarded(), 10, "the probe in the uplink buffer")
+        (got,) = forwarded()
+        assert (got.rank, got.probe_s) == (2, 0.0123) and got.time_s > 0
+        with grpc.insecure_channel(agent.hook_server.address) as ch:
+            stub = pbg.HookStub(ch)
+            for bad, message in ((pb.RankProbe(rank=2, time_s=1.0, probe_s=float("nan")),
+                                  "probes[0].probe_s must be a finite duration > 0 seconds, got nan"),
+                                 (pb.RankProbe(rank=2, time_s=1.0, probe_s=-1.0), "got -1.0"),
+                                 (pb.RankProbe(rank=9, time_s=1.0, probe_s=0.01), "rank 9")):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Report(pb.HookReportBatch(probes=[bad]), timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+                assert message in err.value.details(), err.value.details()  # type: ignore[attr-defined]
+        assert len(forwarded()) == 1  # the refused ones went nowhere
+        assert codec.probe_from_pb(codec.probe_to_pb(got)) == got
+    finally:
+        c.close(timeout=5.0)
+        agent.stop()

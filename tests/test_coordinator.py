@@ -276,3 +276,32 @@ def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> Non
     assert engine.suspects()[3] == "healthy" and engine.rank_speed().get(3, 1.0) == 1.0
     readmits = [e for e in core.events.since(0, 100) if e["event"] == "readmit"]
     assert [(e["rank"], e["reason"]) for e in readmits] == [(3, "repaired")]
+
+
+def test_probes_of_a_slow_spare_recover_it_and_the_coordinator_replans(tmp_path: Path) -> None:
+    from resihp.coordinator.detector import RankState
+    from resihp.coordinator.plan import PipelinePlan
+
+    plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
+    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
+    engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
+    metrics = Registry()
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           metrics, lambda: 1000.0)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    # every rank's start-up probe, then rank 3 as a fail-slow re-plan leaves it: 2x slow, idle
+    core.on_batch(conn, m.AgentBatch(probes=tuple(m.RankProbe(r, 1.0, 0.010) for r in range(4))))
+    det = engine.detector  # type: ignore[attr-defined]
+    det._state[3], det._factor[3], det._cause[3] = RankState.SLOW, 2.0, "compute"
+    # a bad probe is dropped and counted; nothing changes
+    core.on_batch(conn, m.AgentBatch(probes=(m.RankProbe(3, 2.0, float("nan")), m.RankProbe(7, 2.0, 0.01))))
+    assert engine.suspects()[3] == "slow"
+    assert 'kind="probe"' in metrics.render() and "resihp_requests_invalid_total" in metrics.render()
+    core.on_batch(conn, m.AgentBatch(probes=(m.RankProbe(3, 3.0, 0.020),)))  # still slow
+    core.on_batch(conn, m.AgentBatch(probes=tuple(m.RankProbe(3, 4.0 + i, 0.0101) for i in range(3))))
+    assert engine.suspects()[3] == "healthy" and engine.rank_speed().get(3, 1.0) == 1.0
+    findings = [e for e in core.events.since(0, 100) if e["event"] == "finding"]
+    assert [(f["kind"], f["ranks"]) for f in findings] == [("recovered", [3])]
+    assert "idle rank 3 recovered: its last 3 compute probes ran at x1.01" in findings[0]["reason"]
+    decisions = [e for e in core.events.since(0, 100) if e["event"] == "decision"]
+    assert len(decisions) == 1 and "ranks [3] recovered" in decisions[0]["reason"], decisions

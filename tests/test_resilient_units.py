@@ -63,6 +63,9 @@ class _Transport:
         self.commands: list[m.Command] = []
         self.acks: list[tuple[int, bool, str]] = []
 
+    def probe(self, probe_s: float) -> None:  # compute probes are the agent's business
+        return None
+
     def poll_commands(self) -> list[m.Command]:
         out, self.commands = self.commands, []
         return out

@@ -83,6 +83,7 @@ class AgentClient:
         self.connected = threading.Event()
         self._reports: deque[m.RankReport] = deque()
         self._acks: deque[m.Ack] = deque()
+        self._probes: deque[m.RankProbe] = deque(maxlen=64)  # rare (start-up, idle ranks); oldest dropped
         self._wake = threading.Event()
         self._drained = threading.Event()  # the send loop found both queues empty (close waits on it)
         self._stop = threading.Event()
@@ -187,6 +188,11 @@ class AgentClient:
             self._wake.set()
         return True
 
+    def probe(self, probe_s: float) -> None:
+        """Queue this rank's compute probe (``trainer_hooks/probe.py``); sent with the next batch."""
+        self._probes.append(m.RankProbe(self.rank, self.clock(), probe_s))
+        self._wake.set()
+
     def poll_commands(self) -> list[m.Command]:
         """Commands received since the last call, oldest first."""
         out = []
@@ -241,13 +247,17 @@ class AgentClient:
             batch: list[m.RankReport] = []
             while self._reports and len(batch) < 512:
                 batch.append(self._reports.popleft())
+            probes = []
+            while self._probes:
+                probes.append(self._probes.popleft())
             now = self.clock()
-            if batch or now - last_sent >= self.heartbeat_s:
+            if batch or probes or now - last_sent >= self.heartbeat_s:
                 # packed reports: a few array copies instead of a message per chunk (service_wire)
-                yield wire.report_batch(batch, [pb.RankHeartbeat(rank=self.rank, time_s=now, iteration=self.iteration)])
+                yield wire.report_batch(batch, [pb.RankHeartbeat(rank=self.rank, time_s=now, iteration=self.iteration)],
+                                        probes)
                 self.sent += len(batch)
                 last_sent = now
-            if self._reports or self._acks:
+            if self._reports or self._acks or self._probes:
                 self._wake.set()
                 continue
             self._drained.set()

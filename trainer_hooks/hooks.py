@@ -20,6 +20,7 @@ rank or a readmission is handled inside those calls (trainer_hooks/resilient.py)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,10 +38,12 @@ from resihp.trainer_hooks.reporter import Transport, connect
 from resihp.trainer_hooks.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
 from resihp.trainer_hooks.reconfigure import group_timeout
 from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig
+from resihp.trainer_hooks.probe import ComputeProbe
 from resihp.trainer_hooks.throttle import Throttle
 from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
 
 log = logging.getLogger(__name__)
+PROBE_ENV = "RESIHP_PROBE_EVERY_S"  # seconds between an idle spare's compute probes
 THROTTLE_ENV = "RESIHP_THROTTLE"  # "RANK:FACTOR[@ITER][,…]": inject a fail-slow without an agent
 TRACE_ENV = "RESIHP_TRACE"
 
@@ -236,7 +239,7 @@ def init(
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
     job: str = "", backend: str | None = None, microbatches_per_rank: int = 1, timeout_s: float = 120.0,
     comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
-    checkpoint_dir: str | None = None,
+    checkpoint_dir: str | None = None, probe_every_s: float | None = None,
 ) -> Job:
     """Start-up: MPI bootstrap into torch.distributed, connect to the node's agent, and — given a
     plan — build the groups and place the model and AdamW. Without a plan the loop keeps its own
@@ -246,10 +249,13 @@ def init(
     ``resihp launch`` sets; none reachable → one warning, training goes on). trace: a path for
     the trace file (default: $RESIHP_TRACE, else $RESIHP_RUN_DIR/trace.jsonl under ``resihp
     launch``; none = no trace), written by global rank 0. job: the job's name; $RESIHP_JOB (set by
-    ``resihp launch``, and the name the node agent checks) takes precedence.
+    ``resihp launch``, and the name the node agent checks) takes precedence. probe_every_s: how
+    often a resilient job's idle spare times and reports a compute probe (default
+    $RESIHP_PROBE_EVERY_S, else 30 s); every rank of a resilient job probes once here.
     """
     spec = preset(model) if isinstance(model, str) else model
     cfg = config or TrainConfig()
+    probe_every = probe_interval(probe_every_s)
     external_store = bool(os.environ.get(STORE_ENV, "").strip())
     resilient = (plan is not None and external_store) if resilient is None else resilient
     if resilient and (plan is None or not external_store):
@@ -301,7 +307,9 @@ def init(
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
                               timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend)
         job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
-                                        checkpoint_root=checkpoint_dir or None)
+                                        checkpoint_root=checkpoint_dir or None,
+                                        probe=ComputeProbe(info.device, throttle, seed=cfg.seed),
+                                        probe_every_s=probe_every)
         job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
         job_obj.on_command_received = job_obj.resilience.on_command_received
     if env_throttle is not None:
@@ -310,7 +318,22 @@ def init(
                                                   ranks=(boot.rank,)))
         if at <= 0:
             job_obj._apply_commands(-1)
+    if job_obj.resilience is not None and job_obj.resilience.probe is not None:
+        # every rank's start-up probe: the healthy reference the detector judges idle ranks by
+        tx.probe(job_obj.resilience.probe.run())
     return job_obj
+
+
+def probe_interval(value: float | None) -> float:
+    """``init``'s probe_every_s, else $RESIHP_PROBE_EVERY_S, else 30 s; validated."""
+    text = os.environ.get(PROBE_ENV, "").strip()
+    try:
+        every = value if value is not None else (float(text) if text else 30.0)
+    except ValueError:
+        raise SpecError(f"{PROBE_ENV}={text!r}: expected seconds between an idle rank's probes, e.g. 30") from None
+    if not (math.isfinite(every) and every > 0):
+        raise SpecError(f"init: probe_every_s must be a finite number of seconds > 0, got {every!r}")
+    return float(every)
 
 
 def step(job: Job, result: StepResult | None = None, **kwargs: Any) -> StepOutcome:

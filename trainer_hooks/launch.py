@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -220,6 +221,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stall-timeout-s", type=float, default=600.0,
                    help="end the job when none of trace.jsonl, progress.jsonl, events.jsonl grew for this long "
                         "(ranks alive but stuck); 0 = never")
+    p.add_argument("--probe-every-s", type=float, default=30.0,
+                   help="seconds between an idle spare's compute probes (sets $RESIHP_PROBE_EVERY_S for the ranks)")
     p.add_argument("--coordinator-arg", action="append", default=[], help="extra argument for the coordinator")
     args = p.parse_args(mine)
     if not cmd:
@@ -230,6 +233,8 @@ def main(argv: list[str]) -> int:
         p.error(f"tp × pp × dp = {tp}×{pp}×{dp} = {tp * pp * dp} must equal -n {n}")
     if args.nodes < 1 or n % args.nodes:
         p.error(f"--nodes {args.nodes} must divide -n {n}")
+    if not (math.isfinite(args.probe_every_s) and args.probe_every_s > 0):
+        p.error(f"--probe-every-s must be a number of seconds > 0, got {args.probe_every_s}")
     from resihp.coordinator.auth import generate_token, write_token
 
     job = args.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -278,13 +283,14 @@ def main(argv: list[str]) -> int:
         # every plan epoch (a live reconfiguration, a fail-stop recovery) joins through it
         store = StoreProcess()
         rank_env = {**env, "RESIHP_AGENT_ADDRS": ",".join(hooks), "RESIHP_RANKS_PER_NODE": str(n // args.nodes),
-                    "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store.addr, "RESIHP_STORE_ADDR": store.addr}
+                    "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store.addr, "RESIHP_STORE_ADDR": store.addr,
+                    "RESIHP_PROBE_EVERY_S": str(args.probe_every_s)}
         rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
         # PMIx's shared-memory datastore has crashed ranks inside MPI_Init on oversubscribed
         # machines (open-mpi/ompi#6761); the hash datastore avoids it
         rank_env.setdefault("PMIX_MCA_gds", "hash")
         names = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE", "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR",
-                 "RESIHP_WORLD_SIZE", "RESIHP_STORE", "RESIHP_STORE_ADDR"]
+                 "RESIHP_WORLD_SIZE", "RESIHP_STORE", "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S"]
         # each job gets its own directory for Open MPI's shared-memory segments: segments left
         # by an earlier job that had to be ended cannot be mapped by this one
         shm_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else run) / f"resihp-{job}"

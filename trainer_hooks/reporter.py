@@ -27,6 +27,10 @@ class Transport(Protocol):
         """Queue one finished iteration; False if it was dropped. Must not block."""
         ...
 
+    def probe(self, probe_s: float) -> None:
+        """Queue this rank's compute probe (``trainer_hooks/probe.py``). Must not block."""
+        ...
+
     def poll_commands(self) -> list[m.Command]:
         """Commands received since the last call, oldest first. Must not block."""
         ...
@@ -48,6 +52,9 @@ class NullTransport:
                chunks: Sequence[ChunkTiming], epoch: int) -> bool:
         return True
 
+    def probe(self, probe_s: float) -> None:
+        return None
+
     def poll_commands(self) -> list[m.Command]:
         return []
 
@@ -65,6 +72,7 @@ class MemoryTransport:
         self._lock = threading.Lock()
         self.reports: list[m.RankReport] = []
         self.acks: list[tuple[int, int, bool, str]] = []  # (seq, iteration, ok, error)
+        self.probes: list[float] = []
         self._commands: list[m.Command] = []
         self.closed = False
 
@@ -78,6 +86,10 @@ class MemoryTransport:
         with self._lock:
             self.reports.append(rep)
         return True
+
+    def probe(self, probe_s: float) -> None:
+        with self._lock:
+            self.probes.append(probe_s)
 
     def poll_commands(self) -> list[m.Command]:
         with self._lock:
@@ -104,6 +116,9 @@ class AgentTransport:
                chunks: Sequence[ChunkTiming], epoch: int) -> bool:
         return bool(self.client.report(iteration, step_s, start_s=start_s, seqlens=seqlens, chunks=chunks,
                                        epoch=epoch))
+
+    def probe(self, probe_s: float) -> None:
+        self.client.probe(probe_s)
 
     def poll_commands(self) -> list[m.Command]:
         return list(self.client.poll_commands())

@@ -18,7 +18,10 @@ rendezvous store lives outside the trainers (``resihp launch`` hosts it and sets
 - **a second failure during recovery** — a peer lost while shrinking, agreeing or
   resharding restarts the recovery on the smaller world from the same rolled-back state
   (at most ``max_recoveries`` times in a row); when no survivor holds a lost shard the
-  job stops with the reason in the progress log.
+  job stops with the reason in the progress log;
+- **idle ranks are observed** — a spare times a compute probe every ``probe_every_s`` and
+  reports it, so the detector can tell a slow spare from a recovered one
+  (trainer_hooks/probe.py).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import SpecError
 from resihp.trainer_hooks.agreement import BoundaryAgreement, Holding, holding_of
+from resihp.trainer_hooks.probe import ComputeProbe
 from resihp.trainer_hooks.groups import retire
 from resihp.trainer_hooks.reconfigure import LiveReconfigurer, ReconfigReport, connect_store
 from resihp.trainer_hooks.reconfigure_ft import SPARE_STEP, StepGuard, abandon_groups, survivor_plan
@@ -89,6 +93,9 @@ class Resilience:
     max_recoveries: int = 3
     spare_join_timeout_s: float = 120.0
     checkpoint_root: str | None = None  # where the job's checkpoints are (the DP = 1 fallback)
+    # an idle spare times a compute probe this often and reports it (trainer_hooks/probe.py)
+    probe: ComputeProbe | None = None
+    probe_every_s: float = 30.0
     last_done_before: int = -1
     progress: ProgressLog | None = None
     guard: StepGuard = field(default_factory=StepGuard)
@@ -245,6 +252,7 @@ class Resilience:
         """Wait, holding no state, for the end of the job, a plan that readmits this rank (applied
         collectively), or a failure (the communicator is revoked)."""
         req = self.world.comm.irecv(source=_any_source(), tag=END_TAG)
+        next_probe = time.monotonic() + self.probe_every_s
         while True:
             try:
                 done, value = req.test()
@@ -271,6 +279,10 @@ class Resilience:
                 if outcome.stop:
                     self.next_step = total
                 return
+            if self.probe is not None and time.monotonic() >= next_probe:
+                # nothing else tells the detector whether this device is slow or healthy
+                self.job.transport.probe(self.probe.run())
+                next_probe = time.monotonic() + self.probe_every_s
             time.sleep(0.05)  # an idle spare polls; it holds up nobody
 
     def _release_spares(self, total: int) -> None:

@@ -246,7 +246,7 @@ class ResiHP(Policy):
             self.verdict_at[fid] = now
             finding = self._finding("fail-slow", ranks, det.factor, det.cause, now)
             res = self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
-            timers = ((now + self.spare_verdict_s, f"lapse:{fid}"),)
+            timers: tuple[tuple[float, str], ...] = ((now + self.spare_verdict_s, f"lapse:{fid}"),)
             if det.cause != "communication" and self.probe_every_s is not None:
                 self.probe_ok.pop(fid, None)
                 timers += ((now + self.probe_every_s, f"probe:{fid}"),)

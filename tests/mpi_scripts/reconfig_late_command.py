@@ -55,6 +55,9 @@ class ScriptedTransport:
     def report(self, *args: object, **kwargs: object) -> bool:
         return True
 
+    def probe(self, probe_s: float) -> None:  # compute probes are the agent's business
+        return None
+
     def poll_commands(self) -> list[m.Command]:
         boundary = self.job._iteration if self.job is not None else -1
         due = [(at, c) for at, c in self.script if at <= boundary]

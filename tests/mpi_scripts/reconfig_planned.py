@@ -59,6 +59,9 @@ class ScriptedTransport:
     def report(self, *args: object, **kwargs: object) -> bool:
         return True
 
+    def probe(self, probe_s: float) -> None:  # compute probes are the agent's business
+        return None
+
     def poll_commands(self) -> list[m.Command]:
         out, self._commands = self._commands, []
         return list(out)

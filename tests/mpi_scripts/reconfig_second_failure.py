@@ -61,6 +61,9 @@ class ScriptedTransport:
     def report(self, *args: object, **kwargs: object) -> bool:
         return True
 
+    def probe(self, probe_s: float) -> None:  # compute probes are the agent's business
+        return None
+
     def poll_commands(self) -> list[m.Command]:
         res = self.job.resilience if self.job is not None else None
         if self.sent or res is None or res.failures < 1 or res.next_step < 5:

@@ -468,6 +468,8 @@ class Searcher:
                     if split and tp >> depth < 1:
                         continue
                     pool = self.pool(tp, variant, split, depth)
+                    if self.config.uniform_tp_per_layer and len({key[0] for key, _ in pool.types}) > 1:
+                        continue  # a runtime that splits each layer one way cannot run mixed TP sizes
                     ident = tuple(pool.types)
                     if ident not in seen:
                         seen.add(ident)

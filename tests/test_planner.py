@@ -281,3 +281,26 @@ def test_bad_inputs_raise_clear_errors(healthy: tuple[Cluster, Plan]) -> None:
         DeviceState(0, 0, speed=0.0)
     with pytest.raises(SpecError, match="microbatches"):
         GlobalBatch(0, 4096)
+
+
+def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_replan() -> None:
+    # The demo's CPU job (8 ranks TP2 x PP2 x DP2 of gpt-tiny, rank 2 found 1.96x slow): the
+    # unconstrained search's best mixed TP2 and TP1 replicas, which the runtime (one TP size
+    # per layer) cannot run, so the full re-plan was dropped and the decision fell back to
+    # dp-shares (0.441 s/iteration instead of 0.370; bench/e2e.py, 2026-12-01)
+    from resihp.coordinator.planner_decision import tp_uniform_per_layer
+    from resihp.demo import CPU_CLUSTER
+
+    links = {k: v for k, v in CPU_CLUSTER.items() if k != "devices"}
+    spec = preset("gpt-tiny")
+    current = Plan.uniform(2, 2, 2, spec.num_layers, 8)
+    cluster = Cluster(devices=tuple(DeviceState(rank=r, node="node0", speed=1 / 1.96 if r == 2 else 1.0)
+                                    for r in range(8)), **links)
+    free = search(cluster, spec, GlobalBatch(8, 128), current, PlannerConfig())
+    assert not tp_uniform_per_layer(free.plan)  # what the search prefers without the constraint
+    cfg = PlannerConfig(uniform_tp_per_layer=True)
+    res = search(cluster, spec, GlobalBatch(8, 128), current, cfg)
+    assert tp_uniform_per_layer(res.plan) and res.plan.describe() == "TP1xPP1xDP4 mb 2,2,2,2 spares 2,5,6,7"
+    finding = SimpleNamespace(kind="fail-slow", ranks=(2,), factor=1.96, cause="compute", time_s=0.0)
+    d = decide(cluster, spec, GlobalBatch(8, 128), current, finding, 0.0, cfg)
+    assert d.level == "full-replan" and d.plan.describe() == res.plan.describe(), d.reason

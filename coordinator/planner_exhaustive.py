@@ -18,7 +18,7 @@ import numpy as np
 
 from resihp.coordinator.cluster import Cluster, GlobalBatch
 from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.planner_cost import INF, Costs, PipeSig, PlannerConfig, StageKey
+from resihp.coordinator.planner_cost import INF, Costs, PlannerConfig, StageKey
 from resihp.coordinator.planner_groups import legal_tp_sizes
 from resihp.coordinator.spec import ModelSpec, SpecError
 

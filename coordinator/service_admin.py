@@ -105,7 +105,7 @@ class CoordinatorAdmin:
 
     def replan(self, reason: str) -> str:
         with self.core.lock:
-            return self._operator_replan(f"operator asked for a re-plan" + (f": {reason}" if reason else ""))
+            return self._operator_replan("operator asked for a re-plan" + (f": {reason}" if reason else ""))
 
     def drain(self, reason: str) -> str:
         with self.core.lock:

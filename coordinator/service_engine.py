@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Protocol, Sequence
 
 from resihp.coordinator.messages import FindingInfo

@@ -178,7 +178,7 @@ class Simulation:
         t = 0.0
 
         def advance(t_to: float) -> None:
-            nonlocal t, phases
+            nonlocal t
             while t < t_to:
                 if phases:
                     end, tps, label = phases[0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from resihp.coordinator.plan import Plan, PipelinePlan, even_split
-from resihp.sim.engine import Context, Phase, Reaction
+from resihp.sim.engine import Context, Reaction
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.world import FailStop, World, WorldEvent
 

@@ -26,7 +26,7 @@ from resihp.coordinator.detector import Detector, DetectorConfig, Finding
 from resihp.coordinator.detector_evidence import IterationTimings, batch_features, timings_from_record
 from resihp.coordinator.plan import Plan, Schedule
 from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import IterationRecord, Record
+from resihp.coordinator.trace import DeviceInfo, IterationRecord, Record, TraceHeader
 from resihp.sim.detect_baselines import BocdBaseline, ThresholdBaseline
 from resihp.sim.workload import Fault, WorkloadConfig, generate, make_header
 
@@ -262,6 +262,29 @@ def time_detector(ranks_target: int) -> tuple[float, float, float]:
     return float(np.mean(cpu)), float(np.mean(wall)), conv_ms
 
 
+def time_probes(ranks_target: int, spares: int = 32) -> tuple[float, float]:
+    """Coordinator CPU cost of compute probes at ``ranks_target`` ranks (LLaMA-2-70B, TP 8 x
+    PP 4): (µs per start-up probe of a rank of the plan, ms per judged probe of an idle
+    rank). Every rank probes at start-up, thousands at once; idle ranks every 30 s."""
+    model = preset("llama2-70b")
+    dp = ranks_target // 32
+    plan = Plan.uniform(8, 4, dp, model.num_layers, 4 * dp)
+    header = TraceHeader(model, plan, tuple(DeviceInfo(r, f"node{r // 8}", r % 8) for r in range(ranks_target)),
+                         job="probe-cost")
+    det = Detector(header)
+    c = time.process_time()
+    for r in range(ranks_target):
+        det.observe_probe(r, 0.010 + 1e-5 * (r % 7), now=1.0)
+    startup_us = (time.process_time() - c) / ranks_target * 1e6
+    smaller = Plan.uniform(8, 4, dp - 1, model.num_layers, 4 * (dp - 1))
+    det.set_plan(replace(smaller, spares=tuple(range(ranks_target - 32, ranks_target)), epoch=1))
+    c = time.process_time()
+    for i in range(spares):
+        det.observe_probe(ranks_target - 32 + i % 32, 0.010, now=2.0 + i)
+    idle_ms = (time.process_time() - c) / spares * 1e3
+    return startup_us, idle_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer runs (a smoke test, not the reported numbers)")
@@ -281,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     itp = float(np.mean([e for r in healthy for e in r.itp_err]))
     ms256, wall256, conv256 = time_detector(256)
     ms4096, wall4096, conv4096 = time_detector(4096)
+    probe_us, idle_ms = time_probes(16384)
 
     print(f"{len(healthy)} healthy 32K-packed runs, {len(faulty)} fault runs "
           f"({sum(len(r.faults) for r in faulty)} injected faults), {sum(r.iterations for r in everything)} iterations")
@@ -295,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"detector online cost per iteration (CPU time of this process): {ms256:.2f} ms at 256 ranks, "
           f"{ms4096:.2f} ms at 4096 ranks; wall clock {wall256:.2f} / {wall4096:.2f} ms on this (shared) machine; "
           f"turning a trace record into arrays: {conv256:.1f} / {conv4096:.1f} ms, not included")
+    print(f"compute probes at 16384 ranks (coordinator CPU): {probe_us:.1f} µs per start-up probe, "
+          f"{idle_ms:.1f} ms per idle rank's judged probe")
     for r in faulty:
         missed = [f for f in r.faults if not any(
             x.kind != "recovered" and (f.rank in x.ranks or not x.ranks) for x in r.findings)]
@@ -317,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         "itp_mape": round(itp, 5),
         "detect_ms_per_iter_256": round(ms256, 3),
         "detect_ms_per_iter_4096": round(ms4096, 3),
+        "probe_startup_us_16k": round(probe_us, 2),
+        "probe_idle_ms_16k": round(idle_ms, 2),
     }))
     return 0
 

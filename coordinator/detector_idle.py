@@ -36,13 +36,18 @@ class IdleRankVerdicts:
         idle rank's probes turn slow, a recovered one when a slow idle rank's turn normal; a
         slow probe renews the rank's verdict. A rank of the plan only refreshes the reference
         (its iterations judge it). Raises ValueError on an unknown rank or a bad duration."""
-        check_probe(rank, probe_s, set(self._nodes))
+        check_probe(rank, probe_s, self._nodes)
+        if rank in self.index.pos:
+            # a rank of the plan (every rank's start-up probe, thousands at once): recorded for
+            # the reference only, in O(1); its iterations judge it
+            self._probes.record(rank, probe_s)
+            return []
         self._set_clock(now)
         self._sync_out()
         state = self._state.get(rank, RankState.HEALTHY)
         unreliable = {r for r, s in self._state.items() if s in (RankState.SLOW, RankState.DEAD)}
         got = self._probes.read(rank, probe_s, unreliable)
-        if got.ratio is None or state == RankState.DEAD or rank in self.index.ranks:
+        if got.ratio is None or state == RankState.DEAD:
             self._probes.forget_runs(rank)
             return []
         slow = got.ratio > 1.0 + self.config.probe_threshold

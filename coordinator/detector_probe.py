@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Collection
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class ProbeReading:
     ratio: float | None
 
 
-def check_probe(rank: int, probe_s: float, known: frozenset[int] | set[int]) -> None:
-    """Refuse a probe no judgement can use, saying what was wrong."""
+def check_probe(rank: int, probe_s: float, known: Collection[int]) -> None:
+    """Refuse a probe no judgement can use, saying what was wrong (``known``: the job's ranks)."""
     if rank not in known:
         raise ValueError(f"probe from rank {rank}: not a rank of this job (ranks {min(known)}..{max(known)}); "
                          "check the trainer's rank")
@@ -50,6 +51,11 @@ class ProbeBook:
     latest: dict[int, float] = field(default_factory=dict)
     slow_run: dict[int, int] = field(default_factory=dict)
     ok_run: dict[int, int] = field(default_factory=dict)
+
+    def record(self, rank: int, probe_s: float) -> None:
+        """Keep a probe of a rank its iterations judge: reference only, no run counted."""
+        self.latest[rank] = float(probe_s)
+        self.forget_runs(rank)
 
     def read(self, rank: int, probe_s: float, unreliable: set[int]) -> ProbeReading:
         """Record ``probe_s`` and set it against the other ranks' latest probes, leaving out

@@ -14,14 +14,15 @@ so the planner may take it back), and every slow probe renews the slow verdict, 
 not lapse (``spare_verdict_s``) while the evidence says it is still slow.
 
 A probe measures compute only: the verdict of a rank slow because of its links is left to
-the lapse. Pure: no torch, grpc or MPI; ``ProbeBook`` only keeps numbers.
+the lapse. Pure: numpy only, no torch, grpc or MPI; ``ProbeBook`` only keeps numbers.
 """
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Collection
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,12 @@ class ProbeBook:
     def read(self, rank: int, probe_s: float, unreliable: set[int]) -> ProbeReading:
         """Record ``probe_s`` and set it against the other ranks' latest probes, leaving out
         ``unreliable`` ones (judged slow or dead): their probes do not say what healthy is."""
-        others = [v for r, v in self.latest.items() if r != rank and r not in unreliable]
+        skip = unreliable | {rank}
+        others = np.fromiter((v for r, v in self.latest.items() if r not in skip), dtype=np.float64)
         self.latest[rank] = float(probe_s)
-        if not others:
+        if not others.size:
             return ProbeReading(rank, float(probe_s), None, None)
-        ref = float(statistics.median(others))
+        ref = float(np.median(others))
         return ProbeReading(rank, float(probe_s), ref, float(probe_s) / ref)
 
     def count(self, rank: int, slow: bool) -> int:

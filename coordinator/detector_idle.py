@@ -32,9 +32,6 @@ class IdleRankVerdicts:
     _probes: ProbeBook
     state: npt.NDArray[np.int64]  # RankState of every rank of the plan, by PlanIndex position
 
-    def _sync_out(self) -> None:
-        raise NotImplementedError  # Detector's: copies the plan's rank arrays into the dicts
-
     def observe_probe(self, rank: int, probe_s: float, now: float) -> list[Finding]:
         """An idle rank's compute probe (``detector_probe``): a fail-slow finding when a healthy
         idle rank's probes turn slow, a recovered one when a slow idle rank's turn normal; a
@@ -110,8 +107,8 @@ class IdleRankVerdicts:
     def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
         return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
                        f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "
-                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle, where "
-                       "nothing can observe it; a plan that uses it again lets its timings judge it",
+                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle and no "
+                       "compute probe renewed it; a plan that uses it again lets its timings judge it",
                        {"verdict_age_s": age}, now)
 
     def _forget(self, rank: int) -> None:

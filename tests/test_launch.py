@@ -129,3 +129,13 @@ def test_launch_ends_a_job_whose_ranks_hang_alive(tmp_path: Path) -> None:
     pids = {e["pid"] for e in read_jsonl(log) if e["event"] == "started"}
     leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, f"orphans left behind: {leftovers}"
+
+
+def test_launch_refuses_a_probe_interval_that_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
+    from resihp.trainer_hooks.launch import main
+
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            main(["-n", "2", "--probe-every-s", bad, "--", sys.executable, "-c", "pass"])
+        assert exc.value.code == 2
+        assert f"--probe-every-s must be a number of seconds > 0, got {float(bad)}" in capsys.readouterr().err

@@ -234,3 +234,34 @@ def test_an_op_records_its_time_inside_tp_collectives_as_a_tp_chunk(world1: None
     (_, _, _, fs, fe), (_, mb, chunk, ts, te) = log.chunks
     assert (mb, chunk) == (3, 0) and te == fe and fs <= ts
     assert te - ts == pytest.approx(waited, rel=1e-6)
+
+
+def test_compute_probe_takes_its_throttle_and_the_best_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the probe's clock (thread CPU time on a CPU) read through a fake that advances 10 ms per
+    # round, then 5 ms, then 8 ms: the probe is the best round, stretched by the throttle as
+    # a compute chunk is (a 2x sleep throttle: + its duration)
+    from resihp.trainer_hooks import probe as probe_mod
+
+    rounds = iter([0.0, 0.010, 1.0, 1.005, 2.0, 2.008])
+    monkeypatch.setattr(probe_mod.time, "thread_time", lambda: next(rounds))
+    threads = torch.get_num_threads()
+    p = probe_mod.ComputeProbe(torch.device("cpu"), Throttle(2.0))
+    p._warm = True  # no untimed warm-up round in this test
+    assert p.run() == pytest.approx(0.010)  # best round 5 ms, x2
+    assert torch.get_num_threads() == threads  # one torch thread only while probing
+    with pytest.raises(ValueError, match="probe rounds must be >= 1, got 0"):
+        probe_mod.ComputeProbe(torch.device("cpu"), Throttle(), rounds=0)
+
+
+def test_probe_interval_comes_from_init_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resihp.trainer_hooks.hooks import PROBE_ENV, probe_interval
+
+    monkeypatch.delenv(PROBE_ENV, raising=False)
+    assert probe_interval(None) == 30.0 and probe_interval(5.0) == 5.0
+    monkeypatch.setenv(PROBE_ENV, "2.5")
+    assert probe_interval(None) == 2.5 and probe_interval(7.0) == 7.0
+    monkeypatch.setenv(PROBE_ENV, "soon")
+    with pytest.raises(SpecError, match="RESIHP_PROBE_EVERY_S='soon': expected seconds between an idle rank's probes"):
+        probe_interval(None)
+    with pytest.raises(SpecError, match="probe_every_s must be a finite number of seconds > 0, got 0.0"):
+        probe_interval(0.0)

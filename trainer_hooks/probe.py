@@ -34,25 +34,36 @@ class ComputeProbe:
         self.throttle = throttle
         self.rounds = rounds
         self.size, self.repeats = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-        gen = torch.Generator().manual_seed(seed)
-        a = torch.randn(self.size, self.size, generator=gen) / self.size ** 0.5
-        self._a = a.to(device)
-        self._b = a.t().contiguous().to(device)
+        self.seed = seed
+        self._a: torch.Tensor | None = None
+        self._b: torch.Tensor | None = None
         self._warm = False
+
+    def _operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The matrices, on the device only while probing: a GPU's 192 MB (operands and
+        product) go back to training, a CPU's 0.5 MB are kept."""
+        if self._a is not None and self._b is not None:
+            return self._a, self._b
+        gen = torch.Generator().manual_seed(self.seed)
+        a = torch.randn(self.size, self.size, generator=gen) / self.size ** 0.5
+        pair = a.to(self.device), a.t().contiguous().to(self.device)
+        if self.device.type == "cpu":
+            self._a, self._b = pair
+        return pair
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _work(self) -> None:
-        c = self._a
+    def _work(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        c = a
         for _ in range(self.repeats):
-            c = torch.mm(c, self._b)
+            c = torch.mm(c, b)
         self._sync()
 
-    def _round(self) -> float:
+    def _round(self, a: torch.Tensor, b: torch.Tensor) -> float:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
-        self._work()
+        self._work(a, b)
         took = (time.thread_time() - cpu0) if self.device.type == "cpu" else (time.perf_counter() - wall0)
         return took + self.throttle.stall_for(took)
 
@@ -63,10 +74,12 @@ class ComputeProbe:
             torch.set_num_threads(1)  # thread_time sees the calling thread only
         try:
             with torch.no_grad():
+                a, b = self._operands()
                 if not self._warm:  # first use: allocation and kernel selection are not the device's speed
-                    self._work()
+                    self._work(a, b)
                     self._warm = True
-                best = min(self._round() for _ in range(self.rounds))
+                best = min(self._round(a, b) for _ in range(self.rounds))
+                del a, b
         finally:
             if self.device.type == "cpu":
                 torch.set_num_threads(threads)

@@ -42,7 +42,7 @@ def test_the_slow_rank_is_left_idle_then_recovered_by_its_probes(run: Path) -> N
     assert RANK in first_plan["spares"], first_plan  # the re-plan left it idle
     back = findings[1]
     assert "compute probes" in back["reason"] and "lapsed" not in back["reason"], back
-    assert back["evidence"]["ratio"] <= 1.10 and back["evidence"]["probes"] == 3.0, back
+    assert back["evidence"]["ratio"] <= 1.5 and back["evidence"]["probes"] == 3.0, back  # the demo's probe_threshold
     actions = json.loads((run / "demo.json").read_text())["operator_actions"]
     assert [a["ok"] for a in actions] == [True], actions
     injected = [e for e in _events(run, "inject") if e.get("factor") == 1.0]
@@ -63,7 +63,7 @@ def test_the_idle_ranks_probes_read_its_throttle_until_it_is_cleared(run: Path) 
     after = [p["probe_s"] / ref for p in mine if p["time"] > clear]
     # the 3x throttle stretches the probe as it stretches a compute chunk (measured 2.8-2.9x)
     assert slow and min(slow) >= 2.0, (slow, ref)
-    assert after and max(after[-3:]) <= 1.10, (after, ref)
+    assert after and max(after[-3:]) <= 1.5, (after, ref)
 
 
 def test_every_step_once_and_the_loss_of_the_reference(run: Path) -> None:

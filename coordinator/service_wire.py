@@ -135,4 +135,4 @@ def report_batch(reports: Sequence[m.RankReport], heartbeats: Sequence[Any] = ()
                  probes: Sequence[m.RankProbe] = ()) -> pb.HookReportBatch:
     """A hook's batch of reports (packed), heartbeats and probes, ready for ``ReportStream``."""
     return pb.HookReportBatch(reports=[report_to_wire(r) for r in reports], heartbeats=list(heartbeats),
-                              probes=[pb.RankProbe(rank=p.rank, time_s=p.time_s, probe_s=p.probe_s) for p in probes])
+                              probes=[codec.probe_to_pb(p) for p in probes])

@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector_config import DetectorConfig
 from resihp.coordinator.detector_evidence import PlanIndex
-from resihp.coordinator.detector_probe import ProbeBook, check_probe
+from resihp.coordinator.detector_probe import ProbeBook, check_probe, is_slow_probe, judge_probe
 from resihp.coordinator.detector_types import Finding, RankState
 
 
@@ -53,24 +53,22 @@ class IdleRankVerdicts:
         if got.ratio is None or state == RankState.DEAD:
             self._probes.forget_runs(rank)
             return []
-        slow = got.ratio > 1.0 + self.config.probe_threshold
+        if state == RankState.SLOW and self._cause.get(rank) == "communication":
+            return []  # a compute probe says nothing of links: the lapse decides
+        slow = is_slow_probe(got.ratio, self.config)
         run = self._probes.count(rank, slow)
         evidence = {"probe_s": got.probe_s, "reference_s": float(got.reference_s or 0.0), "ratio": got.ratio,
                     "probes": float(run)}
-        if state == RankState.SLOW:
-            if self._cause.get(rank) == "communication":
-                return []  # a compute probe says nothing of links: the lapse decides
-            if slow:  # still slow: the evidence renews the verdict (and its factor)
-                self._slow_at[rank], self._factor[rank] = self._now, got.ratio
-                return []
-            if run < self.config.recover_iters:
-                return []
+        action = judge_probe(state == RankState.SLOW, slow, run, self.config)
+        if action == "renew":  # and its factor
+            self._slow_at[rank], self._factor[rank] = self._now, got.ratio
+        if action == "recovered":
             self._forget(rank)
             self._probes.forget_runs(rank)
             return [Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "compute",
                             f"idle rank {rank} recovered: its last {run} compute probes ran at x{got.ratio:.2f} of "
                             f"the other ranks' (threshold x{1 + self.config.probe_threshold:.2f})", evidence, now)]
-        if not slow or run < self.config.confirm_iters:
+        if action != "fail-slow":
             return []
         self._state[rank], self._factor[rank], self._cause[rank] = RankState.SLOW, got.ratio, "compute"
         self._slow_at[rank] = self._now

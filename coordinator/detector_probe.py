@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Collection, Literal
 
 import numpy as np
+
+from resihp.coordinator.detector_config import DetectorConfig
+
+ProbeAction = Literal["none", "renew", "recovered", "fail-slow"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,21 @@ def check_probe(rank: int, probe_s: float, known: Collection[int]) -> None:
                          "check the trainer's rank")
     if not (isinstance(probe_s, (int, float)) and math.isfinite(probe_s) and probe_s > 0):
         raise ValueError(f"probe from rank {rank}: probe_s must be a finite duration > 0 seconds, got {probe_s!r}")
+
+
+def is_slow_probe(ratio: float, config: DetectorConfig) -> bool:
+    return ratio > 1.0 + config.probe_threshold
+
+
+def judge_probe(was_slow: bool, slow_probe: bool, run: int, config: DetectorConfig) -> ProbeAction:
+    """What one probe of an idle rank does. ``was_slow``: the rank's verdict before it;
+    ``run``: its probes in a row of this probe's kind (slow or normal), this one included.
+    The detector and the simulator's resihp both decide with this."""
+    if was_slow:
+        if slow_probe:
+            return "renew"  # still slow: the evidence renews the verdict
+        return "recovered" if run >= config.recover_iters else "none"
+    return "fail-slow" if slow_probe and run >= config.confirm_iters else "none"
 
 
 @dataclass
@@ -70,7 +89,8 @@ class ProbeBook:
         return ProbeReading(rank, float(probe_s), ref, float(probe_s) / ref)
 
     def count(self, rank: int, slow: bool) -> int:
-        """Extend the rank's run of slow (or normal) probes; returns its length."""
+        """Extend the rank's run of slow (or normal) probes; returns its length. (The
+        simulator keys runs by fault id instead of rank.)"""
         grow, reset = (self.slow_run, self.ok_run) if slow else (self.ok_run, self.slow_run)
         reset.pop(rank, None)
         grow[rank] = grow.get(rank, 0) + 1

@@ -120,3 +120,15 @@ def test_bad_probes_are_refused_and_change_nothing(rank: int, probe_s: float, me
 def test_probe_threshold_is_validated() -> None:
     with pytest.raises(ValueError, match="DetectorConfig.probe_threshold must be a relative excess"):
         DetectorConfig(probe_threshold=0.0)
+
+
+@pytest.mark.parametrize("was_slow, slow_probe, run, action", [
+    (True, True, 1, "renew"), (True, False, 2, "none"), (True, False, 3, "recovered"),
+    (False, True, 1, "none"), (False, True, 2, "fail-slow"), (False, False, 5, "none"),
+])
+def test_one_rule_for_the_detector_and_the_simulator(was_slow: bool, slow_probe: bool, run: int, action: str) -> None:
+    from resihp.coordinator.detector_probe import is_slow_probe, judge_probe
+
+    cfg = DetectorConfig()  # confirm_iters 2, recover_iters 3, probe_threshold 0.10
+    assert judge_probe(was_slow, slow_probe, run, cfg) == action
+    assert is_slow_probe(1.11, cfg) and not is_slow_probe(1.10, cfg)

@@ -40,6 +40,7 @@ from typing import Any
 
 from resihp.coordinator.detector import Finding
 from resihp.coordinator.detector_config import DetectorConfig
+from resihp.coordinator.detector_probe import ProbeBook, is_slow_probe, judge_probe
 from resihp.coordinator.spec import SpecError
 from resihp.sim import detection
 from resihp.sim.detection import DetectionOracle
@@ -75,12 +76,10 @@ class ResiHP(Policy):
         self.verdict_at: dict[int, float] = {}  # fault id -> when its fail-slow was found
         # a slow rank the plan leaves idle is judged by its compute probes (None: no probes);
         # a verdict no probe renews lapses after spare_verdict_s
-        det = DetectorConfig()
-        self.spare_verdict_s = det.spare_verdict_s
+        self.detector_config = DetectorConfig()
+        self.spare_verdict_s = self.detector_config.spare_verdict_s
         self.probe_every_s: float | None = PROBE_EVERY_S
-        self.probe_threshold = det.probe_threshold
-        self.probe_confirm, self.probe_recover = det.confirm_iters, det.recover_iters
-        self.probe_ok: dict[int, int] = {}  # fault id -> normal probes in a row
+        self.probe_runs = ProbeBook()  # runs of slow / normal probes, by fault id
         self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
         self.waiting = False  # no feasible plan: waiting for repairs
         self.decisions = 0
@@ -206,7 +205,8 @@ class ResiHP(Policy):
                 return self.steady(f"{ev.label}: not detected")
             if kind == "compute" and self.probe_every_s is not None and not any(self.plan.has_rank(r) for r in f.ranks):
                 # idle devices: their probes find it (confirm_iters slow probes)
-                return self.steady(timers=((now + self.probe_confirm * self.probe_every_s, f"slow:{ev.fault_id}"),))
+                confirm = self.detector_config.confirm_iters
+                return self.steady(timers=((now + confirm * self.probe_every_s, f"slow:{ev.fault_id}"),))
             t_iter = self.perf.iteration_s(self.plan, self.world)
             if not math.isfinite(t_iter):
                 t_iter = self.perf.iteration_s(self.job.initial_plan(), self.world.__class__(self.world.world_size, self.world.gpus_per_node))
@@ -248,7 +248,7 @@ class ResiHP(Policy):
             res = self._apply(finding, now, f"fail-slow#{fid} detected ×{det.factor:.2f}", False)
             timers: tuple[tuple[float, str], ...] = ((now + self.spare_verdict_s, f"lapse:{fid}"),)
             if det.cause != "communication" and self.probe_every_s is not None:
-                self.probe_ok.pop(fid, None)
+                self.probe_runs.forget_runs(fid)
                 timers += ((now + self.probe_every_s, f"probe:{fid}"),)
             return replace(res, timers=res.timers + timers)
         if kind == "probe":
@@ -283,24 +283,24 @@ class ResiHP(Policy):
         return self.steady()
 
     def _probe(self, fid: int, now: float) -> Reaction:
-        """An idle slow rank's compute probe, judged as Detector.observe_probe judges it."""
+        """An idle slow rank's compute probe, judged by the detector's own rule (``judge_probe``);
+        the probe reads the devices' true slowdown."""
         entry = self.known_slow.get(fid)
         if entry is None or self.probe_every_s is None:
             return self.steady()  # recovered (or readmitted and judged by its iterations)
         nxt = ((now + self.probe_every_s, f"probe:{fid}"),)
         if any(self.plan.has_rank(r) for r in entry[0]):
-            self.probe_ok.pop(fid, None)
+            self.probe_runs.forget_runs(fid)
             return self.steady(timers=nxt)  # in the plan: its iterations judge it
         ratio = max(max(self.world.slow.get(r, {}).values(), default=1.0) for r in entry[0])
-        if ratio > 1.0 + self.probe_threshold:
-            self.probe_ok.pop(fid, None)
-            self.verdict_at[fid] = now  # the evidence renews the verdict
-            return self.steady(timers=nxt)
-        self.probe_ok[fid] = self.probe_ok.get(fid, 0) + 1
-        if self.probe_ok[fid] < self.probe_recover:
+        slow = is_slow_probe(ratio, self.detector_config)
+        action = judge_probe(True, slow, self.probe_runs.count(fid, slow), self.detector_config)
+        if action == "renew":
+            self.verdict_at[fid] = now
+        if action != "recovered":
             return self.steady(timers=nxt)
         del self.known_slow[fid]
-        self.probe_ok.pop(fid, None)
+        self.probe_runs.forget_runs(fid)
         finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
         return self._apply(finding, now, f"fail-slow#{fid}: idle ranks' probes normal", False)
 

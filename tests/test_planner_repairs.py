@@ -106,7 +106,8 @@ def test_detector_reports_cause_per_rank() -> None:
     from resihp.coordinator.detector import Detector, RankState
 
     det = Detector.__new__(Detector)  # only the query methods: state arrays set by hand
-    det.index = SimpleNamespace(ranks=[0, 1, 2])  # type: ignore[attr-defined]
+    det.index = SimpleNamespace(ranks=[0, 1, 2], pos={0: 0, 1: 1, 2: 2})  # type: ignore[attr-defined]
+    det._nodes = {0: "n0", 1: "n0", 2: "n0"}
     import numpy as np
 
     det.state = np.array([RankState.HEALTHY, RankState.SLOW, RankState.SLOW], dtype=np.int64)

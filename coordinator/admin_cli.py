@@ -144,14 +144,16 @@ def main(argv: list[str]) -> int:
                     "iteration": r.iteration, "world_size": r.world_size, "agents_connected": r.agents_connected,
                     "engine": r.engine, "policy": dict(r.policy), "uptime_s": r.uptime_s,
                     "ranks": [{"rank": x.rank, "node": x.node, "state": x.state, "iteration": x.iteration,
-                               "step_s": x.step_s, "speed": x.speed, "last_seen_age_s": x.last_seen_age_s}
+                               "step_s": x.step_s, "speed": x.speed, "last_seen_age_s": x.last_seen_age_s,
+                               "role": x.role, "probe_ratio": x.probe_ratio}
                               for x in r.ranks]}))
                 return 0
             print(f"job {r.job}: {r.state} (epoch {r.epoch}, iteration {r.iteration}, {r.agents_connected} agents, "
                   f"engine {r.engine}) — {r.state_reason}")
-            rows = [[x.rank, x.node or "-", x.state, x.iteration, f"{x.step_s:.4f}", f"{x.speed:.2f}",
+            rows = [[x.rank, x.node or "-", x.role or "-", x.state, x.iteration, f"{x.step_s:.4f}", f"{x.speed:.2f}",
+                     f"x{x.probe_ratio:.2f}" if x.probe_ratio > 0 else "-",
                      "-" if x.last_seen_age_s < 0 else f"{x.last_seen_age_s:.1f}"] for x in r.ranks]
-            print(_table(rows, ["RANK", "NODE", "STATE", "ITER", "STEP_S", "SPEED", "SEEN_S_AGO"]))
+            print(_table(rows, ["RANK", "NODE", "ROLE", "STATE", "ITER", "STEP_S", "SPEED", "PROBE", "SEEN_S_AGO"]))
         elif args.cmd == "events":
             after = args.after
             while True:

@@ -44,12 +44,9 @@ class IdleRankVerdicts:
             self._probes.record(rank, probe_s)
             return []
         self._set_clock(now)
-        # an idle rank's state lives in the dicts; the plan's ranks' in the arrays (no _sync_out:
-        # copying 16K ranks' states per probe was most of its cost)
+        # no _sync_out: copying 16K ranks' states per probe was most of its cost
         state = self._state.get(rank, RankState.HEALTHY)
-        unreliable = {self.index.ranks[i] for i in np.flatnonzero(self.state >= int(RankState.SLOW))}
-        unreliable.update(r for r in self._idle() if self._state.get(r, RankState.HEALTHY) >= RankState.SLOW)
-        got = self._probes.read(rank, probe_s, unreliable)
+        got = self._probes.read(rank, probe_s, self._unreliable())
         if got.ratio is None or state == RankState.DEAD:
             self._probes.forget_runs(rank)
             return []
@@ -76,6 +73,18 @@ class IdleRankVerdicts:
         return [Finding(self._last_iter, "fail-slow", (rank,), None, None, None, got.ratio, "compute",
                         f"idle rank {rank} is compute-slow: its last {run} compute probes ran at x{got.ratio:.2f} of "
                         f"the other ranks' (threshold x{1 + self.config.probe_threshold:.2f})", evidence, now)]
+
+    def probe_ratios(self) -> dict[int, float]:
+        """Every probed rank's latest probe over the median latest probe of the ranks not
+        judged slow or dead (for operators: ``resihp admin status``); one median for all."""
+        return self._probes.ratios(self._unreliable())
+
+    def _unreliable(self) -> set[int]:
+        """Ranks judged slow or dead, whose probes do not say what healthy is. An idle rank's
+        state lives in the dicts, a rank of the plan's in the arrays."""
+        bad = {self.index.ranks[i] for i in np.flatnonzero(self.state >= int(RankState.SLOW))}
+        bad.update(r for r in self._idle() if self._state.get(r, RankState.HEALTHY) >= RankState.SLOW)
+        return bad
 
     def _left_slow(self) -> dict[int, tuple[float, bool]]:
         """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and

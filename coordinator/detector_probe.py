@@ -88,6 +88,14 @@ class ProbeBook:
         ref = float(np.median(others))
         return ProbeReading(rank, float(probe_s), ref, float(probe_s) / ref)
 
+    def ratios(self, unreliable: set[int]) -> dict[int, float]:
+        """Every rank's latest probe over the median latest probe of the reliable ranks."""
+        ref = np.fromiter((v for r, v in self.latest.items() if r not in unreliable), dtype=np.float64)
+        if not ref.size:
+            return {}
+        median = float(np.median(ref))
+        return {r: v / median for r, v in self.latest.items()}
+
     def count(self, rank: int, slow: bool) -> int:
         """Extend the rank's run of slow (or normal) probes; returns its length. (The
         simulator keys runs by fault id instead of rank.)"""

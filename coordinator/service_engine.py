@@ -58,6 +58,7 @@ class Engine(Protocol):
     def readmit(self, rank: int) -> bool: ...  # forget a slow verdict of a rank outside the plan
     # an idle rank's compute probe (detector_probe.py); ValueError on a bad rank or duration
     def observe_probe(self, rank: int, probe_s: float, now: float) -> list[FindingInfo]: ...
+    def probe_ratios(self) -> dict[int, float]: ...  # rank -> latest probe / the reliable ranks' median
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
                nodes: Mapping[int, str]) -> EngineDecision: ...
     def set_plan(self, plan: Plan, iteration: int) -> None: ...
@@ -210,6 +211,9 @@ class RuleEngine:
         """The rule engine judges iterations only: a probe just says the rank is alive."""
         self._track(rank).last_seen = now
         return []
+
+    def probe_ratios(self) -> dict[int, float]:
+        return {}
 
     def readmit(self, rank: int) -> bool:
         tr = self._tracks.get(rank)

@@ -88,6 +88,9 @@ class RealEngine:
     def suspects(self) -> dict[int, str]:
         return self.detector.suspects()
 
+    def probe_ratios(self) -> dict[int, float]:
+        return self.detector.probe_ratios()
+
     def rank_speed(self) -> dict[int, float]:
         return self.detector.rank_speed()
 

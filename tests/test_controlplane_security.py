@@ -1,6 +1,8 @@
 """Token, validation and robustness of the coordinator, Admin and hook endpoints (real servers, loopback)."""
 from __future__ import annotations
 
+import json
+
 import math
 import subprocess
 import sys
@@ -127,6 +129,10 @@ def test_admin_cli_tables_json_and_clear_errors(servers: tuple[CoordinatorServer
 
     ok = run("status", "--coordinator", coord.address)
     assert ok.returncode == 0 and "RANK" in ok.stdout and "RUNNING" in ok.stdout, ok.stderr
+    header = next(line for line in ok.stdout.splitlines() if line.startswith("RANK"))
+    assert header.split() == ["RANK", "NODE", "ROLE", "STATE", "ITER", "STEP_S", "SPEED", "PROBE", "SEEN_S_AGO"]
+    st = json.loads(run("status", "--json", "--coordinator", coord.address).stdout)
+    assert {r["role"] for r in st["ranks"]} == {"member"} and all(r["probe_ratio"] == 0.0 for r in st["ranks"])
     as_json = run("plan", "--json", "--coordinator", coord.address)
     assert as_json.returncode == 0 and '"replicas"' in as_json.stdout
     refused = run("status", "--coordinator", coord.address, token="bad")

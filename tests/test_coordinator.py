@@ -305,3 +305,22 @@ def test_probes_of_a_slow_spare_recover_it_and_the_coordinator_replans(tmp_path:
     assert "idle rank 3 recovered: its last 3 compute probes ran at x1.01" in findings[0]["reason"]
     decisions = [e for e in core.events.since(0, 100) if e["event"] == "decision"]
     assert len(decisions) == 1 and "ranks [3] recovered" in decisions[0]["reason"], decisions
+
+
+def test_admin_status_shows_each_ranks_role_and_latest_probe(tmp_path: Path) -> None:
+    from resihp.coordinator.plan import PipelinePlan
+
+    plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
+    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
+    engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: 1000.0)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(probes=(m.RankProbe(0, 1.0, 0.010), m.RankProbe(1, 1.0, 0.010),
+                                             m.RankProbe(2, 1.0, 0.030))))
+    ranks = {r["rank"]: r for r in core.admin.status()["ranks"]}
+    assert [ranks[r]["role"] for r in range(4)] == ["member", "member", "spare", "spare"]
+    assert (ranks[0]["probe_ratio"], ranks[2]["probe_ratio"], ranks[3]["probe_ratio"]) == (1.0, 3.0, 0.0)
+    rule = CoordinatorCore(cfg, plan, RuleEngine(build_header(preset("gpt-tiny"), plan, 4, "job")),
+                           Journal(tmp_path / "j2.jsonl"), tmp_path / "e2.jsonl", Registry(), lambda: 1000.0)
+    assert {r["probe_ratio"] for r in rule.admin.status()["ranks"]} == {0.0}  # the rule engine reads no probes

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,16 +257,24 @@ def test_core_with_replanning_off_still_shrinks_past_a_dead_idle_rank_and_nothin
     assert conn.outbox.empty() and core.epoch == 2
 
 
-def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> None:
-    from resihp.coordinator.detector import RankState
+def _spares_core(tmp_path: Path, metrics: Registry | None = None) -> tuple[CoordinatorCore, Any, Any]:
+    """A coordinator with the real engine over ranks 0, 1 (two stages) and spares 2, 3, all
+    four registered on one agent: (core, engine, the agent's connection)."""
     from resihp.coordinator.plan import PipelinePlan
 
     plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
     cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
     engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
     core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
-                           Registry(), lambda: 1000.0)
-    core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+                           metrics or Registry(), lambda: 1000.0)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    return core, engine, conn
+
+
+def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> None:
+    from resihp.coordinator.detector import RankState
+
+    core, engine, _ = _spares_core(tmp_path)
     # rank 3 as a fail-slow re-plan leaves it: found 2x slow, then moved out of the plan
     det = engine.detector  # type: ignore[attr-defined]
     det._state[3], det._factor[3], det._cause[3] = RankState.SLOW, 2.0, "compute"
@@ -280,15 +289,9 @@ def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> Non
 
 def test_probes_of_a_slow_spare_recover_it_and_the_coordinator_replans(tmp_path: Path) -> None:
     from resihp.coordinator.detector import RankState
-    from resihp.coordinator.plan import PipelinePlan
 
-    plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
-    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
-    engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
     metrics = Registry()
-    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
-                           metrics, lambda: 1000.0)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core, engine, conn = _spares_core(tmp_path, metrics)
     # every rank's start-up probe, then rank 3 as a fail-slow re-plan leaves it: 2x slow, idle
     core.on_batch(conn, m.AgentBatch(probes=tuple(m.RankProbe(r, 1.0, 0.010) for r in range(4))))
     det = engine.detector  # type: ignore[attr-defined]
@@ -308,19 +311,13 @@ def test_probes_of_a_slow_spare_recover_it_and_the_coordinator_replans(tmp_path:
 
 
 def test_admin_status_shows_each_ranks_role_and_latest_probe(tmp_path: Path) -> None:
-    from resihp.coordinator.plan import PipelinePlan
-
-    plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
-    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
-    engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
-    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
-                           Registry(), lambda: 1000.0)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core, _, conn = _spares_core(tmp_path)
     core.on_batch(conn, m.AgentBatch(probes=(m.RankProbe(0, 1.0, 0.010), m.RankProbe(1, 1.0, 0.010),
                                              m.RankProbe(2, 1.0, 0.030))))
     ranks = {r["rank"]: r for r in core.admin.status()["ranks"]}
     assert [ranks[r]["role"] for r in range(4)] == ["member", "member", "spare", "spare"]
     assert (ranks[0]["probe_ratio"], ranks[2]["probe_ratio"], ranks[3]["probe_ratio"]) == (1.0, 3.0, 0.0)
+    plan, cfg = core.plan, core.config
     rule = CoordinatorCore(cfg, plan, RuleEngine(build_header(preset("gpt-tiny"), plan, 4, "job")),
                            Journal(tmp_path / "j2.jsonl"), tmp_path / "e2.jsonl", Registry(), lambda: 1000.0)
     assert {r["probe_ratio"] for r in rule.admin.status()["ranks"]} == {0.0}  # the rule engine reads no probes

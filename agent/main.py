@@ -3,6 +3,10 @@
 Configuration precedence: CLI > env (RESIHP_COORDINATOR, RESIHP_TOKEN, RESIHP_JOB,
 RESIHP_NODE, RESIHP_AGENT_ADDR, RESIHP_RUN_DIR, RESIHP_AGENT_NICE) > defaults. Writes
 ``<run-dir>/agent-<node>.json`` with the bound hook address once it serves.
+
+The node's name: ``--node``, else ``RESIHP_NODE``, else — for agents that ``mpirun`` starts
+one per node, as ``resihp launch --hostfile`` does — the entry of ``RESIHP_NODE_NAMES``
+(comma-separated, in hostfile order) at this process's MPI rank, else the host name.
 """
 from __future__ import annotations
 
@@ -12,15 +16,35 @@ import os
 import signal
 import socket
 import sys
+from typing import Mapping
 
 from resihp.coordinator.auth import AuthError, resolve_token
 
 
+def default_node(env: Mapping[str, str]) -> str:
+    """The node name when ``--node`` is not given (see the module docstring)."""
+    if env.get("RESIHP_NODE"):
+        return env["RESIHP_NODE"]
+    names = [n for n in env.get("RESIHP_NODE_NAMES", "").split(",") if n]
+    if names:
+        rank = env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK", ""))
+        if not rank.isdigit() or int(rank) >= len(names):
+            raise ValueError(f"RESIHP_NODE_NAMES lists {len(names)} nodes but this agent's MPI rank is {rank or 'unset'}: "
+                             "start one agent per node with 'mpirun --map-by ppr:1:node', or pass --node")
+        return names[int(rank)]
+    return socket.gethostname()
+
+
 def main(argv: list[str]) -> int:
     env = os.environ
+    try:
+        node = default_node(env)
+    except ValueError as exc:
+        print(f"resihp agent: {exc}", file=sys.stderr)
+        return 2
     p = argparse.ArgumentParser(prog="resihp agent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--node", default=env.get("RESIHP_NODE", socket.gethostname()))
+    p.add_argument("--node", default=node)
     p.add_argument("--job", default=env.get("RESIHP_JOB", "job"))
     p.add_argument("--coordinator", default=env.get("RESIHP_COORDINATOR"), help="host:port of the coordinator")
     p.add_argument("--token", default=None, help="job token (prefer env RESIHP_TOKEN)")

@@ -73,6 +73,7 @@ class CoordinatorCore:
         self.last_iteration = saved.last_iteration
         self._agent_ids = itertools.count(1)
         self.last_finding: m.FindingInfo | None = None
+        self.layout_mismatch: str = ""  # why the trainers' layout is not the plan's ("" = it is)
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
         self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)
         if self.resumed:
@@ -263,6 +264,7 @@ class CoordinatorCore:
             self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "epoch"})
             log.warning("dropped report of rank %d: unknown epoch %d (current %d)", rep.rank, rep.epoch, self.epoch)
             return
+        self._check_layout(rep)
         info = self.ranks[rep.rank]
         if rep.iteration >= info.iteration:
             info.iteration_end_s = rep.start_s + rep.step_s
@@ -276,6 +278,25 @@ class CoordinatorCore:
             self.metrics.inc("resihp_reports_late_total", 1, {"job": self.config.job})
         for rec in records:
             self._on_record(rec, now)
+
+    def _check_layout(self, rep: m.RankReport) -> None:
+        """A rank that runs another number of micro-batches than the plan gives its replica was
+        started with another layout than this coordinator (``--microbatches``, ``--tp/--pp/--dp``):
+        its iterations cannot be joined, so nothing would be judged — say so once, loudly."""
+        if self.layout_mismatch or rep.epoch != self.plan.epoch or not self.plan.has_rank(rep.rank):
+            return
+        want = self.plan.replicas[self.plan.position(rep.rank).replica].microbatches
+        if len(rep.seqlens) == want:
+            return
+        self.layout_mismatch = (
+            f"rank {rep.rank} ran {len(rep.seqlens)} micro-batch(es) in iteration {rep.iteration}, but this "
+            f"coordinator's plan (epoch {self.plan.epoch}: {self.plan.describe()}) gives its replica {want}: the "
+            f"trainers and the coordinator were started with different layouts; give the coordinator the training "
+            f"script's global micro-batches and TP/PP/DP (resihp launch --microbatches / --tp / --pp / --dp). "
+            f"Until then its iterations are not judged and no re-plan can fit the job")
+        log.error("coordinator: %s", self.layout_mismatch)
+        self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "layout"})
+        self.events.emit("layout-mismatch", epoch=self.epoch, rank=rep.rank, reason=self.layout_mismatch)
 
     def _on_probe(self, pr: m.RankProbe, now: float) -> None:
         info = self.ranks[pr.rank]

@@ -321,3 +321,20 @@ def test_admin_status_shows_each_ranks_role_and_latest_probe(tmp_path: Path) -> 
     rule = CoordinatorCore(cfg, plan, RuleEngine(build_header(preset("gpt-tiny"), plan, 4, "job")),
                            Journal(tmp_path / "j2.jsonl"), tmp_path / "e2.jsonl", Registry(), lambda: 1000.0)
     assert {r["probe_ratio"] for r in rule.admin.status()["ranks"]} == {0.0}  # the rule engine reads no probes
+
+
+def test_a_trainer_started_with_another_layout_is_named_once_with_the_fix(tmp_path: Path) -> None:
+    core = _core(tmp_path)  # its plan gives each of the two replicas 2 micro-batches
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(reports=(_rep(0, 0), _rep(1, 0))))
+    assert core.layout_mismatch == ""
+    four = ((8,), (8,), (8,), (8,))  # a script run with --microbatches 8
+    core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(2, 0, 0, 100.0, 0.1, four),
+                                              m.RankReport(3, 0, 0, 100.0, 0.1, four),
+                                              m.RankReport(2, 0, 1, 100.1, 0.1, four))))
+    said = [e for e in core.events.since(0, 100) if e["event"] == "layout-mismatch"]
+    assert len(said) == 1 and said[0]["rank"] == 2  # once, not per report
+    assert said[0]["reason"].startswith("rank 2 ran 4 micro-batch(es) in iteration 0, but this coordinator's plan "
+                                        "(epoch 0: TP1xPP2xDP2 mb 2,2) gives its replica 2")
+    assert "resihp launch --microbatches" in said[0]["reason"]
+    assert 'resihp_requests_invalid_total{job="job",kind="layout"} 1' in core.metrics.render()

@@ -139,3 +139,67 @@ def test_launch_refuses_a_probe_interval_that_cannot_work(capsys: pytest.Capture
             main(["-n", "2", "--probe-every-s", bad, "--", sys.executable, "-c", "pass"])
         assert exc.value.code == 2
         assert f"--probe-every-s must be a number of seconds > 0, got {float(bad)}" in capsys.readouterr().err
+
+
+def test_hostfiles_map_ranks_to_nodes_in_slot_order_and_bad_ones_are_named() -> None:
+    from resihp.trainer_hooks.hostfile import HostfileError, parse_hostfile, rank_nodes, used_hosts
+
+    hosts = parse_hostfile("# two GPU nodes and a CPU one\nn1 slots=4\nn2 slots=2   # short\n\nn3\n")
+    assert [(h.name, h.slots) for h in hosts] == [("n1", 4), ("n2", 2), ("n3", 1)]
+    assert rank_nodes(hosts, 5) == ("n1", "n1", "n1", "n1", "n2")
+    assert [h.name for h in used_hosts(hosts, 5)] == ["n1", "n2"]  # n3 gets no rank, hence no agent
+    for text, msg in [("", "hostfile: no nodes listed"),
+                      ("n1 slots=0\n", "hostfile:1: slots must be >= 1, got 0"),
+                      ("n1 max_slots=4\n", "hostfile:1: unsupported option 'max_slots=4' (give 'NAME slots=N')"),
+                      ("n1\nn1 slots=2\n", "hostfile:2: node 'n1' is listed twice")]:
+        with pytest.raises(HostfileError) as exc:
+            parse_hostfile(text)
+        assert str(exc.value).startswith(msg), exc.value
+    with pytest.raises(HostfileError, match=r"-n 8 ranks do not fit the hostfile's 7 slots \(n1:4, n2:2, n3:1\)"):
+        rank_nodes(hosts, 8)
+
+
+def test_an_agent_started_by_mpirun_names_itself_after_its_hostfile_entry() -> None:
+    from resihp.agent.main import default_node
+
+    names = {"RESIHP_NODE_NAMES": "gpu-a,gpu-b"}
+    assert default_node({**names, "OMPI_COMM_WORLD_RANK": "1"}) == "gpu-b"
+    assert default_node({**names, "OMPI_COMM_WORLD_RANK": "1", "RESIHP_NODE": "mine"}) == "mine"
+    with pytest.raises(ValueError, match="RESIHP_NODE_NAMES lists 2 nodes but this agent's MPI rank is 2"):
+        default_node({**names, "OMPI_COMM_WORLD_RANK": "2"})
+    import socket
+
+    assert default_node({}) == socket.gethostname()
+
+
+def test_launch_with_a_hostfile_refuses_what_cannot_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from resihp.trainer_hooks.launch import agents_command, main
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=2\nb slots=2\n")
+    cmd = ["--", sys.executable, "-c", "pass"]
+    for argv, msg in [(["-n", "6", "--hostfile", str(hosts)], "-n 6 ranks do not fit the hostfile's 4 slots"),
+                      (["-n", "4", "--nodes", "2", "--hostfile", str(hosts)], "with --hostfile the nodes are the file's"),
+                      (["-n", "4", "--hostfile", str(tmp_path / "none")], "cannot read the hostfile"),
+                      (["-n", "4", "--hostfile", str(hosts), "--agent-port", "0"], "--agent-port must be a TCP port")]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv + cmd)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
+    line = agents_command("mpirun", "/run/hostfile", 2, ["python", "-m", "resihp.cli", "agent"], ["--mca", "x", "y"],
+                          as_root=False)
+    assert line[:7] == ["mpirun", "--hostfile", "/run/hostfile", "--map-by", "ppr:1:node", "-n", "2"]
+    assert "RESIHP_TOKEN" in line and not any("token" in a.lower() and a != "RESIHP_TOKEN" for a in line)
+    assert line[-7:] == ["--mca", "x", "y", "python", "-m", "resihp.cli", "agent"]
+
+
+def test_the_head_address_is_never_a_loopback_the_nodes_cannot_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from resihp.trainer_hooks.launch import head_address
+
+    assert head_address("10.1.2.3") == "10.1.2.3"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    with pytest.raises(RuntimeError, match="resolves to the loopback address 127.0.1.1.*give --head-address"):
+        head_address("")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "192.168.7.9")
+    assert head_address("") == "192.168.7.9"

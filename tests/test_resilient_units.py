@@ -232,3 +232,32 @@ def test_launch_watch_ends_the_job_on_finish_or_abort(tmp_path: Path) -> None:
     with open(ev, "a") as fh:
         fh.write(json.dumps({"event": "state", "from": "PLANNING", "to": "ABORTED"}, separators=(",", ":")) + "\n")
     assert w.poll() and w.aborted and not w.finished
+
+
+def _resilience(plan: Plan, transport: Any) -> Any:
+    from resihp.trainer_hooks.resilient import Resilience
+
+    rc = SimpleNamespace(epoch=plan.epoch, members=tuple(range(8)), plan=plan, rank=0, timeout_s=1.0)
+    job = SimpleNamespace(_pending=[], transport=transport)
+    return Resilience(job=job, rc=rc, world=SimpleNamespace(), agreement=object(), plan_wait_s=60.0)  # type: ignore[arg-type]
+
+
+def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_recovery() -> None:
+    """A coordinator started with another --microbatches than the script would otherwise halve
+    (or double) what each step trains after its first re-plan: the loss curve would change."""
+    from resihp.trainer_hooks.resilient import batch_change
+
+    job_plan = Plan.uniform(1, 2, 2, 8, 8)  # the script's: 8 micro-batches per step
+    same = Plan.uniform(1, 1, 2, 8, 8)
+    smaller = replace(Plan.uniform(1, 1, 2, 8, 4), epoch=1)  # the coordinator's: 4
+    assert batch_change(job_plan, same) == ""
+    why = batch_change(job_plan, smaller)
+    assert why.startswith("the plan trains 4 micro-batches per step and this job 8: a re-plan may not change the "
+                          "global batch") and "--microbatches" in why
+    tx = _Transport()
+    res = _resilience(job_plan, tx)
+    with pytest.raises(ValueError, match="the plan trains 4 micro-batches per step and this job 8"):
+        res.on_reconfigure(res.job, m.ReconfigCommand(1, smaller, 5, "fail-slow of ranks [3]", 1))
+    # the recovery takes the survivor rule at once instead of the coordinator's plan
+    tx.commands = [m.ReconfigCommand(2, smaller, 5, "fail-stop of ranks [7]", 1)]
+    assert res._wait_coordinator_plan(SimpleNamespace(ranks=tuple(range(7)))) is None

@@ -21,12 +21,14 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from resihp.trainer_hooks.hostfile import Host, HostfileError, read_hostfile, rank_nodes, used_hosts
 from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, StoreProcess
 
 # One definition of the fault-tolerant mpirun flags (ULFM, detector thread, a detector
@@ -45,14 +47,75 @@ def find_mpirun() -> str:
 
 
 def mpirun_command(mpirun: str, n: int, env_names: Sequence[str], cmd: Sequence[str],
-                   as_root: bool | None = None, mca: dict[str, str] | None = None) -> list[str]:
+                   as_root: bool | None = None, mca: dict[str, str] | None = None,
+                   hostfile: str = "", extra: Sequence[str] = ()) -> list[str]:
+    """The ranks' mpirun line. With ``hostfile``, ranks fill the nodes' slots in file order
+    (``--map-by slot``: the order trainer_hooks/hostfile.rank_nodes assumes); ``extra`` are
+    the user's own mpirun arguments (ssh agent, interfaces), placed before the command."""
     as_root = os.geteuid() == 0 if as_root is None else as_root
     out = [mpirun] + (["--allow-run-as-root"] if as_root else []) + ["--oversubscribe"] + ULFM_FLAGS + ["-n", str(n)]
+    if hostfile:
+        out += ["--hostfile", hostfile, "--map-by", "slot"]
     for key, value in (mca or {}).items():
         out += ["--mca", key, value]
+    out += list(extra)
     for name in env_names:
         out += ["-x", name]
     return out + list(cmd)
+
+
+def agents_command(mpirun: str, hostfile: str, nodes: int, agent_args: Sequence[str],
+                   extra: Sequence[str] = (), as_root: bool | None = None) -> list[str]:
+    """One agent per node, started by mpirun itself: its remote launcher already reaches the
+    nodes the ranks will run on. Each agent names itself after its hostfile entry
+    (``RESIHP_NODE_NAMES`` at its MPI rank, agent/main.default_node); the token travels in
+    the environment (``-x``), never on a command line."""
+    as_root = os.geteuid() == 0 if as_root is None else as_root
+    out = [mpirun] + (["--allow-run-as-root"] if as_root else [])
+    out += ["--hostfile", hostfile, "--map-by", "ppr:1:node", "-n", str(nodes)]
+    for name in ("RESIHP_TOKEN", "RESIHP_NODE_NAMES", "RESIHP_JOB", "RESIHP_RUN_DIR", "PYTHONUNBUFFERED"):
+        out += ["-x", name]
+    return out + list(extra) + list(agent_args)
+
+
+def head_address(given: str) -> str:
+    """The address the other nodes reach this machine on (coordinator and store bind to all)."""
+    if given:
+        return given
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise RuntimeError(f"cannot resolve this machine's name ({exc}); give --head-address") from None
+    if addr.startswith("127."):
+        raise RuntimeError(f"this machine's name resolves to the loopback address {addr}, which other nodes "
+                           "cannot reach; give --head-address (an address of this machine the nodes can reach)")
+    return addr
+
+
+def _wait_registered(events: Path, nodes: Sequence[str], proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until every node's agent registered with the coordinator (its event log says so): no
+    shared file system is assumed between the nodes."""
+    deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        try:
+            lines = events.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            if "agent-registered" in line:
+                try:
+                    seen.add(str(json.loads(line).get("node")))
+                except json.JSONDecodeError:
+                    continue  # a line still being written
+        if seen >= set(nodes):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"the agents' mpirun exited with status {proc.returncode} before every node's agent "
+                               f"registered (registered: {sorted(seen) or 'none'}); see agents.log in {events.parent}")
+        time.sleep(0.1)
+    raise RuntimeError(f"agents of {sorted(set(nodes) - seen)} did not register within {timeout_s:.0f} s; "
+                       f"see agents.log in {events.parent}")
 
 
 def _wait_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> dict[str, str]:
@@ -224,6 +287,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--probe-every-s", type=float, default=30.0,
                    help="seconds between an idle spare's compute probes (sets $RESIHP_PROBE_EVERY_S for the ranks)")
     p.add_argument("--coordinator-arg", action="append", default=[], help="extra argument for the coordinator")
+    p.add_argument("--hostfile", default="",
+                   help="several machines: an Open MPI hostfile ('NAME slots=N' per node); ranks fill the slots in "
+                        "file order, mpirun starts one agent per node, coordinator and store run here")
+    p.add_argument("--head-address", default="",
+                   help="with --hostfile: the address the nodes reach this machine on (default: its name's address)")
+    p.add_argument("--agent-port", type=int, default=50555,
+                   help="with --hostfile: the port every node's agent serves its ranks on (127.0.0.1)")
+    p.add_argument("--mpirun-arg", action="append", default=[],
+                   help="extra argument for mpirun (ranks and, with --hostfile, agents), e.g. --mpirun-arg=--mca "
+                        "--mpirun-arg=btl_tcp_if_include --mpirun-arg=10.0.0.0/24")
     args = p.parse_args(mine)
     if not cmd:
         p.error("give the training command after '--', e.g. resihp launch -n 4 -- python train.py")
@@ -233,6 +306,19 @@ def main(argv: list[str]) -> int:
         p.error(f"tp × pp × dp = {tp}×{pp}×{dp} = {tp * pp * dp} must equal -n {n}")
     if args.nodes < 1 or n % args.nodes:
         p.error(f"--nodes {args.nodes} must divide -n {n}")
+    hosts: tuple[Host, ...] = ()
+    if args.hostfile:
+        if args.nodes != 1:
+            p.error("--nodes simulates nodes on this machine; with --hostfile the nodes are the file's")
+        if not 0 < args.agent_port < 65536:
+            p.error(f"--agent-port must be a TCP port (1..65535), got {args.agent_port}")
+        try:
+            hosts = used_hosts(read_hostfile(args.hostfile), n)
+            nodes_of_ranks = rank_nodes(hosts, n)
+        except HostfileError as exc:
+            p.error(str(exc))
+    else:
+        nodes_of_ranks = tuple(f"node{r // (n // args.nodes)}" for r in range(n))
     if not (math.isfinite(args.probe_every_s) and args.probe_every_s > 0):
         p.error(f"--probe-every-s must be a number of seconds > 0, got {args.probe_every_s}")
     from resihp.coordinator.auth import generate_token, write_token
@@ -258,45 +344,72 @@ def main(argv: list[str]) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        head = head_address(args.head_address) if hosts else "127.0.0.1"
         coord_log = open(run / "coordinator.log", "ab")
         coord = subprocess.Popen(
             py + ["coordinator", "--run-dir", str(run), "--job", job, "-n", str(n), "--tp", str(tp), "--pp", str(pp),
                   "--dp", str(dp), "--model", args.model, "--port", "0", "--engine", args.engine,
-                  "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
-                  "--rank-nodes", ",".join(f"node{r // (n // args.nodes)}" for r in range(n))]
+                  "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--rank-nodes", ",".join(nodes_of_ranks)]
+            + (["--host", "0.0.0.0"] if hosts else [])
             + (["--microbatches", str(args.microbatches)] if args.microbatches else []) + args.coordinator_arg,
             env=env, stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True)
         children.append(coord)
         info = _wait_file(run / "coordinator.json", coord, "the coordinator", 60)
-        env["RESIHP_COORDINATOR"] = info["grpc"]
+        coordinator = f"{head}:{info['grpc'].rsplit(':', 1)[1]}" if hosts else info["grpc"]
+        env["RESIHP_COORDINATOR"] = coordinator
+        agent_args = ["agent", "--job", job, "--coordinator", coordinator, "--run-dir", str(run),
+                      "--world-size", str(n), "--gpu-sampler", args.gpu_sampler]
         hooks = []
-        for k in range(args.nodes):
+        if hosts:
+            hostfile = run / "hostfile"  # the nodes that get ranks, as mpirun will fill them
+            hostfile.write_text("".join(f"{h.name} slots={h.slots}\n" for h in hosts))
+            env["RESIHP_NODE_NAMES"] = ",".join(h.name for h in hosts)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            line = agents_command(find_mpirun(), str(hostfile), len(hosts),
+                                  [sys.executable, "-m", "resihp.cli", *agent_args, "--hook-address",
+                                   f"127.0.0.1:{args.agent_port}"], args.mpirun_arg)
+            agents = subprocess.Popen(line, env=env, stdout=open(run / "agents.log", "ab"), stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            children.append(agents)
+            _wait_registered(run / "events.jsonl", [h.name for h in hosts], agents, 120)
+            hooks = [f"{h.name}:127.0.0.1:{args.agent_port}" for h in hosts]
+        for k in range(0 if hosts else args.nodes):
             node = f"node{k}"
             log_fh = open(run / f"agent-{node}.log", "ab")
-            agent = subprocess.Popen(
-                py + ["agent", "--node", node, "--job", job, "--coordinator", info["grpc"], "--run-dir", str(run),
-                      "--world-size", str(n), "--gpu-sampler", args.gpu_sampler],
-                env=env, stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True)
+            agent = subprocess.Popen(py + agent_args + ["--node", node], env=env, stdout=log_fh,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
             children.append(agent)
             hooks.append(_wait_file(run / f"agent-{node}.json", agent, f"agent {node}", 60)["hook"])
         # the rendezvous store lives in its own process: no rank's death takes it down, and
         # every plan epoch (a live reconfiguration, a fail-stop recovery) joins through it
-        store = StoreProcess()
-        rank_env = {**env, "RESIHP_AGENT_ADDRS": ",".join(hooks), "RESIHP_RANKS_PER_NODE": str(n // args.nodes),
-                    "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store.addr, "RESIHP_STORE_ADDR": store.addr,
+        store = StoreProcess(host="0.0.0.0") if hosts else StoreProcess()
+        store_addr = f"{head}:{store.port}" if hosts else store.addr
+        rank_env = {**env, "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store_addr, "RESIHP_STORE_ADDR": store_addr,
                     "RESIHP_PROBE_EVERY_S": str(args.probe_every_s)}
+        if hosts:  # every node's agent serves on the same local port
+            rank_env["RESIHP_AGENT_ADDR"] = f"127.0.0.1:{args.agent_port}"
+            where = ["RESIHP_AGENT_ADDR", "PMIX_MCA_gds"]  # remote ranks get only what -x names
+        else:
+            rank_env.update(RESIHP_AGENT_ADDRS=",".join(hooks), RESIHP_RANKS_PER_NODE=str(n // args.nodes))
+            where = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE"]
         rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
+        rank_env.pop("RESIHP_NODE_NAMES", None)
         # PMIx's shared-memory datastore has crashed ranks inside MPI_Init on oversubscribed
         # machines (open-mpi/ompi#6761); the hash datastore avoids it
         rank_env.setdefault("PMIX_MCA_gds", "hash")
-        names = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE", "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR",
-                 "RESIHP_WORLD_SIZE", "RESIHP_STORE", "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S"]
-        # each job gets its own directory for Open MPI's shared-memory segments: segments left
-        # by an earlier job that had to be ended cannot be mapped by this one
-        shm_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else run) / f"resihp-{job}"
-        shm_dir.mkdir(parents=True, exist_ok=True)
-        line = mpirun_command(find_mpirun(), n, names, cmd, mca={"btl_sm_backing_directory": str(shm_dir)})
-        print(f"resihp launch: job {job}, run dir {run}\n  coordinator {info['grpc']} (metrics {info['metrics']})"
+        names = where + ["RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR", "RESIHP_WORLD_SIZE", "RESIHP_STORE",
+                         "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S"]
+        mca: dict[str, str] = {}
+        if not hosts:
+            # each job gets its own directory for Open MPI's shared-memory segments: segments left
+            # by an earlier job that had to be ended cannot be mapped by this one (a local
+            # directory: other nodes do not have it)
+            shm_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else run) / f"resihp-{job}"
+            shm_dir.mkdir(parents=True, exist_ok=True)
+            mca["btl_sm_backing_directory"] = str(shm_dir)
+        line = mpirun_command(find_mpirun(), n, names, cmd, mca=mca, hostfile=str(run / "hostfile") if hosts else "",
+                              extra=args.mpirun_arg)
+        print(f"resihp launch: job {job}, run dir {run}\n  coordinator {coordinator} (metrics {info['metrics']})"
               f"\n  agents {hooks}\n  {' '.join(line)}", flush=True)
         remove_stale_mpi_segments()
         mpi = subprocess.Popen(line, env=rank_env, start_new_session=True)

@@ -205,6 +205,9 @@ class Resilience:
             self._notice = cmd
             self._deferred.append(cmd)
             return False
+        refused = batch_change(self.rc.plan, cmd.plan)
+        if refused:
+            raise ValueError(refused)  # every rank refuses alike: the acknowledgement says why
         was_member = self.rc.runtime is not None
         t0 = time.perf_counter()
         saved_timeout = self.rc.timeout_s
@@ -444,6 +447,11 @@ class Resilience:
                     and c.epoch > self.rc.epoch and set(c.plan.ranks()) <= alive]
             if fits:
                 best = max(fits, key=lambda c: c.epoch)
+                refused = batch_change(self.rc.plan, best.plan)
+                if refused:  # a coordinator started with another layout: keep the job's batch
+                    log.error("rank %d: the coordinator's recovery plan is refused: %s; using the survivor rule",
+                              self.rc.rank, refused)
+                    return None
                 if best not in self._deferred:
                     self._deferred.append(best)
                 self.job._pending = [c for c in self.job._pending if c not in fits]
@@ -459,6 +467,17 @@ class Resilience:
         if self.progress is not None:
             self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)
         raise JobStopped(why)
+
+
+def batch_change(old: Plan, new: Plan) -> str:
+    """Why ``new`` cannot replace ``old`` in a running job ("" if it can): a re-plan moves
+    work between ranks, it never changes what one step trains — the same global batch, so
+    the loss curve stays the one the job would have had."""
+    if new.global_microbatches != old.global_microbatches:
+        return (f"the plan trains {new.global_microbatches} micro-batches per step and this job "
+                f"{old.global_microbatches}: a re-plan may not change the global batch (was the coordinator started "
+                f"with the training script's --microbatches?)")
+    return ""
 
 
 def _any_source() -> int:

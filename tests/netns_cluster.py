@@ -1,0 +1,124 @@
+"""A cluster of "nodes" on one machine, for multi-node tests: one network namespace per node.
+
+Each node gets its own network namespace (its own address on a private bridge, its own
+loopback), its own host name (a UTS namespace per launched command) and its own
+``/etc/netns/<node>/hosts`` naming every node, so MPI, gloo and the agents see separate
+machines joined by a real (virtual) network: traffic between nodes crosses the bridge,
+traffic inside a node stays on its loopback. ``mpirun`` reaches the nodes through its ssh
+launcher with ``plm_ssh_agent`` set to a stand-in for ssh that runs the command in the
+node's namespaces (``ssh_agent``): Open MPI's own remote launch path (prted on every node,
+its out-of-band wiring back to mpirun), only the transport differs.
+
+Building it needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; ``NetnsCluster.create``
+raises ``ClusterUnavailable`` with the reason otherwise, which tests turn into a skip.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSH_AGENT = """#!/bin/sh
+# a stand-in for ssh: run the command in the named node's namespaces (tests/netns_cluster.py)
+while [ $# -gt 0 ]; do
+  case "$1" in -o|-p|-l|-i) shift 2;; -*) shift;; *) break;; esac
+done
+host="$1"; shift
+case " {nodes} " in *" $host "*) ;; *) echo "ssh stand-in: unknown node $host" >&2; exit 255;; esac
+exec ip netns exec "$host" unshare --uts -- /bin/sh -c "hostname $host && $*"
+"""
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot build namespaces (no root, no iproute2, no bridge support)."""
+
+
+def _ip(*args: str) -> None:
+    res = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if res.returncode != 0:
+        raise ClusterUnavailable(f"ip {' '.join(args)}: {res.stderr.strip() or res.returncode}")
+
+
+@dataclass
+class NetnsCluster:
+    nodes: tuple[str, ...]
+    addresses: dict[str, str]
+    head: str  # the host namespace's address on the bridge (where coordinator and store run)
+    subnet: str
+    bridge: str
+    ssh_agent: Path
+    _made: list[str] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, workdir: Path, count: int = 2) -> NetnsCluster:
+        if shutil.which("ip") is None or shutil.which("unshare") is None:
+            raise ClusterUnavailable("iproute2 ('ip') and util-linux ('unshare') are needed")
+        if os.geteuid() != 0:
+            raise ClusterUnavailable("network namespaces need root")
+        tag = os.getpid() % 10000
+        net = f"10.215.{tag % 250}"
+        bridge = f"rbr{tag}"
+        nodes = tuple(f"rn{tag}n{i}" for i in range(1, count + 1))
+        addresses = {node: f"{net}.{10 + i}" for i, node in enumerate(nodes, start=1)}
+        workdir.mkdir(parents=True, exist_ok=True)
+        agent = workdir / "ssh-netns"
+        agent.write_text(SSH_AGENT.replace("{nodes}", " ".join(nodes)))
+        agent.chmod(0o755)
+        c = cls(nodes, addresses, f"{net}.1", f"{net}.0/24", bridge, agent)
+        try:
+            _ip("link", "add", bridge, "type", "bridge")
+            c._made.append(f"link:{bridge}")
+            _ip("addr", "add", f"{c.head}/24", "dev", bridge)
+            _ip("link", "set", bridge, "up")
+            hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in addresses.items())
+            for i, node in enumerate(nodes, start=1):
+                _ip("netns", "add", node)
+                c._made.append(f"netns:{node}")
+                etc = Path("/etc/netns") / node
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(hosts)
+                # no resolver inside: a name lookup that misses the hosts file fails at once
+                # instead of waiting on a DNS server the namespace cannot reach
+                (etc / "resolv.conf").write_text("# no DNS in the test's node namespaces\n")
+                veth = f"{bridge}v{i}"
+                _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", node)
+                _ip("link", "set", veth, "master", bridge)
+                _ip("link", "set", veth, "up")
+                _ip("-n", node, "addr", "add", f"{addresses[node]}/24", "dev", "eth0")
+                _ip("-n", node, "link", "set", "eth0", "up")
+                _ip("-n", node, "link", "set", "lo", "up")
+        except ClusterUnavailable:
+            c.close()
+            raise
+        return c
+
+    def veth(self, node: str) -> str:
+        """The bridge-side end of ``node``'s link."""
+        return f"{self.bridge}v{self.nodes.index(node) + 1}"
+
+    def link_bytes(self, node: str) -> int:
+        """Bytes that crossed ``node``'s link so far, both directions."""
+        stats = Path("/sys/class/net") / self.veth(node) / "statistics"
+        return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+    def hostfile(self, path: Path, slots: int) -> Path:
+        path.write_text("".join(f"{n} slots={slots}\n" for n in self.nodes))
+        return path
+
+    def mpirun_args(self) -> list[str]:
+        """What mpirun needs to reach these nodes: the ssh stand-in, and the bridge's subnet for
+        its own wiring and for MPI's TCP transport."""
+        return ["--prtemca", "plm_ssh_agent", str(self.ssh_agent), "--prtemca", "oob_tcp_if_include", self.subnet,
+                "--mca", "btl_tcp_if_include", self.subnet]
+
+    def close(self) -> None:
+        for item in reversed(self._made):
+            kind, name = item.split(":", 1)
+            if kind == "netns":
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+                shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+            else:
+                subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
+        self._made.clear()

@@ -299,11 +299,17 @@ class Detector(IdleRankVerdicts):
             ex_m = np.full_like(ex_m, -1.0)
         is_comm = ex_m > ex_c
         # the slowdown estimate of a link: the middle of its directions (the min, used to
-        # decide, is biased low by the noise of the others); only needed where it is used
+        # decide, is biased low by the noise of the others), or its DP ring's when that is
+        # slow too and slower: activations are small messages, where latency and a shaper's
+        # burst hide much of a bandwidth loss, the ring's all-reduce is bulk — and the
+        # planner prices links by bandwidth (a 100× slower NIC read 3.7× from P2P alone).
+        # Only needed where it is used.
         score = np.where(is_comm, comm, comp)
         need = np.nonzero(is_comm & ~self._dp_only & ((ex_m > 0) | (self.state == RankState.SLOW)))[0]
         if len(need):
-            score[need] = nanmedian(dirs[:, need], axis=0)
+            ring = dp_ratio[need]
+            bulk = np.where(np.isfinite(ring) & (ring > 1.0 + c.dp_threshold), ring, np.nan)
+            score[need] = np.fmax(nanmedian(dirs[:, need], axis=0), bulk)
         suspect = (ex_c > 0) | (ex_m > 0)
         normal = (fill_nan(comp, 1.0) < 1 + c.recover_threshold) & (
             fill_nan(comm, 1.0) < 1 + np.maximum(c.recover_threshold, comm_thr / 2))

@@ -14,11 +14,14 @@ raises ``ClusterUnavailable`` with the reason otherwise, which tests turn into a
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 SSH_AGENT = """#!/bin/sh
 # a stand-in for ssh: run the command in the named node's namespaces (tests/netns_cluster.py)
@@ -29,6 +32,9 @@ host="$1"; shift
 case " {nodes} " in *" $host "*) ;; *) echo "ssh stand-in: unknown node $host" >&2; exit 255;; esac
 exec ip netns exec "$host" unshare --uts -- /bin/sh -c "hostname $host && $*"
 """
+
+
+_made_clusters = 0
 
 
 class ClusterUnavailable(RuntimeError):
@@ -57,7 +63,9 @@ class NetnsCluster:
             raise ClusterUnavailable("iproute2 ('ip') and util-linux ('unshare') are needed")
         if os.geteuid() != 0:
             raise ClusterUnavailable("network namespaces need root")
-        tag = os.getpid() % 10000
+        global _made_clusters
+        _made_clusters += 1  # several clusters in one process get distinct names
+        tag = (os.getpid() * 7 + _made_clusters) % 10000
         net = f"10.215.{tag % 250}"
         bridge = f"rbr{tag}"
         nodes = tuple(f"rn{tag}n{i}" for i in range(1, count + 1))
@@ -84,6 +92,7 @@ class NetnsCluster:
                 (etc / "resolv.conf").write_text("# no DNS in the test's node namespaces\n")
                 veth = f"{bridge}v{i}"
                 _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", node)
+                c._made.append(f"link:{veth}")
                 _ip("link", "set", veth, "master", bridge)
                 _ip("link", "set", veth, "up")
                 _ip("-n", node, "addr", "add", f"{addresses[node]}/24", "dev", "eth0")
@@ -103,6 +112,21 @@ class NetnsCluster:
         stats = Path("/sys/class/net") / self.veth(node) / "statistics"
         return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
+    def throttle_link(self, node: str, mbit: float) -> None:
+        """Shape ``node``'s link to ``mbit`` Mbit/s both ways (a token bucket on each end of its
+        veth pair): a real, kernel-enforced slow NIC, as congestion or a degraded port makes."""
+        for where in ([], ["-n", node]):
+            dev = "eth0" if where else self.veth(node)
+            res = subprocess.run(["tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                                  "burst", "16kb", "latency", "200ms"], capture_output=True, text=True, timeout=20)
+            if res.returncode != 0:
+                raise ClusterUnavailable(f"tc cannot shape {dev}: {res.stderr.strip()}")
+
+    def clear_link(self, node: str) -> None:
+        for where in ([], ["-n", node]):
+            dev = "eth0" if where else self.veth(node)
+            subprocess.run(["tc", *where, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=20)
+
     def hostfile(self, path: Path, slots: int) -> Path:
         path.write_text("".join(f"{n} slots={slots}\n" for n in self.nodes))
         return path
@@ -112,6 +136,22 @@ class NetnsCluster:
         its own wiring and for MPI's TCP transport."""
         return ["--prtemca", "plm_ssh_agent", str(self.ssh_agent), "--prtemca", "oob_tcp_if_include", self.subnet,
                 "--mca", "btl_tcp_if_include", self.subnet]
+
+    def launch_command(self, run: Path, hostfile: Path, job: Sequence[str], coordinator: Sequence[str],
+                       train: Sequence[str]) -> list[str]:
+        """``resihp launch`` of ``train`` on these nodes: ``job`` its layout options, ``coordinator``
+        extra coordinator arguments. The coordinator gets the demo's description of a CPU
+        machine (its device profile and detection policy) unless ``coordinator`` overrides it."""
+        from resihp.demo import CPU_CLUSTER, CPU_POLICY
+
+        profile = run.parent / f"{run.name}-cpu-cluster.json"
+        profile.write_text(json.dumps(CPU_CLUSTER))
+        line = [sys.executable, "-m", "resihp.cli", "launch", *job, "--hostfile", str(hostfile), "--head-address",
+                self.head, "--gpu-sampler", "off", "--heartbeat-timeout-s", "3", "--run-dir", str(run),
+                "--finalize-grace-s", "3"]
+        line += [f"--mpirun-arg={a}" for a in self.mpirun_args()]
+        line += [f"--coordinator-arg=--cluster={profile}"] + [f"--coordinator-arg=--policy={p}" for p in CPU_POLICY]
+        return line + [f"--coordinator-arg={a}" for a in coordinator] + ["--", *train]
 
     def close(self) -> None:
         for item in reversed(self._made):

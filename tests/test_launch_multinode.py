@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,6 @@ import pytest
 
 from cp_helpers import read_jsonl, wait_until
 from netns_cluster import ClusterUnavailable, NetnsCluster
-from resihp.demo import CPU_CLUSTER, CPU_POLICY
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -53,16 +53,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         hostfile = cluster.hostfile(work / "hosts", slots=2)
         before = {n: cluster.link_bytes(n) for n in cluster.nodes}
-        line = [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--microbatches",
-                "8", "--hostfile", str(hostfile), "--head-address", cluster.head, "--gpu-sampler", "off",
-                "--heartbeat-timeout-s", "3", "--run-dir", str(run), "--finalize-grace-s", "3"]
-        line += [f"--mpirun-arg={a}" for a in cluster.mpirun_args()]
-        # the demo's description of a CPU machine: its policy and device profile
-        profile = work / "cpu-cluster.json"
-        profile.write_text(json.dumps(CPU_CLUSTER))
-        line += [f"--coordinator-arg=--cluster={profile}"] + [f"--coordinator-arg=--policy={p}" for p in CPU_POLICY]
-        launch = subprocess.Popen(line + ["--", sys.executable, str(EXAMPLE), "--steps", str(STEPS), *TRAIN],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
+        line = cluster.launch_command(run, hostfile, ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], [],
+                                      [sys.executable, str(EXAMPLE), "--steps", str(STEPS), *TRAIN])
+        launch = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
         try:
             wait_until(lambda: _iteration(run) >= KILL_AFTER, 120, f"iteration {KILL_AFTER} on both nodes")
             status = json.loads(_admin(run, "--json", "status").stdout)
@@ -70,8 +63,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             out, _ = launch.communicate(timeout=240)
         finally:
             if launch.poll() is None:
-                launch.kill()
-                launch.wait(30)
+                launch.send_signal(signal.SIGINT)  # the launcher stops its daemons and ranks
+                launch.wait(60)
         after = {n: cluster.link_bytes(n) for n in cluster.nodes}
         ref = work / "reference"
         ref.mkdir()

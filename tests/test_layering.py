@@ -21,6 +21,7 @@ PURE = [
     "resihp.coordinator.detector_program", "resihp.coordinator.cluster", "resihp.coordinator.memory",
     "resihp.coordinator.planner", "resihp.coordinator.statemachine", "resihp.coordinator.joiner",
     "resihp.trainer_hooks.layout", "resihp.trainer_hooks.reshard", "resihp.trainer_hooks.checkpoint_format",
+    "resihp.trainer_hooks.hostfile",
     "resihp.report_data", "resihp.report_summary",
     "resihp.sim.engine", "resihp.sim.runner", "resihp.sim.workload",
 ]

@@ -3,8 +3,9 @@
 Stage s of p runs ``min(p − s − 1, M)`` warm-up forwards, then alternates one forward and
 one backward, then drains the remaining backwards (PipeDream-flush / Megatron 1F1B). Sends
 are non-blocking (``isend``; completed at the end of the step), receives block, so two
-neighbours sending to each other at once cannot deadlock. Every forward (F), backward (B),
-receive wait (P2P) is recorded with its micro-batch index; with 1F1B B covers both the
+neighbours sending to each other at once cannot deadlock. Every forward (F), backward (B)
+and inbound transfer (P2P: the payload's transfer after its header, not the wait for the
+sender; see ``_recv``) is recorded with its micro-batch index; with 1F1B B covers both the
 input and the weight gradient (no separate W).
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ from resihp.trainer_hooks.groups import StagePlace
 from resihp.trainer_hooks.model import GPTStage, PackedMeta, loss_sum
 from resihp.trainer_hooks.throttle import Throttle
 from resihp.trainer_hooks.tp_layers import collective_seconds
+
+
+# the tag bit of a payload's header message (payload tags are small: 2 × micro-batch + 1)
+HEADER_TAG = 1 << 24
 
 
 @dataclass
@@ -64,6 +69,7 @@ class PipelineStep:
         self.compute_clock = compute_clock
         self.peer_groups = peer_groups
         self._pending: list[Any] = []  # outstanding isend works (and the tensors they read)
+        self._header: torch.Tensor | None = None  # what precedes every payload (see _recv)
 
     def _group(self, peer: int) -> Any:
         group = self.peer_groups.get(peer)
@@ -73,16 +79,28 @@ class PipelineStep:
         return group
 
     def _recv(self, src: int, shape: tuple[int, ...], tag: int, log: ChunkLog, mb: int) -> torch.Tensor:
+        """Receive a tensor; the P2P chunk is its transfer alone. The sender posts a one-element
+        header right before the payload: the wait for the header is the schedule's (the
+        sender still computing), the time from header to payload is the link's — what the
+        detector must judge a link by. A receive that starts late finds the payload arrived
+        and records next to nothing: a transfer hidden behind compute costs nothing."""
+        group = self._group(src)
         buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        header = torch.empty(1, dtype=torch.float32, device=self.device)
+        dist.recv(header, src=src, tag=tag | HEADER_TAG, group=group)
         start = time.perf_counter()
-        dist.recv(buf, src=src, tag=tag, group=self._group(src))
+        dist.recv(buf, src=src, tag=tag, group=group)
         log.add("P2P", mb, start, time.perf_counter())
         return buf
 
     def _send(self, tensor: torch.Tensor, dsts: tuple[int, ...], tag: int) -> None:
         payload = tensor.detach().contiguous()
+        if self._header is None:
+            self._header = torch.zeros(1, dtype=torch.float32, device=self.device)  # never written: shared
         for dst in dsts:
-            self._pending.append((dist.isend(payload, dst=dst, tag=tag, group=self._group(dst)), payload))
+            group = self._group(dst)
+            self._pending.append((dist.isend(self._header, dst=dst, tag=tag | HEADER_TAG, group=group), self._header))
+            self._pending.append((dist.isend(payload, dst=dst, tag=tag, group=group), payload))
 
     def _compute(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
         if self.compute_clock == "cpu":

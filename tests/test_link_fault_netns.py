@@ -1,0 +1,97 @@
+"""A real slow link, found by the detector: four nodes (network namespaces), one rank each.
+
+TP1 × PP2 × DP2 of gpt-tiny with every pipeline edge and every DP ring crossing the bridge.
+At iteration ≥ 20 the fourth node's link is shaped to 50 Mbit/s both ways with a kernel
+token bucket (``tc tbf`` on both ends of its veth: a congested or degraded NIC, not a
+simulated one), ~100× below what the bridge carries otherwise. The coordinator runs with
+link detection on and automatic re-planning off, so the test judges detection alone: rank 3
+(the only rank on that node) must be found link-slow — cause ``communication`` — with a
+slowdown estimate that reflects a bandwidth loss (its DP ring's bulk transfer), not the
+few-× that small activation messages show.
+
+What it does not assert, measured here: 4 ranks, their agents and the coordinator share 2
+cores, so a P2P transfer's time also holds the receiver's descheduling (healthy transfers:
+p50 0.3–1.2 ms, p90 4–7 ms); runs have shown a noise finding of another rank before or
+during the throttle (docs/detector.md).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from cp_helpers import read_jsonl, wait_until
+from netns_cluster import ClusterUnavailable, NetnsCluster
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+THROTTLE_AT = 20
+LINK_POLICY = ("--policy=links=on", "--policy=comm_threshold=2.0", "--policy=dp_threshold=1.0", "--no-auto-reconfigure")
+
+pytestmark = pytest.mark.flaky(reruns=1)
+
+
+def _status(run: Path) -> dict[str, Any]:
+    res = subprocess.run([sys.executable, "-m", "resihp.cli", "admin", "--run-dir", str(run), "--json", "status"],
+                         capture_output=True, text=True, timeout=60)
+    return dict(json.loads(res.stdout)) if res.returncode == 0 else {"iteration": -1, "ranks": []}
+
+
+def _ready(run: Path) -> int | None:
+    """The iteration, once past THROTTLE_AT with rank 3 judged healthy (a noise finding on the
+    shared cores must have cleared, or the throttle's finding could not come)."""
+    st = _status(run)
+    healthy = any(r["rank"] == 3 and r["state"] == "healthy" for r in st["ranks"])
+    return int(st["iteration"]) if st["iteration"] >= THROTTLE_AT and healthy else None
+
+
+def _link_findings(run: Path, since: int) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "finding" and e["kind"] == "fail-slow"
+            and e["cause"] == "communication" and e["ranks"] == [3] and e["iteration"] >= since]
+
+
+@pytest.fixture(scope="module")
+def throttled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("linkfault")
+    try:
+        cluster = NetnsCluster.create(work / "cluster", count=4)
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    run = work / "run"
+    try:
+        line = cluster.launch_command(run, cluster.hostfile(work / "hosts", slots=1),
+                                      ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], LINK_POLICY,
+                                      [sys.executable, str(EXAMPLE), "--pp", "2", "--dp", "2", "--microbatches", "8",
+                                       "--steps", "400", "--threads", "1", "--log-every", "1000"])
+        launch = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
+        try:
+            at = wait_until(lambda: _ready(run), 120, f"iteration {THROTTLE_AT} with rank 3 healthy")
+            cluster.throttle_link(cluster.nodes[3], mbit=50)
+            found = wait_until(lambda: _link_findings(run, at), 120, "a link-slow finding on rank 3")[0]
+            cluster.clear_link(cluster.nodes[3])
+        finally:
+            if launch.poll() is None:
+                launch.send_signal(signal.SIGINT)
+                launch.wait(60)
+        yield {"run": run, "throttled_at": at, "finding": found}
+    finally:
+        cluster.close()
+
+
+def test_the_rank_behind_the_slow_link_is_found_link_slow_within_a_few_iterations(throttled: dict[str, Any]) -> None:
+    f = throttled["finding"]
+    assert f["stage"] == 1 and f["replica"] == 1, f
+    # persistence: 3 slow iterations; the admin status that timed the throttle lags a few
+    assert throttled["throttled_at"] <= f["iteration"] <= throttled["throttled_at"] + 12, (throttled["throttled_at"], f)
+    assert "P2P transfers (in and out) ran" in f["reason"]
+
+
+def test_the_slowdown_estimate_is_the_bulk_transfers(throttled: dict[str, Any]) -> None:
+    # 50 Mbit/s against ≈ 6 Gbit/s healthy: the DP ring's 0.8 MB all-reduce slows by well
+    # over 10×; its 32 KB activations (half of each fits the shaper's burst) by a few ×
+    assert throttled["finding"]["factor"] > 8.0, throttled["finding"]

@@ -135,3 +135,19 @@ class Joiner:
             iteration=iteration, start_s=max(0.0, start - self.t0), time_s=max(r.step_s for r in reports),
             seqlens=tuple(seqlens), chunks=tuple(chunks), rank_step_s={r.rank: r.step_s for r in reports},
         )
+
+
+def layout_mismatch(plan: Plan, rep: RankReport) -> str:
+    """Why ``rep`` cannot be joined against ``plan`` ("" if it can): a rank that ran another
+    number of micro-batches than the plan gives its replica was started with another layout
+    than the coordinator (``--microbatches``, ``--tp/--pp/--dp``)."""
+    if not plan.has_rank(rep.rank):
+        return ""
+    want = plan.replicas[plan.position(rep.rank).replica].microbatches
+    if len(rep.seqlens) == want:
+        return ""
+    return (f"rank {rep.rank} ran {len(rep.seqlens)} micro-batch(es) in iteration {rep.iteration}, but this "
+            f"coordinator's plan (epoch {plan.epoch}: {plan.describe()}) gives its replica {want}: the trainers and "
+            f"the coordinator were started with different layouts; give the coordinator the training script's global "
+            f"micro-batches and TP/PP/DP (resihp launch --microbatches / --tp / --pp / --dp). Until then its "
+            f"iterations are not judged and no re-plan can fit the job")

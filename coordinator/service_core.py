@@ -25,7 +25,7 @@ from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine, EngineDecision, shrink_past_the_dead
 from resihp.coordinator.service_records import AgentConn, Pending, RankInfo
 from resihp.coordinator.service_trace import TraceSink
-from resihp.coordinator.joiner import Joiner
+from resihp.coordinator.joiner import Joiner, layout_mismatch
 from resihp.coordinator.statemachine import State, Trigger, can, step
 from resihp.coordinator.trace import ExitEvent, PlanChange
 
@@ -280,23 +280,15 @@ class CoordinatorCore:
             self._on_record(rec, now)
 
     def _check_layout(self, rep: m.RankReport) -> None:
-        """A rank that runs another number of micro-batches than the plan gives its replica was
-        started with another layout than this coordinator (``--microbatches``, ``--tp/--pp/--dp``):
-        its iterations cannot be joined, so nothing would be judged — say so once, loudly."""
-        if self.layout_mismatch or rep.epoch != self.plan.epoch or not self.plan.has_rank(rep.rank):
+        """Say once, loudly, when the trainers run another layout than this coordinator's plan
+        (joiner.layout_mismatch): their iterations cannot be joined, so nothing is judged."""
+        if self.layout_mismatch or rep.epoch != self.plan.epoch:
             return
-        want = self.plan.replicas[self.plan.position(rep.rank).replica].microbatches
-        if len(rep.seqlens) == want:
-            return
-        self.layout_mismatch = (
-            f"rank {rep.rank} ran {len(rep.seqlens)} micro-batch(es) in iteration {rep.iteration}, but this "
-            f"coordinator's plan (epoch {self.plan.epoch}: {self.plan.describe()}) gives its replica {want}: the "
-            f"trainers and the coordinator were started with different layouts; give the coordinator the training "
-            f"script's global micro-batches and TP/PP/DP (resihp launch --microbatches / --tp / --pp / --dp). "
-            f"Until then its iterations are not judged and no re-plan can fit the job")
-        log.error("coordinator: %s", self.layout_mismatch)
-        self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "layout"})
-        self.events.emit("layout-mismatch", epoch=self.epoch, rank=rep.rank, reason=self.layout_mismatch)
+        self.layout_mismatch = layout_mismatch(self.plan, rep)
+        if self.layout_mismatch:
+            log.error("coordinator: %s", self.layout_mismatch)
+            self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "layout"})
+            self.events.emit("layout-mismatch", epoch=self.epoch, rank=rep.rank, reason=self.layout_mismatch)
 
     def _on_probe(self, pr: m.RankProbe, now: float) -> None:
         info = self.ranks[pr.rank]

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 SSH_AGENT = """#!/bin/sh
 # a stand-in for ssh: run the command in the named node's namespaces (tests/netns_cluster.py)
@@ -162,3 +164,33 @@ class NetnsCluster:
             else:
                 subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=20)
         self._made.clear()
+
+
+@contextmanager
+def cluster_or_skip(workdir: Path, count: int) -> Iterator[NetnsCluster]:
+    """A cluster of ``count`` nodes for a test, removed afterwards; the test is skipped, with the
+    reason, where this machine cannot build one."""
+    import pytest
+
+    try:
+        cluster = NetnsCluster.create(workdir, count)
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def admin_status(run: Path) -> dict[str, Any]:
+    """``resihp admin --json status`` of the job in ``run`` (iteration -1 until it answers)."""
+    res = subprocess.run([sys.executable, "-m", "resihp.cli", "admin", "--run-dir", str(run), "--json", "status"],
+                         capture_output=True, text=True, timeout=60)
+    return dict(json.loads(res.stdout)) if res.returncode == 0 else {"iteration": -1, "ranks": []}
+
+
+def stop(launch: subprocess.Popen[str]) -> None:
+    """End a ``resihp launch`` still running (SIGINT: it stops its daemons and ranks itself)."""
+    if launch.poll() is None:
+        launch.send_signal(signal.SIGINT)
+        launch.wait(60)

@@ -10,9 +10,7 @@ run of the same seed and data.
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 from cp_helpers import read_jsonl, wait_until
-from netns_cluster import ClusterUnavailable, NetnsCluster
+from netns_cluster import admin_status, cluster_or_skip, stop
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -37,47 +35,33 @@ def _admin(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
-def _iteration(run: Path) -> int:
-    res = _admin(run, "--json", "status")
-    return int(json.loads(res.stdout)["iteration"]) if res.returncode == 0 else -1
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("multinode")
-    try:
-        cluster = NetnsCluster.create(work / "cluster", count=2)
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no network namespaces here: {exc}")
     run = work / "run"
-    try:
+    with cluster_or_skip(work / "cluster", 2) as cluster:
         hostfile = cluster.hostfile(work / "hosts", slots=2)
         before = {n: cluster.link_bytes(n) for n in cluster.nodes}
         line = cluster.launch_command(run, hostfile, ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], [],
                                       [sys.executable, str(EXAMPLE), "--steps", str(STEPS), *TRAIN])
         launch = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
         try:
-            wait_until(lambda: _iteration(run) >= KILL_AFTER, 120, f"iteration {KILL_AFTER} on both nodes")
-            status = json.loads(_admin(run, "--json", "status").stdout)
+            wait_until(lambda: admin_status(run)["iteration"] >= KILL_AFTER, 120, f"iteration {KILL_AFTER} on both nodes")
+            status = admin_status(run)
             killed = _admin(run, "inject", "kill", "--rank", "3")
             out, _ = launch.communicate(timeout=240)
         finally:
-            if launch.poll() is None:
-                launch.send_signal(signal.SIGINT)  # the launcher stops its daemons and ranks
-                launch.wait(60)
+            stop(launch)
         after = {n: cluster.link_bytes(n) for n in cluster.nodes}
-        ref = work / "reference"
-        ref.mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
-        env["RESIHP_PROGRESS"] = str(ref / "progress.jsonl")
-        subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--microbatches", "8", "--seed", "3",
-                        "--threads", "1", "--log-every", "1000"], env=env, check=True, capture_output=True,
-                       timeout=300)
-        yield {"run": run, "rc": launch.returncode, "out": out, "status": status, "killed": killed,
-               "crossed": {n: after[n] - before[n] for n in cluster.nodes}, "nodes": cluster.nodes,
-               "reference": ref / "progress.jsonl", "hostfile": hostfile}
-    finally:
-        cluster.close()
+        nodes = cluster.nodes
+    ref = work / "reference"
+    ref.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
+    env["RESIHP_PROGRESS"] = str(ref / "progress.jsonl")
+    subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--microbatches", "8", "--seed", "3",
+                    "--threads", "1", "--log-every", "1000"], env=env, check=True, capture_output=True, timeout=300)
+    yield {"run": run, "rc": launch.returncode, "out": out, "status": status, "killed": killed,
+           "crossed": {n: after[n] - before[n] for n in nodes}, "nodes": nodes, "reference": ref / "progress.jsonl"}
 
 
 def test_ranks_fill_the_nodes_in_hostfile_order_and_report_through_their_own_agent(job: dict[str, Any]) -> None:

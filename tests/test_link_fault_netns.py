@@ -16,8 +16,6 @@ during the throttle (docs/detector.md).
 """
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 
 from cp_helpers import read_jsonl, wait_until
-from netns_cluster import ClusterUnavailable, NetnsCluster
+from netns_cluster import admin_status, cluster_or_skip, stop
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -36,16 +34,10 @@ LINK_POLICY = ("--policy=links=on", "--policy=comm_threshold=2.0", "--policy=dp_
 pytestmark = pytest.mark.flaky(reruns=1)
 
 
-def _status(run: Path) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, "-m", "resihp.cli", "admin", "--run-dir", str(run), "--json", "status"],
-                         capture_output=True, text=True, timeout=60)
-    return dict(json.loads(res.stdout)) if res.returncode == 0 else {"iteration": -1, "ranks": []}
-
-
 def _ready(run: Path) -> int | None:
     """The iteration, once past THROTTLE_AT with rank 3 judged healthy (a noise finding on the
     shared cores must have cleared, or the throttle's finding could not come)."""
-    st = _status(run)
+    st = admin_status(run)
     healthy = any(r["rank"] == 3 and r["state"] == "healthy" for r in st["ranks"])
     return int(st["iteration"]) if st["iteration"] >= THROTTLE_AT and healthy else None
 
@@ -58,29 +50,22 @@ def _link_findings(run: Path, since: int) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def throttled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("linkfault")
-    try:
-        cluster = NetnsCluster.create(work / "cluster", count=4)
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no network namespaces here: {exc}")
     run = work / "run"
-    try:
+    with cluster_or_skip(work / "cluster", 4) as cluster:
         line = cluster.launch_command(run, cluster.hostfile(work / "hosts", slots=1),
                                       ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], LINK_POLICY,
                                       [sys.executable, str(EXAMPLE), "--pp", "2", "--dp", "2", "--microbatches", "8",
                                        "--steps", "400", "--threads", "1", "--log-every", "1000"])
-        launch = subprocess.Popen(line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
+        launch = subprocess.Popen(line, stdout=open(work / "launch.log", "w"), stderr=subprocess.STDOUT, text=True,
+                                  cwd=str(REPO))  # a file, not a pipe nobody reads: the ranks' output must not block
         try:
             at = wait_until(lambda: _ready(run), 120, f"iteration {THROTTLE_AT} with rank 3 healthy")
             cluster.throttle_link(cluster.nodes[3], mbit=50)
             found = wait_until(lambda: _link_findings(run, at), 120, "a link-slow finding on rank 3")[0]
             cluster.clear_link(cluster.nodes[3])
         finally:
-            if launch.poll() is None:
-                launch.send_signal(signal.SIGINT)
-                launch.wait(60)
+            stop(launch)
         yield {"run": run, "throttled_at": at, "finding": found}
-    finally:
-        cluster.close()
 
 
 def test_the_rank_behind_the_slow_link_is_found_link_slow_within_a_few_iterations(throttled: dict[str, Any]) -> None:

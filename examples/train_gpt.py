@@ -2,7 +2,7 @@
 
     mpirun --allow-run-as-root --oversubscribe -n 8 .venv/bin/python examples/train_gpt.py \
         --tp 2 --pp 2 --dp 2 --steps 50
-    resihp launch -n 8 --tp 2 --pp 2 --dp 2 -- python examples/train_gpt.py --tp 2 --pp 2 --dp 2
+    resihp launch -n 8 --tp 2 --pp 2 --dp 2 --microbatches 8 -- python examples/train_gpt.py --tp 2 --pp 2 --dp 2
 
 Data: the Python standard library's sources as byte-level documents, packed into
 micro-batches of --seq tokens (8K-style packing scaled down to a CPU).

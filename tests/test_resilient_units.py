@@ -261,3 +261,16 @@ def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_re
     # the recovery takes the survivor rule at once instead of the coordinator's plan
     tx.commands = [m.ReconfigCommand(2, smaller, 5, "fail-stop of ranks [7]", 1)]
     assert res._wait_coordinator_plan(SimpleNamespace(ranks=tuple(range(7)))) is None
+
+
+def test_the_launcher_says_a_layout_mismatch_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from resihp.trainer_hooks.launch import _JobFinishedWatch
+
+    ev = tmp_path / "events.jsonl"
+    ev.write_text(json.dumps({"event": "layout-mismatch", "rank": 0, "reason": "rank 0 ran 4 micro-batch(es)"}) + "\n")
+    w = _JobFinishedWatch(ev)
+    assert not w.poll() and w.mismatch == "rank 0 ran 4 micro-batch(es)"
+    assert capsys.readouterr().err == "resihp launch: rank 0 ran 4 micro-batch(es)\n"
+    with open(ev, "a") as fh:  # said once
+        fh.write(json.dumps({"event": "layout-mismatch", "rank": 1, "reason": "again"}) + "\n")
+    assert not w.poll() and capsys.readouterr().err == ""

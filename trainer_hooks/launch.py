@@ -202,6 +202,7 @@ class _JobFinishedWatch:
         self.offset = 0
         self.finished = False
         self.aborted = False
+        self.mismatch = ""  # the coordinator's layout-mismatch, once said
 
     def poll(self) -> bool:
         if self.finished:
@@ -218,6 +219,16 @@ class _JobFinishedWatch:
         # the coordinator gave up (no layout can run, repeated failed reconfigurations): the
         # ranks may be stuck in a broken world, so the job is over too
         self.aborted = self.aborted or b'"to":"ABORTED"' in complete or b'"to": "ABORTED"' in complete
+        if b"layout-mismatch" in complete and not self.mismatch:
+            # the ranks run another layout than the coordinator was given: the user must hear it
+            for line in complete.splitlines():
+                if b"layout-mismatch" in line:
+                    try:
+                        self.mismatch = str(json.loads(line).get("reason", ""))
+                    except json.JSONDecodeError:
+                        continue
+                    print(f"resihp launch: {self.mismatch}", file=sys.stderr, flush=True)
+                    break
         return self.finished or self.aborted
 
 
@@ -275,7 +286,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--job", default="")
     p.add_argument("--run-dir", default="", help="default ./resihp-runs/JOB")
     p.add_argument("--model", default="gpt-tiny")
-    p.add_argument("--microbatches", type=int, default=0)
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="global micro-batches per step: the training script's (default 2 per DP replica)")
     p.add_argument("--engine", choices=["auto", "real", "rules"], default="auto")
     p.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
     p.add_argument("--gpu-sampler", choices=["nvml", "off", "fake"], default="nvml")

@@ -8,7 +8,7 @@ passed in, no grpc.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from resihp.coordinator.messages import RankReport
 from resihp.coordinator.plan import Plan
@@ -151,3 +151,38 @@ def layout_mismatch(plan: Plan, rep: RankReport) -> str:
             f"the coordinator were started with different layouts; give the coordinator the training script's global "
             f"micro-batches and TP/PP/DP (resihp launch --microbatches / --tp / --pp / --dp). Until then its "
             f"iterations are not judged and no re-plan can fit the job")
+
+
+@dataclass
+class LayoutCheck:
+    """The trainers' micro-batch shares against the coordinator's plan, from their reports.
+
+    The script decides how many micro-batches a step trains; a coordinator started without
+    ``--microbatches`` (or with another value) plans a different global batch. While nothing
+    has been commanded (``open``), the plan follows the trainers: once one report of every
+    replica is in, a plan with their shares is returned to adopt. After that — or when two
+    ranks of one replica disagree — a report that does not fit the plan is a mismatch, said
+    once (``said``)."""
+
+    open: bool
+    shares: dict[int, int] = field(default_factory=dict)
+    said: str = ""
+
+    def check(self, plan: Plan, rep: RankReport) -> Plan | str | None:
+        """A plan with the trainers' shares to adopt, a mismatch to report, or None."""
+        if self.said or not plan.has_rank(rep.rank):
+            return None
+        if self.open:
+            replica, ran = plan.position(rep.rank).replica, len(rep.seqlens)
+            if self.shares.setdefault(replica, ran) != ran:
+                self.open = False  # one replica, two answers: no layout to adopt
+            elif len(self.shares) < len(plan.replicas):
+                return None  # every replica's first report first
+            else:
+                self.open = False
+                shares = [self.shares[i] for i in range(len(plan.replicas))]
+                if shares != [r.microbatches for r in plan.replicas] and min(shares) > 0:
+                    return replace(plan, replicas=tuple(replace(r, microbatches=s)
+                                                        for r, s in zip(plan.replicas, shares)))
+        self.said = layout_mismatch(plan, rep)
+        return self.said or None

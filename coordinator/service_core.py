@@ -25,7 +25,7 @@ from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine, EngineDecision, shrink_past_the_dead
 from resihp.coordinator.service_records import AgentConn, Pending, RankInfo
 from resihp.coordinator.service_trace import TraceSink
-from resihp.coordinator.joiner import Joiner, layout_mismatch
+from resihp.coordinator.joiner import Joiner, LayoutCheck
 from resihp.coordinator.statemachine import State, Trigger, can, step
 from resihp.coordinator.trace import ExitEvent, PlanChange
 
@@ -74,6 +74,7 @@ class CoordinatorCore:
         self._agent_ids = itertools.count(1)
         self.last_finding: m.FindingInfo | None = None
         self.layout_mismatch: str = ""  # why the trainers' layout is not the plan's ("" = it is)
+        self._layout = LayoutCheck(open=not self.resumed and self.seq == 0)
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
         self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)
         if self.resumed:
@@ -264,7 +265,7 @@ class CoordinatorCore:
             self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "epoch"})
             log.warning("dropped report of rank %d: unknown epoch %d (current %d)", rep.rank, rep.epoch, self.epoch)
             return
-        self._check_layout(rep)
+        self._check_layout(rep, now)
         info = self.ranks[rep.rank]
         if rep.iteration >= info.iteration:
             info.iteration_end_s = rep.start_s + rep.step_s
@@ -279,16 +280,28 @@ class CoordinatorCore:
         for rec in records:
             self._on_record(rec, now)
 
-    def _check_layout(self, rep: m.RankReport) -> None:
-        """Say once, loudly, when the trainers run another layout than this coordinator's plan
-        (joiner.layout_mismatch): their iterations cannot be joined, so nothing is judged."""
-        if self.layout_mismatch or rep.epoch != self.plan.epoch:
+    def _check_layout(self, rep: m.RankReport, now: float) -> None:
+        """The plan follows the trainers' micro-batch shares until something is commanded;
+        after that a report that does not fit is said once, loudly (joiner.LayoutCheck)."""
+        if rep.epoch != self.plan.epoch:
             return
-        self.layout_mismatch = layout_mismatch(self.plan, rep)
-        if self.layout_mismatch:
-            log.error("coordinator: %s", self.layout_mismatch)
+        self._layout.open = self._layout.open and self.seq == 0  # a command fixed the plan the ranks run
+        got = self._layout.check(self.plan, rep)
+        if isinstance(got, Plan):
+            was, self.plan = self.plan.describe(), got
+            self.joiner.add_plan(got)
+            self.journal.plan(got)
+            self._adopt(got, max(rep.iteration, 0), now)
+            if self.trace is not None:
+                self.trace.write(PlanChange(max(rep.iteration, 0), got))
+            self.events.emit("layout-adopted", epoch=self.epoch, plan=got.to_dict(),
+                             reason=f"the trainers run {got.describe()} ({got.global_microbatches} micro-batches a "
+                                    f"step); this coordinator was started with {was}: it takes the trainers' shares")
+        elif got:
+            self.layout_mismatch = got
+            log.error("coordinator: %s", got)
             self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "layout"})
-            self.events.emit("layout-mismatch", epoch=self.epoch, rank=rep.rank, reason=self.layout_mismatch)
+            self.events.emit("layout-mismatch", epoch=self.epoch, rank=rep.rank, reason=got)
 
     def _on_probe(self, pr: m.RankProbe, now: float) -> None:
         info = self.ranks[pr.rank]

@@ -323,18 +323,36 @@ def test_admin_status_shows_each_ranks_role_and_latest_probe(tmp_path: Path) -> 
     assert {r["probe_ratio"] for r in rule.admin.status()["ranks"]} == {0.0}  # the rule engine reads no probes
 
 
-def test_a_trainer_started_with_another_layout_is_named_once_with_the_fix(tmp_path: Path) -> None:
-    core = _core(tmp_path)  # its plan gives each of the two replicas 2 micro-batches
+def test_the_plan_takes_the_trainers_micro_batch_shares_before_anything_is_commanded(tmp_path: Path) -> None:
+    core = _core(tmp_path)  # started without the script's --microbatches: 2 per replica
     conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
-    core.on_batch(conn, m.AgentBatch(reports=(_rep(0, 0), _rep(1, 0))))
-    assert core.layout_mismatch == ""
-    four = ((8,), (8,), (8,), (8,))  # a script run with --microbatches 8
-    core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(2, 0, 0, 100.0, 0.1, four),
-                                              m.RankReport(3, 0, 0, 100.0, 0.1, four),
-                                              m.RankReport(2, 0, 1, 100.1, 0.1, four))))
+    four = ((8,), (8,), (8,), (8,))  # the script runs 8 a step
+    core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(1, 0, 0, 100.0, 0.1, four),)))
+    assert core.plan.global_microbatches == 4  # one replica heard from: not yet
+    core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(3, 0, 0, 100.0, 0.1, four),)))
+    assert [r.microbatches for r in core.plan.replicas] == [4, 4] and core.plan.epoch == 0
+    assert core.joiner.plan_for(0) == core.plan
+    events = core.events.since(0, 100)
+    said = [e for e in events if e["event"] == "layout-adopted"]
+    assert len(said) == 1 and said[0]["reason"] == (
+        "the trainers run TP1xPP2xDP2 mb 4,4 (8 micro-batches a step); this coordinator was started with "
+        "TP1xPP2xDP2 mb 2,2: it takes the trainers' shares")
+    core.on_batch(conn, m.AgentBatch(reports=tuple(m.RankReport(r, 0, 0, 100.0, 0.1, four) for r in (0, 2))))
+    assert core.layout_mismatch == "" and "layout-mismatch" not in {e["event"] for e in core.events.since(0, 100)}
+    assert Journal(tmp_path / "journal.jsonl").load().plan == core.plan  # a restarted coordinator keeps it
+
+
+def test_a_trainer_layout_that_cannot_be_adopted_is_named_once_with_the_fix(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    core.on_batch(conn, m.AgentBatch(reports=(_rep(0, 0),)))  # rank 0: 2 micro-batches, as planned
+    four = ((8,), (8,), (8,), (8,))
+    # rank 1, in rank 0's replica, ran 4: the ranks disagree, so there is no layout to adopt
+    core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(1, 0, 0, 100.0, 0.1, four),
+                                              m.RankReport(1, 0, 1, 100.1, 0.1, four))))
     said = [e for e in core.events.since(0, 100) if e["event"] == "layout-mismatch"]
-    assert len(said) == 1 and said[0]["rank"] == 2  # once, not per report
-    assert said[0]["reason"].startswith("rank 2 ran 4 micro-batch(es) in iteration 0, but this coordinator's plan "
+    assert len(said) == 1 and said[0]["rank"] == 1  # once, not per report
+    assert said[0]["reason"].startswith("rank 1 ran 4 micro-batch(es) in iteration 0, but this coordinator's plan "
                                         "(epoch 0: TP1xPP2xDP2 mb 2,2) gives its replica 2")
-    assert "resihp launch --microbatches" in said[0]["reason"]
+    assert "resihp launch --microbatches" in said[0]["reason"] and core.plan.global_microbatches == 4
     assert 'resihp_requests_invalid_total{job="job",kind="layout"} 1' in core.metrics.render()

@@ -261,6 +261,8 @@ def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_re
     # the recovery takes the survivor rule at once instead of the coordinator's plan
     tx.commands = [m.ReconfigCommand(2, smaller, 5, "fail-stop of ranks [7]", 1)]
     assert res._wait_coordinator_plan(SimpleNamespace(ranks=tuple(range(7)))) is None
+    # refused aloud and dropped: never left pending, to be acknowledged later as if applied
+    assert tx.acks == [(1, False, why)] and res.job._pending == [] and res._deferred == []
 
 
 def test_the_launcher_says_a_layout_mismatch_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,8 +5,8 @@ one backward, then drains the remaining backwards (PipeDream-flush / Megatron 1F
 are non-blocking (``isend``; completed at the end of the step), receives block, so two
 neighbours sending to each other at once cannot deadlock. Every forward (F), backward (B)
 and inbound transfer (P2P: the payload's transfer from the sender's post time, not the
-wait for the sender; see ``_recv``) is recorded with its micro-batch index; with 1F1B B covers both the
-input and the weight gradient (no separate W).
+wait for the sender; see ``_recv``) is recorded with its micro-batch index; with 1F1B B
+covers both the input and the weight gradient (no separate W).
 """
 from __future__ import annotations
 

@@ -451,6 +451,10 @@ class Resilience:
                 if refused:  # a coordinator started with another layout: keep the job's batch
                     log.error("rank %d: the coordinator's recovery plan is refused: %s; using the survivor rule",
                               self.rc.rank, refused)
+                    self.job._pending = [c for c in self.job._pending if c not in fits]
+                    self._deferred = [c for c in self._deferred if c not in fits]
+                    for c in fits:  # said, not left pending: it must never be acknowledged as applied
+                        self.job.transport.ack(c, self.last_done + 1, ok=False, error=refused)
                     return None
                 if best not in self._deferred:
                     self._deferred.append(best)

@@ -40,8 +40,9 @@ CPU_CLUSTER = {"devices": [{"rank": 0, "node": "node0"}], "device_flops": 2.0e9,
 # against the iteration's peers (peer_relative): a throttled rank gives its CPU share to the
 # others, who then run faster than calibrated, so against the model it shows only ~1.4x of
 # its 2x; and load from other work slows every rank at once (peer_common_slowdown), which
-# is no device's fault. Link findings are off: over loopback a P2P receive also waits for a
-# slow sender, so a slow rank's pipeline neighbours would look link-slow. Healthy idle ranks'
+# is no device's fault. Link findings are off: the ranks share one machine (no cross-node
+# link to judge), and a DP ring whose members all run here waits for a slow rank's compute
+# in its all-reduce, which would read as a slow ring. Healthy idle ranks'
 # compute probes read x0.91-1.20 of the reference on the shared cores: 50 % for them too.
 CPU_POLICY = ("slow_threshold=0.5", "peer_relative=on", "peer_common_slowdown=on", "step_threshold=0.4",
               "iteration_threshold=0.4", "confirm_iters=3", "recover_threshold=0.1", "links=off",

@@ -73,8 +73,7 @@ class CoordinatorCore:
         self.last_iteration = saved.last_iteration
         self._agent_ids = itertools.count(1)
         self.last_finding: m.FindingInfo | None = None
-        self.layout_mismatch: str = ""  # why the trainers' layout is not the plan's ("" = it is)
-        self._layout = LayoutCheck(open=not self.resumed and self.seq == 0)
+        self._layout = LayoutCheck(open=not self.resumed and self.seq == 0)  # the trainers' layout vs the plan
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
         self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)
         if self.resumed:
@@ -280,6 +279,11 @@ class CoordinatorCore:
         for rec in records:
             self._on_record(rec, now)
 
+    @property
+    def layout_mismatch(self) -> str:
+        """Why the trainers' layout is not one this coordinator can follow ("" while it is)."""
+        return self._layout.said
+
     def _check_layout(self, rep: m.RankReport, now: float) -> None:
         """The plan follows the trainers' micro-batch shares until something is commanded;
         after that a report that does not fit is said once, loudly (joiner.LayoutCheck)."""
@@ -298,7 +302,6 @@ class CoordinatorCore:
                              reason=f"the trainers run {got.describe()} ({got.global_microbatches} micro-batches a "
                                     f"step); this coordinator was started with {was}: it takes the trainers' shares")
         elif got:
-            self.layout_mismatch = got
             log.error("coordinator: %s", got)
             self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "layout"})
             self.events.emit("layout-mismatch", epoch=self.epoch, rank=rep.rank, reason=got)

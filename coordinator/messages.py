@@ -126,6 +126,9 @@ class DrainCommand:
 
 
 Command = Union[ReconfigCommand, ThrottleCommand, DrainCommand]
+# An acknowledgement error that starts with this says the job ended before the command's
+# apply_at: nothing failed, and there is nothing left to plan for.
+JOB_ENDED = "job ended: "
 
 
 def command_kind(cmd: Command) -> str:

@@ -30,7 +30,7 @@ from resihp.coordinator.journal import Journal
 from resihp.coordinator.metrics import MetricsServer, Registry, describe_standard
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.service_config import CoordinatorConfig
-from resihp.coordinator.service_admin import Refused
+from resihp.coordinator.service_admin import SERVICE_ONLY_POLICY, Refused
 from resihp.coordinator.service_core import CoordinatorCore, TraceSink
 from resihp.coordinator.service_engine import Engine, build_header, make_engine
 from resihp.coordinator.spec import ModelSpec, SpecError, preset
@@ -247,7 +247,8 @@ class CoordinatorServer:
         nodes = dict(enumerate(cfg.rank_nodes.split(","))) if cfg.rank_nodes else None
         header = build_header(model, plan, cfg.world_size, cfg.job, cfg.tokens_per_microbatch, nodes)
         self.engine = engine or make_engine(cfg.engine, header,
-                                            {"heartbeat_timeout_s": str(cfg.heartbeat_timeout_s), **cfg.policy},
+                                            {"heartbeat_timeout_s": str(cfg.heartbeat_timeout_s),
+                                             **{k: v for k, v in cfg.policy.items() if k not in SERVICE_ONLY_POLICY}},
                                             planner_links(cfg))
         self.core = CoordinatorCore(cfg, plan, self.engine, journal, run / "events.jsonl", self.registry, clock)
         self.core.trace = TraceSink(run / "trace.jsonl", header, append=self.core.resumed)

@@ -15,8 +15,11 @@ if TYPE_CHECKING:
     from resihp.coordinator.service_core import CoordinatorCore
     from resihp.coordinator.service_records import AgentConn
 
-SERVICE_POLICY = ("auto_reconfigure", "apply_margin", "ack_timeout_s", "heartbeat_timeout_s")
+SERVICE_POLICY = ("auto_reconfigure", "apply_margin", "ack_timeout_s", "heartbeat_timeout_s", "plan_audit",
+                  "audit_margin")
 SHARED_POLICY = ("heartbeat_timeout_s",)  # the coordinator's liveness clock and the engine's
+SERVICE_ONLY_POLICY = tuple(k for k in SERVICE_POLICY if k not in SHARED_POLICY)
+ON_OFF_POLICY = ("auto_reconfigure", "plan_audit")
 
 
 class Refused(Exception):
@@ -130,14 +133,14 @@ class CoordinatorAdmin:
         theirs = {k: v for k, v in updates.items() if k not in SERVICE_POLICY or k in SHARED_POLICY}
         new = dict(self.core.policy)
         for key, value in mine.items():
-            if key == "auto_reconfigure":
+            if key in ON_OFF_POLICY:
                 if value not in ("on", "off"):
-                    raise ValidationError(f"policy auto_reconfigure must be 'on' or 'off', got {value!r}")
+                    raise ValidationError(f"policy {key} must be 'on' or 'off', got {value!r}")
             else:
                 from resihp.coordinator.service_engine import parse_float
 
                 try:
-                    num = parse_float(key, value, 1 if key == "apply_margin" else 0.05)
+                    num = parse_float(key, value, {"apply_margin": 1.0, "audit_margin": 0.0}.get(key, 0.05))
                 except ValueError as exc:
                     raise ValidationError(str(exc)) from None
                 value = str(int(num)) if key == "apply_margin" else str(num)

@@ -48,6 +48,10 @@ class CoordinatorConfig:
     apply_lead_s: float = 0.5  # ... and at least this far ahead at the current iteration time
     tick_s: float = 0.1
     auto_reconfigure: bool = True
+    # after a switch the planner chose on its own, compare measured iteration times and undo it
+    # when it runs slower than the plan it replaced by more than audit_margin (plan_audit.py)
+    plan_audit: bool = True
+    audit_margin: float = 0.2
     max_workers: int = 64
     policy: dict[str, str] = field(default_factory=dict)  # engine policy overrides
     # CPU niceness the coordinator process adds at start (0..19; env RESIHP_COORDINATOR_NICE): where
@@ -72,6 +76,10 @@ class CoordinatorConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        if not (isinstance(self.audit_margin, (int, float)) and math.isfinite(self.audit_margin)
+                and self.audit_margin >= 0):
+            raise ConfigError(f"audit_margin must be a number >= 0 (0.2: undo a re-plan 20 % slower than the plan "
+                              f"it replaced), got {self.audit_margin!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "

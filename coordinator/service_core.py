@@ -20,10 +20,12 @@ from resihp.coordinator.codec import ValidationError
 from resihp.coordinator.journal import EventLog, Journal, JournalState
 from resihp.coordinator.metrics import Registry
 from resihp.coordinator.plan import Plan
-from resihp.coordinator.service_admin import CoordinatorAdmin, Refused
+from resihp.coordinator.service_admin import SERVICE_POLICY, CoordinatorAdmin, Refused
 from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine, EngineDecision, shrink_past_the_dead
-from resihp.coordinator.service_records import AgentConn, Pending, RankInfo
+from resihp.coordinator.plan_audit import AuditVerdict
+from resihp.coordinator.service_audit import Audits
+from resihp.coordinator.service_records import AgentConn, Pending, RankInfo, record_gpu_sample
 from resihp.coordinator.service_trace import TraceSink
 from resihp.coordinator.joiner import Joiner, LayoutCheck
 from resihp.coordinator.statemachine import State, Trigger, can, step
@@ -62,11 +64,16 @@ class CoordinatorCore:
         self.agents: dict[str, AgentConn] = {}
         self.pending: Pending | None = None
         self.queued_findings: list[m.FindingInfo] = []
+        self.audits = Audits()  # did the planner's own switches pay off? (service_audit.py)
         self.policy: dict[str, str] = {"auto_reconfigure": "on" if config.auto_reconfigure else "off",
                                        "apply_margin": str(config.apply_margin),
                                        "ack_timeout_s": str(config.ack_timeout_s),
-                                       "heartbeat_timeout_s": str(config.heartbeat_timeout_s)}
+                                       "heartbeat_timeout_s": str(config.heartbeat_timeout_s),
+                                       "plan_audit": "on" if config.plan_audit else "off",
+                                       "audit_margin": str(config.audit_margin)}
         self.admin = CoordinatorAdmin(self)  # operator requests (service_admin.py)
+        # service keys of the configured policy (the engine takes the others), then the journal's
+        self.admin._apply_policy({k: v for k, v in config.policy.items() if k in SERVICE_POLICY}, journal_it=False)
         self.admin._apply_policy(saved.policy, journal_it=False)
         self.joiner = Joiner(self.plan, self.t0, config.join_grace_s)
         self.joiner.resume_after(saved.last_iteration)
@@ -357,6 +364,9 @@ class CoordinatorCore:
         if judge:
             self._findings(self.engine.observe(rec, now), now)
             self._update_suspects()
+        audited = self.audits.observe(built if built is not None else self.engine_epoch, rec.iteration, rec.time_s)
+        if audited is not None:
+            self._on_audit(*audited, now)
 
     def _on_heartbeat(self, conn: AgentConn, hb: m.AgentHeartbeat, now: float) -> None:
         conn.sampler_degraded, conn.sampler_status = hb.sampler_degraded, hb.sampler_status
@@ -403,16 +413,7 @@ class CoordinatorCore:
         return {"stage": p.stage, "replica": p.replica}
 
     def _on_gpu(self, conn: AgentConn, g: m.GpuSample) -> None:
-        lab = {"gpu": g.gpu, "UUID": g.uuid, "modelName": g.model_name, "Hostname": conn.node, "job": self.config.job}
-        self.metrics.set("resihp_gpu_sm_clock_hertz", g.sm_clock_hz, lab)
-        self.metrics.set("resihp_gpu_temperature_celsius", g.temperature_celsius, lab)
-        self.metrics.set("resihp_gpu_power_usage_watts", g.power_watts, lab)
-        self.metrics.set("resihp_gpu_clock_event_reasons", g.clock_event_reasons, lab)
-        self.metrics.set("resihp_gpu_ecc_uncorrected_total", g.ecc_uncorrected_total, lab)
-        if g.xid_events:
-            self.metrics.set("resihp_gpu_xid_last", g.xid_events[-1], lab)
-            self.events.emit("gpu-xid", node=conn.node, gpu=g.gpu, xids=list(g.xid_events),
-                             reason=f"XID {list(g.xid_events)} on {conn.node} GPU {g.gpu}")
+        record_gpu_sample(self.metrics, self.events, conn.node, self.config.job, g)
 
     # --- findings and plans -----------------------------------------------------------
     def _findings(self, found: list[m.FindingInfo], now: float) -> None:
@@ -431,6 +432,7 @@ class CoordinatorCore:
                 if self.pending is not None:
                     self.pending.awaiting.difference_update(fresh)
             self.last_finding = f
+            self.audits.forget(f)
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
@@ -461,8 +463,11 @@ class CoordinatorCore:
         """Decide and command. ``replan`` False (re-planning is off, a finding outside the plan):
         keep the layout without asking the planner."""
         nodes = {r: i.node for r, i in self.ranks.items()}
+        kept = self.audits.kept(finding) if self.policy["plan_audit"] == "on" else ""
         if not replan:
             decision = EngineDecision(False, self.plan, "re-planning is off (policy auto_reconfigure=off)")
+        elif kept:
+            decision = EngineDecision(False, self.plan, kept)
         else:
             try:
                 decision = self.engine.decide(self.plan, finding, self._unavailable(), now, nodes)
@@ -481,10 +486,15 @@ class CoordinatorCore:
             self._transition(Trigger.KEEP, decision.reason)
             self._drain_queue(now)
             return
+        self._command(decision.plan, decision.reason, decision.level, now, cause=finding)
+
+    def _command(self, new_plan: Plan, why: str, level: str, now: float, cause: m.FindingInfo | None = None) -> None:
+        """Send ``new_plan`` as the next epoch; wait for every live rank's acknowledgement."""
+        self.audits.cancel()  # a switch under audit is superseded
         self.epoch += 1
-        plan = replace(decision.plan, epoch=self.epoch)
+        plan = replace(new_plan, epoch=self.epoch)
         self.seq += 1
-        reason = decision.reason
+        reason = why
         lost = sorted(r for r in (*self.plan.ranks(), *self.plan.spares) if self.ranks[r].dead and not plan.has_rank(r))
         if lost and not reason.startswith("fail-stop"):
             # the trainers recognise a plan that replaces dead ranks by this prefix: they apply it
@@ -497,11 +507,12 @@ class CoordinatorCore:
         if self.trace is not None:  # before any record of the new shape can be joined
             self.trace.write(PlanChange(cmd.apply_at, plan))
         self.pending = Pending(cmd, set(self._live_ranks()), now)
-        self._transition(Trigger.COMMAND_SENT, f"epoch {self.epoch} ({decision.level}) at iteration {cmd.apply_at}: "
-                                               f"{decision.reason}")
+        if self.policy["plan_audit"] == "on":
+            self.audits.start(cause, self.plan, plan, float(self.policy["audit_margin"]))
+        self._transition(Trigger.COMMAND_SENT, f"epoch {self.epoch} ({level}) at iteration {cmd.apply_at}: {why}")
         self.metrics.inc("resihp_commands_total", 1, {"kind": "reconfigure", "job": self.config.job})
         self.events.emit("command", command_seq=cmd.seq, epoch=cmd.epoch, kind="reconfigure", apply_at=cmd.apply_at,
-                         plan=plan.to_dict(), reason=decision.reason)
+                         plan=plan.to_dict(), reason=why)
         self._send_all(m.CoordinatorBatch(commands=(cmd,)))
         self._notify("command", cmd)
         self._maybe_acked(now)
@@ -543,6 +554,10 @@ class CoordinatorCore:
         pend = self.pending
         if pend is None or ack.seq != pend.command.seq:
             return
+        if not ack.ok and ack.error.startswith(m.JOB_ENDED):  # the plan in force stays; no re-plan
+            self.pending = None
+            self._transition(Trigger.UNAPPLIED, f"rank {ack.rank} did not apply epoch {ack.epoch}: {ack.error}")
+            return
         if not ack.ok:
             self.pending = None
             self._transition(Trigger.ACK_FAILED, f"rank {ack.rank} could not apply epoch {ack.epoch}: {ack.error}")
@@ -574,6 +589,33 @@ class CoordinatorCore:
                                         f"in {now - pend.issued_at:.3f} s")
         self._notify("acked", cmd)
         self._drain_queue(now)
+
+    def _on_audit(self, verdict: AuditVerdict, previous: Plan, cause: m.FindingInfo, now: float) -> None:
+        """The verdict on the planner's last switch: kept, or undone when it measured slower."""
+        regret = verdict.regret and self.policy["plan_audit"] == "on"
+        self.metrics.set("resihp_plan_audit_ratio", verdict.ratio, {"job": self.config.job})
+        unusable = sorted(r for r in (*previous.ranks(), *previous.spares)
+                          if self.ranks[r].dead or (r in self.excluded and previous.has_rank(r)))
+        if not regret:
+            outcome = "kept"
+        elif unusable:
+            outcome = f"kept: the previous plan needs ranks {unusable}, which are dead or excluded"
+        elif self.state not in (State.RUNNING, State.SUSPECT):
+            outcome = f"kept: the coordinator is {self.state.value}"
+        else:
+            outcome = "undone"
+        self.events.emit("plan-audit", old_epoch=verdict.old_epoch, new_epoch=verdict.new_epoch,
+                         before_s=round(verdict.before_s, 6), after_s=round(verdict.after_s, 6),
+                         ratio=round(verdict.ratio, 4), regret=verdict.regret, outcome=outcome,
+                         reason=f"{verdict.describe()}; {outcome}")
+        if outcome != "undone":
+            return
+        why = (f"the re-plan for the {cause.kind} of ranks {list(cause.ranks)} measured slower: "
+               f"{verdict.describe()}")
+        self.audits.regret(cause, why)
+        self.metrics.inc("resihp_plan_regrets_total", 1, {"job": self.config.job})
+        self._transition(Trigger.REGRET, why)
+        self._command(previous, f"regret: {why}; back to the previous layout", "regret", now)
 
     def _drain_queue(self, now: float) -> None:
         if not self.queued_findings or self.state is not State.RUNNING:

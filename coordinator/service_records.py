@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+from typing import Any
 from dataclasses import dataclass, field
 
 from resihp.coordinator import messages as m
@@ -41,3 +42,17 @@ class Pending:
     attempts: int = 1
     applied_at: int = -1  # the latest iteration an ack says the plan took effect (apply_at or later)
     adopted_at: int | None = None  # the engine took the plan before every ack came (its records came first)
+
+
+def record_gpu_sample(metrics: Any, events: Any, node: str, job: str, g: m.GpuSample) -> None:
+    """An agent's NVML sample of one GPU: gauges, and an event per XID error."""
+    lab = {"gpu": g.gpu, "UUID": g.uuid, "modelName": g.model_name, "Hostname": node, "job": job}
+    metrics.set("resihp_gpu_sm_clock_hertz", g.sm_clock_hz, lab)
+    metrics.set("resihp_gpu_temperature_celsius", g.temperature_celsius, lab)
+    metrics.set("resihp_gpu_power_usage_watts", g.power_watts, lab)
+    metrics.set("resihp_gpu_clock_event_reasons", g.clock_event_reasons, lab)
+    metrics.set("resihp_gpu_ecc_uncorrected_total", g.ecc_uncorrected_total, lab)
+    if g.xid_events:
+        metrics.set("resihp_gpu_xid_last", g.xid_events[-1], lab)
+        events.emit("gpu-xid", node=node, gpu=g.gpu, xids=list(g.xid_events),
+                    reason=f"XID {list(g.xid_events)} on {node} GPU {g.gpu}")

@@ -29,6 +29,8 @@ class Trigger(str, Enum):
     ACKED = "acked"  # every live rank acknowledged
     ACK_FAILED = "ack-failed"  # a rank refused or missed apply_at; plan again
     ACK_TIMEOUT = "ack-timeout"  # not every rank acknowledged in time
+    UNAPPLIED = "unapplied"  # the job ended before the command's apply_at
+    REGRET = "regret"  # the planner's last switch measured slower than the plan it replaced
     FATAL = "fatal"  # no viable plan / drain
 
 
@@ -39,11 +41,14 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (State.SUSPECT, Trigger.CLEARED): State.RUNNING,
     (State.SUSPECT, Trigger.FINDING): State.PLANNING,
     (State.SUSPECT, Trigger.OPERATOR): State.PLANNING,
+    (State.RUNNING, Trigger.REGRET): State.PLANNING,
+    (State.SUSPECT, Trigger.REGRET): State.PLANNING,
     (State.PLANNING, Trigger.KEEP): State.RUNNING,
     (State.PLANNING, Trigger.COMMAND_SENT): State.RECONFIGURING,
     (State.RECONFIGURING, Trigger.ACKED): State.RUNNING,
     (State.RECONFIGURING, Trigger.ACK_FAILED): State.PLANNING,
     (State.RECONFIGURING, Trigger.ACK_TIMEOUT): State.RUNNING,
+    (State.RECONFIGURING, Trigger.UNAPPLIED): State.RUNNING,
 }
 # Any live state can be aborted.
 for _s in (State.RUNNING, State.SUSPECT, State.PLANNING, State.RECONFIGURING):

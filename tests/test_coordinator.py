@@ -216,6 +216,25 @@ def test_a_command_not_acknowledged_in_time_is_adopted_with_the_reason(tmp_path:
     assert "ranks [1, 2] did not acknowledge epoch 1 within 5.0 s" in core.state_reason
 
 
+def test_a_command_the_job_ended_before_is_dropped_without_a_replan(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    before = core.plan
+    assert core.admin.exclude(1, "operator") == "operator excluded rank 1 (operator): epoch 1 commanded (command 1)"
+    cmd = conn.outbox.get_nowait().commands[0]
+    assert core.state is State.RECONFIGURING
+    why = f"{m.JOB_ENDED}at step 70, before the members reached iteration {cmd.apply_at}, where epoch 1 was to apply"
+    core.on_batch(conn, m.AgentBatch(acks=(m.Ack(3, cmd.seq, 1, 70, ok=False, error=why),)))
+    assert core.state is State.RUNNING and core.plan == before and core.epoch == 1
+    assert core.state_reason == f"rank 3 did not apply epoch 1: {why}"
+    assert conn.outbox.empty()  # nothing planned again for a job that is over
+    # an ordinary refusal still plans again
+    assert core.admin.exclude(2, "operator").endswith("epoch 2 commanded (command 2)")
+    cmd = conn.outbox.get_nowait().commands[0]
+    core.on_batch(conn, m.AgentBatch(acks=(m.Ack(3, cmd.seq, 2, cmd.apply_at, ok=False, error="a bad plan"),)))
+    assert "rank 3 could not apply epoch 2: a bad plan" in [e.get("reason") for e in core.events.since(0, 100)]
+
+
 def test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout(tmp_path: Path) -> None:
     # the idle spare's death loses no shard, so the planner keeps the layout; the trainers'
     # MPI world still holds the dead rank, so a fail-stop command with that layout is sent

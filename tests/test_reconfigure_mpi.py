@@ -301,3 +301,32 @@ def test_a_late_command_keeps_every_sample_once_and_the_reference_loss(late_comm
         assert abs(values.pop() - ref[step]) <= 1e-5 * abs(ref[step]), step
         replicas = {tuple(r["samples"]) for r in by_step[step]}
         assert sorted(i for ids in replicas for i in ids) == list(range(step * 8, (step + 1) * 8)), step
+
+
+# --- a readmission planned past the job's last step ------------------------------------------
+# tests/mpi_scripts/reconfig_spare_end.py: rank 3 is excluded at step 3 (an idle spare); a plan
+# readmitting it with apply_at 17 reaches it at once and the members at boundary 9 of 12
+SE_STEPS, SE_READMIT_AT = 12, 17
+
+
+@pytest.fixture(scope="module")
+def spare_end(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    return _survivor_reports(tmp_path_factory.mktemp("spare_end"), "reconfig_spare_end.py", [], [0, 1, 2, 3], n=4)
+
+
+def test_a_readmission_planned_past_the_end_is_acknowledged_unapplied_and_the_job_ends(
+        spare_end: dict[int, Any]) -> None:
+    for rank, rep in spare_end.items():
+        assert rep["failures"] == 0, (rank, rep)
+        assert rep["end"] == SE_STEPS and rep["epoch"] == 10, (rank, rep["end"], rep["epoch"])
+        assert [h["kind"] for h in rep["history"]] == ["planned"], (rank, rep["history"])
+        (excluded, _ok, _, _), (readmit, at, ok, error) = rep["acks"]
+        assert (excluded, readmit, at, ok) == (1, 2, SE_STEPS, False), (rank, rep["acks"])
+        assert error == (f"job ended: at step {SE_STEPS}, before the members reached iteration {SE_READMIT_AT}, "
+                         f"where epoch 11 was to apply; not applied"), (rank, error)
+    assert [r["step"] for r in spare_end[3]["records"]] == [0, 1, 2]  # then idle: excluded at step 3
+    members = _committed({r: spare_end[r] for r in (0, 1, 2)})
+    assert sorted(members) == list(range(SE_STEPS))
+    for step, recs in members.items():  # every sample once, whoever trained it
+        assert sorted(i for ids in {tuple(r["samples"]) for r in recs} for i in ids) == \
+            list(range(step * 8, (step + 1) * 8)), step

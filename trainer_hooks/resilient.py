@@ -7,7 +7,9 @@ rendezvous store lives outside the trainers (``resihp launch`` hosts it and sets
 - **planned reconfiguration** — a coordinator ``ReconfigCommand`` is applied at its
   ``apply_at`` boundary by ``LiveReconfigurer`` (regroup, reshard, rebuild); a rank the
   new plan leaves out idles as a spare inside ``iterations`` (it joins every later
-  switch, and a plan that readmits it puts it back to work at the members' next step);
+  switch once a member announces it in the store, and a plan that readmits it puts it back
+  to work at the members' next step; a switch the job ends before is acknowledged as not
+  applied);
 - **fail-stop recovery** — a step that fails because a peer died (gloo reports a closed
   connection, MPI a failed or revoked communicator), or the coordinator's notice that a
   rank died, makes every survivor shrink the MPI world (ULFM), agree on the last step all
@@ -113,6 +115,7 @@ class Resilience:
     agreement: BoundaryAgreement | None = None
     _round_epoch: int | None = None  # the epoch of the round collected at this boundary
     _stall: BaseException | None = None  # the members went silent at a boundary: recover
+    _store: Any = None  # client of the job's store: switch announcements (members -> idle spares)
 
     def __post_init__(self) -> None:
         if self.agreement is None:
@@ -129,6 +132,7 @@ class Resilience:
                 self._idle_as_spare(total)
                 continue
             yield self.next_step
+        self._unapplied_at_end(self.next_step)
         self._release_spares(total)
 
     def train_step(self, step: int) -> StepResult | None:
@@ -209,9 +213,17 @@ class Resilience:
         if refused:
             raise ValueError(refused)  # every rank refuses alike: the acknowledgement says why
         was_member = self.rc.runtime is not None
+        if was_member:
+            self._announce_switch(cmd.epoch)
+        elif not self._switch_announced(cmd.epoch):
+            # an idle spare enters the new epoch's rendezvous only once the members do: their
+            # apply_at may lie beyond the job's last step, and a spare blocked in a rendezvous
+            # could not hear that the job ended
+            self.job._pending.append(cmd)
+            return False
         t0 = time.perf_counter()
         saved_timeout = self.rc.timeout_s
-        if not was_member:  # an idle spare applies on receipt and waits for the members' apply_at
+        if not was_member:  # the members announced the switch; a slow spare may reach the rendezvous late
             self.rc.timeout_s = max(saved_timeout, self.spare_join_timeout_s)
         before = self._snapshot()
         failure: BaseException | None = None
@@ -251,6 +263,18 @@ class Resilience:
             self.progress.write("reconfig", **entry)
 
     # --- spares -----------------------------------------------------------------------
+    def _switch_store(self) -> Any:
+        if self._store is None:
+            self._store = connect_store(self.rc.store_addr, max(self.rc.timeout_s, 30.0))
+        return self._store
+
+    def _announce_switch(self, epoch: int) -> None:
+        """A member is about to enter epoch ``epoch``'s rendezvous (the idle spares wait for this)."""
+        self._switch_store().set(switch_key(epoch), str(self.rc.rank))
+
+    def _switch_announced(self, epoch: int) -> bool:
+        return bool(self._switch_store().check([switch_key(epoch)]))
+
     def _idle_as_spare(self, total: int) -> None:
         """Wait, holding no state, for the end of the job, a plan that readmits this rank (applied
         collectively), or a failure (the communicator is revoked)."""
@@ -266,6 +290,7 @@ class Resilience:
                 return
             if done:
                 self.next_step = max(int(value), total)
+                self._unapplied_at_end(self.next_step)
                 return
             try:
                 outcome = self.job._apply_commands(self.next_step - 1, force=True)
@@ -287,6 +312,17 @@ class Resilience:
                 self.job.transport.probe(self.probe.run())
                 next_probe = time.monotonic() + self.probe_every_s
             time.sleep(0.05)  # an idle spare polls; it holds up nobody
+
+    def _unapplied_at_end(self, end: int) -> None:
+        """Say why the plans still waiting for the members' switch were never applied."""
+        for cmd in self.job._pending:
+            if isinstance(cmd, m.ReconfigCommand) and cmd.epoch > self.rc.epoch:
+                why = (f"{m.JOB_ENDED}at step {end}, before the members reached iteration {cmd.apply_at}, where "
+                       f"epoch {cmd.epoch} was to apply; not applied")
+                log.info("rank %d: %s", self.rc.rank, why)
+                self.job.transport.ack(cmd, end, ok=False, error=why)
+        self.job._pending = [c for c in self.job._pending
+                             if not (isinstance(c, m.ReconfigCommand) and c.epoch > self.rc.epoch)]
 
     def _release_spares(self, total: int) -> None:
         """The first member tells every spare that the job is over (they wait on a message)."""
@@ -482,6 +518,11 @@ def batch_change(old: Plan, new: Plan) -> str:
                 f"{old.global_microbatches}: a re-plan may not change the global batch (was the coordinator started "
                 f"with the training script's --microbatches?)")
     return ""
+
+
+def switch_key(epoch: int) -> str:
+    """The store key a member sets right before it enters epoch ``epoch``'s rendezvous."""
+    return f"resihp/switch/epoch{epoch}"
 
 
 def _any_source() -> int:

@@ -1,0 +1,96 @@
+"""The coordinator's audit of its own re-plans (coordinator/plan_audit.py), and the faults for
+which a re-plan measured slower than the plan it replaced.
+
+Only switches the planner chose on its own are audited: a fail-slow's re-plan (was the new
+layout faster than running on with the slow device?) and a recovery's readmission (was the
+full layout faster than the one without it?). A fail-stop leaves no old plan to go back to,
+and an operator's exclude or readmit is the operator's call.
+
+After a regret the coordinator goes back to the old plan and keeps it for that fault: a
+fail-slow finding on the same ranks keeps the layout until they recover (or die); a
+recovery of the same ranks does not readmit them again (``resihp admin readmit`` still
+does). The memory is the coordinator's, not the journal's: after a coordinator restart a
+repeated bad choice is audited, and undone, again.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from resihp.coordinator import messages as m
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.plan_audit import KEEP_BEFORE, AuditVerdict, PlanAudit
+
+AUDITED = ("fail-slow", "recovered")
+
+
+@dataclass
+class Audits:
+    current: PlanAudit | None = None
+    previous: Plan | None = None  # the plan the audited switch replaced
+    cause: m.FindingInfo | None = None  # the finding the audited switch answered
+    slow_kept: dict[int, str] = field(default_factory=dict)  # rank -> why its fail-slow keeps the layout
+    readmit_kept: dict[int, str] = field(default_factory=dict)  # rank -> why its recovery does not readmit it
+    # the newest joined iterations (epoch, iteration, time): the old plan's times since the
+    # finding, some of which came before the command was sent
+    recent: deque[tuple[int | None, int, float]] = field(default_factory=lambda: deque(maxlen=2 * KEEP_BEFORE))
+
+    def start(self, cause: m.FindingInfo | None, previous: Plan, new: Plan, margin: float) -> None:
+        """Audit the switch ``previous`` -> ``new`` (just commanded) if the planner chose it."""
+        self.cancel()
+        if cause is None or cause.kind not in AUDITED or previous.epoch == new.epoch:
+            return
+        self.current = PlanAudit(previous.epoch, new.epoch, cause.iteration, margin)
+        self.previous, self.cause = previous, cause
+        for epoch, iteration, time_s in self.recent:
+            self.current.observe(epoch, iteration, time_s)
+
+    def cancel(self) -> None:
+        """Another command supersedes the switch under audit."""
+        self.current, self.previous, self.cause = None, None, None
+
+    def observe(self, epoch: int | None, iteration: int, time_s: float) -> tuple[AuditVerdict, Plan, m.FindingInfo] | None:
+        """The verdict on the switch under audit, once there is one (then the audit is over)."""
+        self.recent.append((epoch, iteration, time_s))
+        audit = self.current
+        if audit is None:
+            return None
+        verdict = audit.observe(epoch, iteration, time_s)
+        if verdict is None:
+            if audit.unjudgeable:
+                self.cancel()  # the old plan ran too briefly after the finding to compare with
+            return None
+        assert self.previous is not None and self.cause is not None
+        out = (verdict, self.previous, self.cause)
+        self.cancel()
+        return out
+
+    def regret(self, cause: m.FindingInfo, why: str) -> None:
+        kept = self.slow_kept if cause.kind == "fail-slow" else self.readmit_kept
+        for r in cause.ranks:
+            kept[r] = why
+
+    def kept(self, finding: m.FindingInfo | None) -> str:
+        """Why ``finding`` keeps the layout (a re-plan for this fault measured slower), or ''."""
+        if finding is None or finding.kind not in AUDITED:
+            return ""
+        kept = self.slow_kept if finding.kind == "fail-slow" else self.readmit_kept
+        hit = [r for r in finding.ranks if r in kept]
+        if not hit or (finding.kind == "recovered" and len(hit) < len(finding.ranks)):
+            return ""
+        return (f"keeping the layout for the {finding.kind} of ranks {list(finding.ranks)}: {kept[hit[0]]} "
+                f"(kept until the ranks recover or die; `resihp admin readmit` overrides)")
+
+    def forget(self, finding: m.FindingInfo) -> None:
+        """A fault is over: a recovery ends a fail-slow's regret, a death both kinds."""
+        if finding.kind not in ("recovered", "fail-stop"):
+            return
+        for r in finding.ranks:
+            self.slow_kept.pop(r, None)
+            if finding.kind == "fail-stop":
+                self.readmit_kept.pop(r, None)
+
+    def overrule(self, rank: int) -> None:
+        """The operator excluded or readmitted ``rank``: their call, not the audit's."""
+        self.slow_kept.pop(rank, None)
+        self.readmit_kept.pop(rank, None)

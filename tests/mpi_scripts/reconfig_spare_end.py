@@ -1,0 +1,95 @@
+"""A plan readmitting an idle spare whose ``apply_at`` lies beyond the job's last step.
+
+    RESIHP_STORE=host:port mpirun --with-ft ulfm ... -n 4 python reconfig_spare_end.py OUT
+
+The job (TP2×DP2, resilient, scripted agent transport) excludes rank 3 at step EXCLUDE_AT;
+rank 3 idles as a spare. The coordinator then sends a plan readmitting it with ``apply_at``
+READMIT_AT > STEPS (a finding in the job's last steps does this): the spare receives it at
+once, the members only at boundary MEMBERS_GET. The members never reach READMIT_AT; the job
+must end when they finish, with the plan acknowledged as not applied on every rank (an
+idle spare that entered the new epoch's rendezvous on receipt waited there for members that
+had already left, until its join timeout).
+
+Every rank writes OUT/RANK.json: committed steps, history, acknowledgements, its end step.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Any
+
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, report_and_exit, set_threads
+from resihp.coordinator import messages as m
+from resihp.coordinator.plan import PipelinePlan, Plan
+from resihp.trainer_hooks import hooks
+from resihp.trainer_hooks.ulfm import ft_world
+
+STEPS = 12
+EXCLUDE_AT, MEMBERS_GET, READMIT_AT = 3, STEPS - 3, STEPS + 5
+START = Plan.uniform(2, 1, 2, SPEC.num_layers, GLOBAL_MB)
+EXCLUDED = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 5), PipelinePlan(((2,),), (8,), 3)), spares=(3,))
+
+
+class ScriptedTransport:
+    """The agent's side of the hooks: the exclusion reaches every rank at boundary 0; the
+    readmission reaches a spare as soon as it idles, a member at boundary MEMBERS_GET."""
+
+    def __init__(self) -> None:
+        self.job: hooks.Job | None = None
+        self.exclude = m.ReconfigCommand(epoch=10, plan=replace(EXCLUDED, epoch=10), apply_at=EXCLUDE_AT,
+                                         reason="planned: exclude rank 3", seq=1)
+        self.readmit = m.ReconfigCommand(epoch=11, plan=replace(START, epoch=11), apply_at=READMIT_AT,
+                                         reason="planned: readmit rank 3", seq=2)
+        self.sent: set[int] = set()
+        self.acks: list[tuple[int, int, bool, str]] = []
+
+    def report(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def probe(self, probe_s: float) -> None:
+        return None
+
+    def poll_commands(self) -> list[m.Command]:
+        assert self.job is not None
+        out: list[m.Command] = []
+        if 1 not in self.sent:
+            out.append(self.exclude)
+        spare = self.job.runtime is None
+        if 2 not in self.sent and (spare or self.job._iteration >= MEMBERS_GET):
+            out.append(self.readmit)
+        self.sent |= {c.seq for c in out}
+        return out
+
+    def ack(self, command: m.Command, iteration: int, ok: bool = True, error: str = "") -> None:
+        self.acks.append((command.seq, iteration, ok, error))
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    out = sys.argv[1]
+    set_threads()
+    world = ft_world()
+    me, size = world.rank, world.size
+    if size != 4:
+        raise SystemExit(f"run with 4 ranks, got {size}")
+    tx = ScriptedTransport()
+    job = hooks.init(SPEC, replace(START, epoch=1), config=CONFIG, transport=tx, trace="", resilient=True,
+                     failure_timeout_s=5.0)
+    tx.job = job
+    res = job.resilience
+    assert res is not None
+    records: list[dict[str, Any]] = []
+    for it in job.iterations(STEPS):
+        r = job.train_step(it)
+        if r is not None:
+            records.append({"step": it, "epoch": res.rc.epoch, "loss": r.loss, "samples": list(r.sample_ids)})
+        job.step(r)
+    report = {"rank": me, "records": records, "history": res.history, "acks": tx.acks, "end": res.next_step,
+              "epoch": res.rc.epoch, "failures": res.failures}
+    report_and_exit(out, me, report)
+
+
+if __name__ == "__main__":
+    main()

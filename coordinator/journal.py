@@ -35,6 +35,8 @@ class JournalState:
     state_reason: str = ""
     excluded: set[int] = field(default_factory=set)
     policy: dict[str, str] = field(default_factory=dict)
+    # plan audit verdicts, in order: (finding kind, rank, why the layout is kept; '' = no longer)
+    kept: list[tuple[str, int, str]] = field(default_factory=list)
     last_iteration: int = -1
     pending_seq: int = 0  # a command still waiting for acks when the coordinator stopped
     dead: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (pid, why); a new pid clears it
@@ -99,6 +101,8 @@ class Journal:
                     st.excluded.discard(int(obj["rank"]))
                 elif kind == "policy":
                     st.policy.update({str(k): str(v) for k, v in obj["policy"].items()})
+                elif kind == "kept":
+                    st.kept.append((str(obj["kind"]), int(obj["rank"]), str(obj["reason"])))
                 elif kind == "rank":
                     rank = int(obj["rank"])
                     if obj["state"] == "dead":
@@ -145,6 +149,11 @@ class Journal:
 
     def exclusion(self, rank: int, excluded: bool) -> None:
         self._write({"type": "exclude" if excluded else "readmit", "rank": rank}, sync=True)
+
+    def kept(self, kind: str, rank: int, reason: str) -> None:
+        """A plan audit verdict: a ``kind`` finding on ``rank`` keeps the layout (reason), or no
+        longer does (reason '')."""
+        self._write({"type": "kept", "kind": kind, "rank": rank, "reason": reason}, sync=True)
 
     def policy(self, policy: dict[str, str]) -> None:
         self._write({"type": "policy", "policy": policy}, sync=True)

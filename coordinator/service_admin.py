@@ -66,7 +66,7 @@ class CoordinatorAdmin:
             raise Refused(f"the coordinator is {self.core.state.value} ({self.core.state_reason}); retry when it is RUNNING")
         self.core._transition(Trigger.OPERATOR, why)
         before = self.core.seq
-        self.core._plan(finding, self.core.now())
+        self.core._plan(finding, self.core.now(), operator=True)
         if self.core.seq != before:
             return f"{why}: epoch {self.core.epoch} commanded (command {self.core.seq})"
         return f"{why}: no new plan ({self.core.state_reason})"
@@ -80,6 +80,7 @@ class CoordinatorAdmin:
                 raise Refused(f"the coordinator is {self.core.state.value} ({self.core.state_reason}); retry when it is RUNNING")
             self.core.excluded.add(rank)
             self.core.journal.exclusion(rank, True)
+            self.core._overrule_audit(rank)
             self.core.events.emit("exclude", rank=rank, reason=reason or "operator")
             return self._operator_replan(f"operator excluded rank {rank}" + (f" ({reason})" if reason else ""))
 
@@ -100,6 +101,7 @@ class CoordinatorAdmin:
             self.core.excluded.discard(rank)
             self.core.engine.readmit(rank)
             self.core.journal.exclusion(rank, False)
+            self.core._overrule_audit(rank)
             self.core.events.emit("readmit", rank=rank, reason=reason or "operator")
             # to the planner a readmitted device is a recovered one: it may take work again
             back = m.FindingInfo(self.core.last_iteration, "recovered", (rank,), "operator", 1.0,

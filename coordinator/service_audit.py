@@ -9,8 +9,7 @@ and an operator's exclude or readmit is the operator's call.
 After a regret the coordinator goes back to the old plan and keeps it for that fault: a
 fail-slow finding on the same ranks keeps the layout until they recover (or die); a
 recovery of the same ranks does not readmit them again (``resihp admin readmit`` still
-does). The memory is the coordinator's, not the journal's: after a coordinator restart a
-repeated bad choice is audited, and undone, again.
+does). The coordinator journals these verdicts, so a restarted coordinator keeps them.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from resihp.coordinator.plan import Plan
 from resihp.coordinator.plan_audit import KEEP_BEFORE, AuditVerdict, PlanAudit
 
 AUDITED = ("fail-slow", "recovered")
+Change = tuple[str, int, str]  # (finding kind, rank, why it keeps the layout; '' = no longer)
 
 
 @dataclass
@@ -65,10 +65,14 @@ class Audits:
         self.cancel()
         return out
 
-    def regret(self, cause: m.FindingInfo, why: str) -> None:
-        kept = self.slow_kept if cause.kind == "fail-slow" else self.readmit_kept
+    def regret(self, cause: m.FindingInfo, why: str) -> list[Change]:
+        kept = self._kept(cause.kind)
         for r in cause.ranks:
             kept[r] = why
+        return [(cause.kind, r, why) for r in cause.ranks]
+
+    def _kept(self, kind: str) -> dict[int, str]:
+        return self.slow_kept if kind == "fail-slow" else self.readmit_kept
 
     def kept(self, finding: m.FindingInfo | None) -> str:
         """Why ``finding`` keeps the layout (a re-plan for this fault measured slower), or ''."""
@@ -81,16 +85,27 @@ class Audits:
         return (f"keeping the layout for the {finding.kind} of ranks {list(finding.ranks)}: {kept[hit[0]]} "
                 f"(kept until the ranks recover or die; `resihp admin readmit` overrides)")
 
-    def forget(self, finding: m.FindingInfo) -> None:
+    def forget(self, finding: m.FindingInfo) -> list[Change]:
         """A fault is over: a recovery ends a fail-slow's regret, a death both kinds."""
-        if finding.kind not in ("recovered", "fail-stop"):
-            return
-        for r in finding.ranks:
-            self.slow_kept.pop(r, None)
-            if finding.kind == "fail-stop":
-                self.readmit_kept.pop(r, None)
+        kinds = {"recovered": ("fail-slow",), "fail-stop": AUDITED}.get(finding.kind, ())
+        return self._clear(finding.ranks, kinds)
 
-    def overrule(self, rank: int) -> None:
+    def overrule(self, rank: int) -> list[Change]:
         """The operator excluded or readmitted ``rank``: their call, not the audit's."""
-        self.slow_kept.pop(rank, None)
-        self.readmit_kept.pop(rank, None)
+        return self._clear((rank,), AUDITED)
+
+    def _clear(self, ranks: tuple[int, ...], kinds: tuple[str, ...]) -> list[Change]:
+        out: list[Change] = []
+        for kind in kinds:
+            kept = self._kept(kind)
+            out += [(kind, r, "") for r in ranks if kept.pop(r, None) is not None]
+        return out
+
+    def restore(self, changes: list[Change]) -> None:
+        """Replay journaled changes (a restarted coordinator)."""
+        for kind, r, why in changes:
+            if kind in AUDITED:
+                if why:
+                    self._kept(kind)[r] = why
+                else:
+                    self._kept(kind).pop(r, None)

@@ -65,6 +65,7 @@ class CoordinatorCore:
         self.pending: Pending | None = None
         self.queued_findings: list[m.FindingInfo] = []
         self.audits = Audits()  # did the planner's own switches pay off? (service_audit.py)
+        self.audits.restore(saved.kept)
         self.policy: dict[str, str] = {"auto_reconfigure": "on" if config.auto_reconfigure else "off",
                                        "apply_margin": str(config.apply_margin),
                                        "ack_timeout_s": str(config.ack_timeout_s),
@@ -432,7 +433,7 @@ class CoordinatorCore:
                 if self.pending is not None:
                     self.pending.awaiting.difference_update(fresh)
             self.last_finding = f
-            self.audits.forget(f)
+            self._journal_kept(self.audits.forget(f))
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
@@ -459,11 +460,12 @@ class CoordinatorCore:
     def _unavailable(self) -> frozenset[int]:
         return frozenset(self.excluded | {r for r, i in self.ranks.items() if i.dead})
 
-    def _plan(self, finding: m.FindingInfo | None, now: float, replan: bool = True) -> None:
+    def _plan(self, finding: m.FindingInfo | None, now: float, replan: bool = True, operator: bool = False) -> None:
         """Decide and command. ``replan`` False (re-planning is off, a finding outside the plan):
-        keep the layout without asking the planner."""
+        keep the layout without asking the planner. ``operator``: an operator's call (its
+        switch is not audited, and no earlier verdict keeps the layout against it)."""
         nodes = {r: i.node for r, i in self.ranks.items()}
-        kept = self.audits.kept(finding) if self.policy["plan_audit"] == "on" else ""
+        kept = self.audits.kept(finding) if self.policy["plan_audit"] == "on" and not operator else ""
         if not replan:
             decision = EngineDecision(False, self.plan, "re-planning is off (policy auto_reconfigure=off)")
         elif kept:
@@ -486,7 +488,7 @@ class CoordinatorCore:
             self._transition(Trigger.KEEP, decision.reason)
             self._drain_queue(now)
             return
-        self._command(decision.plan, decision.reason, decision.level, now, cause=finding)
+        self._command(decision.plan, decision.reason, decision.level, now, cause=None if operator else finding)
 
     def _command(self, new_plan: Plan, why: str, level: str, now: float, cause: m.FindingInfo | None = None) -> None:
         """Send ``new_plan`` as the next epoch; wait for every live rank's acknowledgement."""
@@ -516,6 +518,13 @@ class CoordinatorCore:
         self._send_all(m.CoordinatorBatch(commands=(cmd,)))
         self._notify("command", cmd)
         self._maybe_acked(now)
+
+    def _journal_kept(self, changes: list[tuple[str, int, str]]) -> None:
+        for kind, rank, why in changes:
+            self.journal.kept(kind, rank, why)
+
+    def _overrule_audit(self, rank: int) -> None:
+        self._journal_kept(self.audits.overrule(rank))
 
     def _apply_at(self) -> int:
         """An iteration every live rank reaches only after the command has arrived: the newest
@@ -612,7 +621,7 @@ class CoordinatorCore:
             return
         why = (f"the re-plan for the {cause.kind} of ranks {list(cause.ranks)} measured slower: "
                f"{verdict.describe()}")
-        self.audits.regret(cause, why)
+        self._journal_kept(self.audits.regret(cause, why))
         self.metrics.inc("resihp_plan_regrets_total", 1, {"job": self.config.job})
         self._transition(Trigger.REGRET, why)
         self._command(previous, f"regret: {why}; back to the previous layout", "regret", now)

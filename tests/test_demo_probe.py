@@ -7,7 +7,9 @@ the re-plan leaves it idle as a spare. At step 50 the operator clears the thrott
 its probes (a few GEMMs every second here, ``--probe-every-s 1``; trainer_hooks/probe.py)
 can show the device is healthy again: the detector reports it recovered from them — not
 from a lapse of its verdict (``spare_verdict_s``, 10 min) — and the coordinator re-plans on
-that. Every step is trained once and the loss is the uninterrupted reference's.
+that (whether the readmission then stays is the plan audit's call: on these shared cores a
+readmitted eighth rank can measure slower, and the audit undoes it). Every step is trained
+once and the loss is the uninterrupted reference's.
 """
 from __future__ import annotations
 
@@ -59,11 +61,13 @@ def test_the_idle_ranks_probes_read_its_throttle_until_it_is_cleared(run: Path) 
     ref = statistics.median(startup)
     clear = [e for e in _events(run, "inject") if e.get("factor") == 1.0][0]["time"]
     mine = [p for p in probes if p["idle"] and p["rank"] == RANK]
+    back = [f for f in _events(run, "finding") if f["kind"] == "recovered" and RANK in f["ranks"]][0]["time"]
     slow = [p["probe_s"] / ref for p in mine if p["time"] < clear]
-    after = [p["probe_s"] / ref for p in mine if p["time"] > clear]
+    # the probes that judged the recovery (a readmission the plan audit undoes makes it idle again)
+    after = [p["probe_s"] / ref for p in mine if clear < p["time"] <= back]
     # the 3x throttle stretches the probe as it stretches a compute chunk (measured 2.8-2.9x)
     assert slow and min(slow) >= 2.0, (slow, ref)
-    assert after and max(after[-3:]) <= 1.5, (after, ref)
+    assert len(after) >= 3 and max(after[-3:]) <= 1.5, (after, ref)
 
 
 def test_every_step_once_and_the_loss_of_the_reference(run: Path) -> None:

@@ -22,6 +22,7 @@ from resihp.coordinator.service_engine import EngineDecision, build_header, make
 from resihp.coordinator.spec import preset
 from resihp.coordinator.statemachine import State
 from resihp.coordinator.trace import IterationRecord
+from cp_helpers import read_jsonl
 
 
 # --- the pure audit --------------------------------------------------------------------------
@@ -80,6 +81,7 @@ WITHOUT_3 = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 3), PipelinePlan((
 
 
 def _core(tmp_path: Path, **policy: str) -> tuple[CoordinatorCore, Any, list[float]]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01, heartbeat_timeout_s=1e6,
                             policy=dict(policy))
     engine = make_engine("auto", build_header(preset("gpt-tiny"), START, 4, "job"))
@@ -179,3 +181,28 @@ def test_the_audit_policy_is_validated_and_set_at_run_time(tmp_path: Path) -> No
     with pytest.raises(ValidationError, match="audit_margin"):
         core.admin.set_policy({"audit_margin": "-1"})
     assert core.admin.set_policy({"audit_margin": "0.3"})["audit_margin"] == "0.3"
+
+
+def test_a_restarted_coordinator_keeps_the_verdict_and_an_operator_clears_it(tmp_path: Path) -> None:
+    core, conn, _ = _core(tmp_path)
+    it = _records(core, 0, 0, [0.2] * 5)
+    core._findings([_slow(it)], core.now())
+    it = _records(core, 0, it, [0.4] * 3)
+    _ack_all(core, conn)
+    it = _records(core, 1, it, [0.9] * (WARMUP + WINDOW))
+    _ack_all(core, conn)  # the regret's command back to the old layout
+    core.journal.close()
+
+    again, conn2, _ = _core(tmp_path)  # the same run directory: the journal is replayed
+    assert again.resumed and again.epoch == 2
+    again._findings([_slow(it + 3)], again.now())
+    assert conn2.outbox.empty() and again.state_reason.startswith("keeping the layout for the fail-slow of ranks [3]")
+    # the operator takes rank 3 out: their call; the verdict is gone, journaled so
+    again.admin.exclude(SLOW, "bad NIC")
+    _ack_all(again, conn2)
+    entries = [e for e in read_jsonl(tmp_path / "journal.jsonl") if e["type"] == "kept"]
+    assert [(e["kind"], e["rank"], bool(e["reason"])) for e in entries] == [("fail-slow", 3, True), ("fail-slow", 3, False)]
+    assert again.audits.kept(_slow(it + 9)) == ""
+    again.admin.readmit(SLOW, "NIC replaced")
+    _ack_all(again, conn2)
+    assert again.audits.current is None  # an operator's switch is theirs: not audited

@@ -71,16 +71,19 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 def test_the_mispriced_replan_is_measured_slower_and_undone(audited: dict[str, Any]) -> None:
     run = audited["run"]
-    finding = [f for f in _events(run, "finding") if f["kind"] == "fail-slow" and f["ranks"] == [3]][0]
+    # the slow link is rank 3's; its DP-ring partner (rank 1) reads it too, and either may be
+    # found first: the audit judges whatever switch the planner made for it
+    finding = [f for f in _events(run, "finding") if f["kind"] == "fail-slow"][0]
     assert finding["cause"] == "communication" and finding["iteration"] >= audited["throttled_at"], finding
+    assert finding["ranks"] in ([1], [3]), finding
     first, back = audited["commands"][:2]
-    assert first["epoch"] == 1 and first["reason"].startswith("fail-slow of ranks [3]"), first
+    assert first["epoch"] == 1 and first["reason"].startswith(f"fail-slow of ranks {finding['ranks']}"), first
     assert first["plan"]["replicas"] != back["plan"]["replicas"]
     audit, = _events(run, "plan-audit")
     assert (audit["old_epoch"], audit["new_epoch"], audit["regret"], audit["outcome"]) == (0, 1, True, "undone"), audit
     assert audit["ratio"] > 1.2 and audit["after_s"] > 1.2 * audit["before_s"], audit
     assert back["epoch"] == 2 and back["reason"].startswith(
-        "regret: the re-plan for the fail-slow of ranks [3] measured slower: epoch 1 runs"), back
+        f"regret: the re-plan for the fail-slow of ranks {finding['ranks']} measured slower: epoch 1 runs"), back
     # back to the job's own layout: PP2 x DP2, ranks (0, 1) and (2, 3)
     assert [r["stages"] for r in back["plan"]["replicas"]] == [[[0], [1]], [[2], [3]]], back["plan"]
     assert audited["status"]["epoch"] == 2 and audited["status"]["state"] == "RUNNING", audited["status"]

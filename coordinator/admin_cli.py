@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
                     "engine": r.engine, "policy": dict(r.policy), "uptime_s": r.uptime_s,
                     "ranks": [{"rank": x.rank, "node": x.node, "state": x.state, "iteration": x.iteration,
                                "step_s": x.step_s, "speed": x.speed, "last_seen_age_s": x.last_seen_age_s,
-                               "role": x.role, "probe_ratio": x.probe_ratio}
+                               "role": x.role, "probe_ratio": x.probe_ratio, "kept": x.kept}
                               for x in r.ranks]}))
                 return 0
             print(f"job {r.job}: {r.state} (epoch {r.epoch}, iteration {r.iteration}, {r.agents_connected} agents, "
@@ -154,6 +154,9 @@ def main(argv: list[str]) -> int:
                      f"x{x.probe_ratio:.2f}" if x.probe_ratio > 0 else "-",
                      "-" if x.last_seen_age_s < 0 else f"{x.last_seen_age_s:.1f}"] for x in r.ranks]
             print(_table(rows, ["RANK", "NODE", "ROLE", "STATE", "ITER", "STEP_S", "SPEED", "PROBE", "SEEN_S_AGO"]))
+            for x in r.ranks:
+                if x.kept:  # the plan audit undid a re-plan for this rank's fault
+                    print(f"rank {x.rank}: {x.kept}")
         elif args.cmd == "events":
             after = args.after
             while True:

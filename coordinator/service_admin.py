@@ -163,6 +163,7 @@ class CoordinatorAdmin:
             speeds = self.core.engine.rank_speed()
             probes = self.core.engine.probe_ratios()
             ranks = []
+            kept = self.core.audits.verdicts()
             for r, info in sorted(self.core.ranks.items()):
                 state = ("dead" if info.dead else "finished" if info.finished else "excluded" if r in self.core.excluded
                          else states.get(r, "unknown") if info.last_seen is not None else "unknown")
@@ -170,7 +171,7 @@ class CoordinatorAdmin:
                               "step_s": info.step_s, "speed": speeds.get(r, 1.0),
                               "last_seen_age_s": -1.0 if info.last_seen is None else max(0.0, now - info.last_seen),
                               "role": "member" if self.core.plan.has_rank(r) else "spare",
-                              "probe_ratio": round(probes.get(r, 0.0), 4)})
+                              "probe_ratio": round(probes.get(r, 0.0), 4), "kept": kept.get(r, "")})
             return {"job": self.core.config.job, "state": self.core.state.value, "state_reason": self.core.state_reason,
                     "epoch": self.core.epoch, "iteration": self.core.last_iteration, "world_size": self.core.config.world_size,
                     "ranks": ranks, "agents_connected": sum(a.streaming for a in self.core.agents.values()),

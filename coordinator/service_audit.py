@@ -71,6 +71,14 @@ class Audits:
             kept[r] = why
         return [(cause.kind, r, why) for r in cause.ranks]
 
+    def verdicts(self) -> dict[int, str]:
+        """Per rank, what the audit keeps for it (``resihp admin status``)."""
+        out: dict[int, list[str]] = {}
+        for kind in AUDITED:
+            for r, why in self._kept(kind).items():
+                out.setdefault(r, []).append(f"a {kind} keeps the layout: {why}")
+        return {r: "; ".join(lines) for r, lines in out.items()}
+
     def _kept(self, kind: str) -> dict[int, str]:
         return self.slow_kept if kind == "fail-slow" else self.readmit_kept
 

@@ -371,7 +371,7 @@ class CoordinatorMessage(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., orders: _Optional[_Iterable[_Union[AgentOrder, _Mapping]]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "state", "iteration", "step_s", "speed", "last_seen_age_s", "role", "probe_ratio")
+    __slots__ = ("rank", "node", "state", "iteration", "step_s", "speed", "last_seen_age_s", "role", "probe_ratio", "kept")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +381,7 @@ class RankStatus(_message.Message):
     LAST_SEEN_AGE_S_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROBE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     state: str
@@ -390,7 +391,8 @@ class RankStatus(_message.Message):
     last_seen_age_s: float
     role: str
     probe_ratio: float
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., iteration: _Optional[int] = ..., step_s: _Optional[float] = ..., speed: _Optional[float] = ..., last_seen_age_s: _Optional[float] = ..., role: _Optional[str] = ..., probe_ratio: _Optional[float] = ...) -> None: ...
+    kept: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., iteration: _Optional[int] = ..., step_s: _Optional[float] = ..., speed: _Optional[float] = ..., last_seen_age_s: _Optional[float] = ..., role: _Optional[str] = ..., probe_ratio: _Optional[float] = ..., kept: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

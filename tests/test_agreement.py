@@ -142,3 +142,16 @@ def test_waiting_stops_when_the_caller_gives_up(store: Any) -> None:
     assert a.collect(give_up=give_up, slice_s=0.05) is None
     assert len(asked) == 2
     assert a.collect() is None  # the round was dropped
+
+
+def test_an_abandoned_round_leaves_the_store_when_the_member_closes(store: Any) -> None:
+    # a round abandoned after a switch waits for posts that never come; its thread must not be
+    # inside a store call when the process exits (that aborts the process: see await_keys)
+    a = _members(store, 2, timeout_s=30.0)[0]
+    a.post(1, 0, (0, 1), Holding(1, False))  # rank 1 never posts
+    assert a.collect(give_up=lambda: True, slice_s=0.05) is None  # abandoned
+    a.post(2, 0, (0, 1), Holding(2, False))  # the next epoch's round, on a fresh worker
+    workers = [*a._abandoned, a._worker]
+    assert len(workers) == 2 and all(w is not None and w.alive() for w in workers)
+    assert a.close(timeout_s=2.0) is True
+    assert not any(w.alive() for w in workers if w is not None)

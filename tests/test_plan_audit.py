@@ -137,6 +137,9 @@ def test_a_replan_that_measures_slower_is_undone_and_the_fault_keeps_the_layout(
     states = [(e["trigger"], e["to"]) for e in _events(core, "state")]
     assert ("regret", "PLANNING") in states and states[-2:] == [("command-sent", "RECONFIGURING"), ("acked", "RUNNING")]
     assert 'resihp_plan_regrets_total{job="job"} 1' in core.metrics.render()
+    kept = {r["rank"]: r["kept"] for r in core.admin.status()["ranks"]}
+    assert kept[0] == kept[1] == kept[2] == "" and kept[SLOW].startswith(
+        f"a fail-slow keeps the layout: the re-plan for the fail-slow of ranks [{SLOW}] measured slower"), kept
 
     # the same fault found again: the layout is kept, with the reason; no command
     it = _records(core, 2, it, [0.4] * 5)

@@ -34,6 +34,7 @@ from resihp.coordinator.trace import ChunkTiming
 from resihp.trainer_hooks.agreement import is_agreed_command
 from resihp.trainer_hooks.agreement import is_due as agreed_due
 from resihp.trainer_hooks.bootstrap import STORE_ENV, Bootstrap
+from resihp.trainer_hooks.groups import wait_retired
 from resihp.trainer_hooks.reporter import Transport, connect
 from resihp.trainer_hooks.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
 from resihp.trainer_hooks.reconfigure import group_timeout
@@ -230,6 +231,10 @@ class Job:
         self.transport.close()
         if self.resilience is not None and self.resilience.agreement is not None:
             self.resilience.agreement.close()
+        # no daemon thread may be inside torch when the interpreter exits (it would abort the
+        # process): let the old epochs' groups finish closing
+        if not wait_retired(10.0):
+            log.warning("resihp: rank %d: old process groups still closing after 10 s", self.rank)
         # after a failure the MPI world is broken: no closing barrier (the store is external)
         self.boot.close(barrier=self.resilience is None)
 

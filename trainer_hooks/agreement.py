@@ -18,7 +18,8 @@ exactly at ``apply_at``; a late one applies a boundary or two later, on every ra
 
 After a switch or a recovery the members start over (nothing outstanding, a fresh key
 prefix per epoch), so a rank that joined — a readmitted spare — is in step at once.
-Costs per boundary: four store operations on the background thread; the loop only hands
+Costs per boundary: four store operations on the background thread (set, delete, check —
+repeated with short pauses while a member lags — and one multi-get); the loop only hands
 over a tuple and reads a result that is (almost always) ready.
 """
 from __future__ import annotations

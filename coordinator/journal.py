@@ -35,8 +35,8 @@ class JournalState:
     state_reason: str = ""
     excluded: set[int] = field(default_factory=set)
     policy: dict[str, str] = field(default_factory=dict)
-    # plan audit verdicts, in order: (finding kind, rank, why the layout is kept; '' = no longer)
-    kept: list[tuple[str, int, str]] = field(default_factory=list)
+    # plan-audit regrets still in force (coordinator/service_audit.Regret.to_json), by id
+    regrets: dict[int, dict[str, Any]] = field(default_factory=dict)
     last_iteration: int = -1
     pending_seq: int = 0  # a command still waiting for acks when the coordinator stopped
     dead: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (pid, why); a new pid clears it
@@ -101,8 +101,10 @@ class Journal:
                     st.excluded.discard(int(obj["rank"]))
                 elif kind == "policy":
                     st.policy.update({str(k): str(v) for k, v in obj["policy"].items()})
-                elif kind == "kept":
-                    st.kept.append((str(obj["kind"]), int(obj["rank"]), str(obj["reason"])))
+                elif kind == "regret":
+                    st.regrets[int(obj["regret"]["id"])] = dict(obj["regret"])
+                elif kind == "regret-over":
+                    st.regrets.pop(int(obj["id"]), None)
                 elif kind == "rank":
                     rank = int(obj["rank"])
                     if obj["state"] == "dead":
@@ -150,10 +152,13 @@ class Journal:
     def exclusion(self, rank: int, excluded: bool) -> None:
         self._write({"type": "exclude" if excluded else "readmit", "rank": rank}, sync=True)
 
-    def kept(self, kind: str, rank: int, reason: str) -> None:
-        """A plan audit verdict: a ``kind`` finding on ``rank`` keeps the layout (reason), or no
-        longer does (reason '')."""
-        self._write({"type": "kept", "kind": kind, "rank": rank, "reason": reason}, sync=True)
+    def regret(self, regret: dict[str, Any]) -> None:
+        """A switch the plan audit undid (it keeps the layout for its fault)."""
+        self._write({"type": "regret", "regret": regret}, sync=True)
+
+    def regret_over(self, regret_id: int) -> None:
+        """A regret no longer holds (its fault is over, or the operator overruled it)."""
+        self._write({"type": "regret-over", "id": regret_id}, sync=True)
 
     def policy(self, policy: dict[str, str]) -> None:
         self._write({"type": "policy", "policy": policy}, sync=True)

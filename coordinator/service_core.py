@@ -24,7 +24,7 @@ from resihp.coordinator.service_admin import SERVICE_POLICY, CoordinatorAdmin, R
 from resihp.coordinator.service_config import CoordinatorConfig
 from resihp.coordinator.service_engine import Engine, EngineDecision, shrink_past_the_dead
 from resihp.coordinator.plan_audit import AuditVerdict
-from resihp.coordinator.service_audit import Audits
+from resihp.coordinator.service_audit import AUDITED, Audits, Regret
 from resihp.coordinator.service_records import AgentConn, Pending, RankInfo, record_gpu_sample
 from resihp.coordinator.service_trace import TraceSink
 from resihp.coordinator.joiner import Joiner, LayoutCheck
@@ -65,7 +65,7 @@ class CoordinatorCore:
         self.pending: Pending | None = None
         self.queued_findings: list[m.FindingInfo] = []
         self.audits = Audits()  # did the planner's own switches pay off? (service_audit.py)
-        self.audits.restore(saved.kept)
+        self.audits.regrets = {i: Regret.from_json(r) for i, r in saved.regrets.items()}
         self.policy: dict[str, str] = {"auto_reconfigure": "on" if config.auto_reconfigure else "off",
                                        "apply_margin": str(config.apply_margin),
                                        "ack_timeout_s": str(config.ack_timeout_s),
@@ -433,7 +433,8 @@ class CoordinatorCore:
                 if self.pending is not None:
                     self.pending.awaiting.difference_update(fresh)
             self.last_finding = f
-            self._journal_kept(self.audits.forget(f))
+            for gone in self.audits.forget(f):
+                self.journal.regret_over(gone)
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
@@ -484,6 +485,12 @@ class CoordinatorCore:
         if decision.fatal:
             self._transition(Trigger.FATAL, decision.reason)
             return
+        # a switch that measured slower is not made again while its fault lasts (whichever rank
+        # the finding names: a slow link is also seen through its ring partners)
+        refused = self.audits.refused(self.plan, decision.plan) if decision.act and not operator \
+            and finding is not None and finding.kind in AUDITED and self.policy["plan_audit"] == "on" else ""
+        if refused:
+            decision = EngineDecision(False, self.plan, refused)
         if not decision.act:
             self._transition(Trigger.KEEP, decision.reason)
             self._drain_queue(now)
@@ -519,12 +526,9 @@ class CoordinatorCore:
         self._notify("command", cmd)
         self._maybe_acked(now)
 
-    def _journal_kept(self, changes: list[tuple[str, int, str]]) -> None:
-        for kind, rank, why in changes:
-            self.journal.kept(kind, rank, why)
-
     def _overrule_audit(self, rank: int) -> None:
-        self._journal_kept(self.audits.overrule(rank))
+        for gone in self.audits.overrule(rank):
+            self.journal.regret_over(gone)
 
     def _apply_at(self) -> int:
         """An iteration every live rank reaches only after the command has arrived: the newest
@@ -599,7 +603,7 @@ class CoordinatorCore:
         self._notify("acked", cmd)
         self._drain_queue(now)
 
-    def _on_audit(self, verdict: AuditVerdict, previous: Plan, cause: m.FindingInfo, now: float) -> None:
+    def _on_audit(self, verdict: AuditVerdict, previous: Plan, new: Plan, cause: m.FindingInfo, now: float) -> None:
         """The verdict on the planner's last switch: kept, or undone when it measured slower."""
         regret = verdict.regret and self.policy["plan_audit"] == "on"
         self.metrics.set("resihp_plan_audit_ratio", verdict.ratio, {"job": self.config.job})
@@ -621,7 +625,7 @@ class CoordinatorCore:
             return
         why = (f"the re-plan for the {cause.kind} of ranks {list(cause.ranks)} measured slower: "
                f"{verdict.describe()}")
-        self._journal_kept(self.audits.regret(cause, why))
+        self.journal.regret(self.audits.regret(cause, previous, new, why).to_json())
         self.metrics.inc("resihp_plan_regrets_total", 1, {"job": self.config.job})
         self._transition(Trigger.REGRET, why)
         self._command(previous, f"regret: {why}; back to the previous layout", "regret", now)

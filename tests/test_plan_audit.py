@@ -147,6 +147,12 @@ def test_a_replan_that_measures_slower_is_undone_and_the_fault_keeps_the_layout(
     assert conn.outbox.empty() and core.state is State.RUNNING
     assert core.state_reason.startswith(f"keeping the layout for the fail-slow of ranks [{SLOW}]: the re-plan for the "
                                         f"fail-slow of ranks [{SLOW}] measured slower"), core.state_reason
+    # its DP partner found slow by the same link: the planner's answer is the very switch that
+    # measured slower, so it is refused too
+    core._findings([m.FindingInfo(it + 1, "fail-slow", (1,), "communication", 4.0, "rank 1 link")], core.now())
+    assert conn.outbox.empty() and core.state_reason.startswith(
+        "keeping the layout: the planner's answer is the switch that measured slower: the re-plan for the fail-slow "
+        f"of ranks [{SLOW}]"), core.state_reason
     # once it recovers, a new fault on it is planned for again
     core.engine.decide = lambda *a: EngineDecision(False, core.plan, "nothing to gain")  # type: ignore[method-assign]
     core._findings([m.FindingInfo(it, "recovered", (SLOW,), reason="recovered")], core.now())
@@ -203,8 +209,9 @@ def test_a_restarted_coordinator_keeps_the_verdict_and_an_operator_clears_it(tmp
     # the operator takes rank 3 out: their call; the verdict is gone, journaled so
     again.admin.exclude(SLOW, "bad NIC")
     _ack_all(again, conn2)
-    entries = [e for e in read_jsonl(tmp_path / "journal.jsonl") if e["type"] == "kept"]
-    assert [(e["kind"], e["rank"], bool(e["reason"])) for e in entries] == [("fail-slow", 3, True), ("fail-slow", 3, False)]
+    entries = [e for e in read_jsonl(tmp_path / "journal.jsonl") if e["type"] in ("regret", "regret-over")]
+    assert [e["type"] for e in entries] == ["regret", "regret-over"] and entries[1]["id"] == entries[0]["regret"]["id"]
+    assert entries[0]["regret"]["ranks"] == [SLOW] and entries[0]["regret"]["after"]["spares"] == [SLOW]
     assert again.audits.kept(_slow(it + 9)) == ""
     again.admin.readmit(SLOW, "NIC replaced")
     _ack_all(again, conn2)

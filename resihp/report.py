@@ -89,9 +89,10 @@ def format_summary(s: RunSummary, trace_note: str = "") -> str:
         out += _table(["injection", "at (s)", "finding", "detection latency"], rows, {1})
     if s.reconfigs:
         out.append("")
-        rows = [[str(r.epoch), r.kind, str(r.step), _num(r.downtime_s, ".2f", " s"), _bytes(r.bytes_moved), r.plan]
-                for r in s.reconfigs]
-        out += _table(["epoch", "kind", "first step", "downtime", "moved", "plan"], rows, {0, 2, 3, 4})
+        # audit: the coordinator's measured verdict on a switch its planner chose (new time / old)
+        rows = [[str(r.epoch), r.kind, str(r.step), _num(r.downtime_s, ".2f", " s"), _bytes(r.bytes_moved),
+                 s.audits.get(r.epoch, "-"), r.plan] for r in s.reconfigs]
+        out += _table(["epoch", "kind", "first step", "downtime", "moved", "audit", "plan"], rows, {0, 2, 3, 4})
     out.append("")
     if s.reference_final_loss is not None and s.final_loss_rel_delta is not None:
         out.append(f"final loss {s.final_loss:.4f} (step {s.last_step}), reference {s.reference_final_loss:.4f} "

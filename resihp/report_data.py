@@ -72,6 +72,15 @@ class FindingEvent:
 
 
 @dataclass(frozen=True)
+class AuditEvent:
+    """The coordinator's plan audit of a switch: the new plan's measured time over the old one's."""
+
+    new_epoch: int
+    ratio: float
+    outcome: str  # kept | undone | kept: <why it could not be undone>
+
+
+@dataclass(frozen=True)
 class CommandEvent:
     time: float
     epoch: int
@@ -105,6 +114,7 @@ class RunData:
     scenario: dict[str, Any]
     coordinator_start: float | None
     skipped: Counter[str] = field(default_factory=Counter)  # file name -> malformed lines skipped
+    audits: list[AuditEvent] = field(default_factory=list)
 
     @property
     def t0(self) -> float:
@@ -207,10 +217,11 @@ def _injection(obj: Mapping[str, Any]) -> Injection:
 
 
 def load_events(path: Path, skipped: Counter[str]) -> tuple[list[FindingEvent], list[CommandEvent],
-                                                             list[Injection], float | None]:
+                                                             list[Injection], float | None, list[AuditEvent]]:
     findings: list[FindingEvent] = []
     commands: list[CommandEvent] = []
     injections: list[Injection] = []
+    audits: list[AuditEvent] = []
     started: float | None = None
     for obj in _lines(path, skipped, EVENTS):
         ev = obj.get("event")
@@ -230,6 +241,8 @@ def load_events(path: Path, skipped: Counter[str]) -> tuple[list[FindingEvent], 
                                              str(obj.get("reason", ""))))
             elif ev == "inject":
                 injections.append(_injection(obj))
+            elif ev == "plan-audit":
+                audits.append(AuditEvent(_int(obj, "new_epoch"), _num(obj, "ratio"), str(obj.get("outcome", ""))))
             elif ev in ("coordinator-started", "coordinator-resumed") and started is None:
                 started = _num(obj, "time")
         except ValueError:
@@ -237,7 +250,7 @@ def load_events(path: Path, skipped: Counter[str]) -> tuple[list[FindingEvent], 
     findings.sort(key=lambda f: f.time)
     commands.sort(key=lambda c: c.time)
     injections.sort(key=lambda i: i.time)
-    return findings, commands, injections, started
+    return findings, commands, injections, started, audits
 
 
 def load_demo(path: Path, skipped: Counter[str]) -> tuple[dict[str, Any], list[Injection]] | None:
@@ -283,8 +296,9 @@ def load_run(run_dir: Path | str) -> RunData:
     commands: list[CommandEvent] = []
     injections: list[Injection] = []
     started = None
+    audits: list[AuditEvent] = []
     if (run / EVENTS).is_file():
-        findings, commands, injections, started = load_events(run / EVENTS, skipped)
+        findings, commands, injections, started, audits = load_events(run / EVENTS, skipped)
     source = "events.jsonl" if injections else "none"
     scenario: dict[str, Any] = {}
     demo = load_demo(run / DEMO, skipped) if (run / DEMO).is_file() else None
@@ -292,4 +306,5 @@ def load_run(run_dir: Path | str) -> RunData:
         scenario = demo[0]
         if demo[1]:  # the driver's own record knows the step; the events only the time
             injections, source = demo[1], "demo.json"
-    return RunData(run, progress, reference, injections, source, findings, commands, scenario, started, skipped)
+    return RunData(run, progress, reference, injections, source, findings, commands, scenario, started, skipped,
+                   audits)

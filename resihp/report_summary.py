@@ -73,6 +73,7 @@ class RunSummary:
     stopped: str = ""  # why the job stopped early, when its trainer said so
     skipped_lines: dict[str, int] = field(default_factory=dict)
     scenario: dict[str, Any] = field(default_factory=dict)
+    audits: dict[int, str] = field(default_factory=dict)  # epoch -> the plan audit's verdict on its switch
 
     def _latency(self, kind: str, iters: bool = False) -> float | int | None:
         for d in self.detections:
@@ -214,6 +215,7 @@ def summarize_data(data: RunData) -> RunSummary:
         final_loss=steps[-1].loss, reference_final_loss=cmp.reference, final_loss_rel_delta=cmp.delta,
         loss_compared_at_step=cmp.step, loss_delta_vs_reference=cmp.max_delta, reference_steps_compared=cmp.common,
         stopped=data.progress.stopped, skipped_lines=dict(data.skipped), scenario=data.scenario,
+        audits={a.new_epoch: f"x{a.ratio:.2f} {a.outcome.split(':')[0]}" for a in data.audits},
     )
 
 

@@ -74,6 +74,8 @@ def make_run(run: Path, demo: bool = True, reference: bool = True) -> Path:
         {"event": "command", "seq": 9, "time": T0 + 15.5, "job": "demo", "epoch": 1, "kind": "reconfigure",
          "apply_at": 15, "plan": {"tp": 2, "pp": 2, "dp": 2, "num_layers": 8, "global_microbatches": 8}, "reason": "x"},
         {"event": "some-future-event", "seq": 10, "time": T0 + 16.0, "job": "demo"},
+        {"event": "plan-audit", "seq": 10, "time": T0 + 26.0, "job": "demo", "old_epoch": 0, "new_epoch": 1,
+         "ratio": 0.63, "regret": False, "outcome": "kept"},
         {"event": "inject", "seq": 11, "time": T0 + 27.0, "job": "demo", "kind": "kill", "rank": 5},
         {"event": "finding", "seq": 12, "time": T0 + 28.4, "job": "demo", "kind": "fail-stop", "ranks": [5],
          "iteration": 20, "cause": "process-exit"},
@@ -218,6 +220,7 @@ def test_cli_json_and_table(tmp_path: Path) -> None:
     assert obj["final_loss"] == pytest.approx(_loss(24))
     assert obj["loss_delta_vs_reference"] == pytest.approx(0.02)
     assert obj["steps"] == 25 and obj["epochs"] == [0, 1, 2]
+    assert obj["audits"] == {"1": "x0.63 kept"}  # the plan audit's verdict on epoch 1's switch
     assert "no trace.jsonl" in obj["trace_note"]
     assert Path(obj["png"]).read_bytes()[:8] == PNG_MAGIC
     assert "skipped 2 malformed line(s) of progress.jsonl" in proc.stderr
@@ -228,6 +231,7 @@ def test_cli_json_and_table(tmp_path: Path) -> None:
     assert "after fail-slow x2 on rank 3 (before adaptation)" in out
     assert "after kill + recovery (epoch 2)" in out
     assert "4.70 s (2 iterations)" in out and "3.0 MiB" in out
+    assert "x0.63 kept" in out and "audit" in out
     assert "relative delta 0.500 %" in out and "max relative delta over 25 common steps 2.000 %" in out
 
 

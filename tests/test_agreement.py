@@ -146,7 +146,7 @@ def test_waiting_stops_when_the_caller_gives_up(store: Any) -> None:
 
 def test_an_abandoned_round_leaves_the_store_when_the_member_closes(store: Any) -> None:
     # a round abandoned after a switch waits for posts that never come; its thread must not be
-    # inside a store call when the process exits (that aborts the process: see await_keys)
+    # inside a store call when the process exits (that aborts the process: see close)
     a = _members(store, 2, timeout_s=30.0)[0]
     a.post(1, 0, (0, 1), Holding(1, False))  # rank 1 never posts
     assert a.collect(give_up=lambda: True, slice_s=0.05) is None  # abandoned
@@ -155,3 +155,6 @@ def test_an_abandoned_round_leaves_the_store_when_the_member_closes(store: Any) 
     assert len(workers) == 2 and all(w is not None and w.alive() for w in workers)
     assert a.close(timeout_s=2.0) is True
     assert not any(w.alive() for w in workers if w is not None)
+    # released by writing in place of the posts that never came; its own posts are untouched
+    assert store.get(round_key(1, 0, 1)) == b"abandoned" and store.get(round_key(2, 0, 1)) == b"abandoned"
+    assert store.get(round_key(1, 0, 0)) != b"abandoned" and store.get(round_key(2, 0, 0)) != b"abandoned"

@@ -18,8 +18,7 @@ exactly at ``apply_at``; a late one applies a boundary or two later, on every ra
 
 After a switch or a recovery the members start over (nothing outstanding, a fresh key
 prefix per epoch), so a rank that joined — a readmitted spare — is in step at once.
-Costs per boundary: four store operations on the background thread (set, delete, check —
-repeated with short pauses while a member lags — and one multi-get); the loop only hands
+Costs per boundary: four store operations on the background thread; the loop only hands
 over a tuple and reads a result that is (almost always) ready.
 """
 from __future__ import annotations
@@ -30,13 +29,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
 from resihp.coordinator import messages as m
 
 log = logging.getLogger(__name__)
 PREFIX = "resihp/agree"
-POLL_S = (0.0005, 0.01)  # the first and the longest pause between two checks of a round's keys
+ABANDONED = "abandoned"  # what a closing member writes in place of posts that will never come
 
 
 class AgreementTimeout(RuntimeError):
@@ -113,7 +113,8 @@ class BoundaryAgreement:
         self.timeout_s = timeout_s
         self._round: tuple[int, int, Future[Holding]] | None = None  # (epoch, boundary, result)
         self._worker: _Worker | None = None
-        self._abandoned: list[_Worker] = []  # stopped, perhaps still leaving a round
+        self._abandoned: list[_Worker] = []  # stopped, perhaps still waiting on the store
+        self._outstanding: list[tuple[list[str], Future[Holding]]] = []  # rounds posted, not yet complete
 
     def post(self, epoch: int, boundary: int, members: Sequence[int], holding: Holding) -> None:
         """Post this member's holding at ``boundary`` and start reading every member's."""
@@ -123,9 +124,9 @@ class BoundaryAgreement:
         own = round_key(epoch, boundary, self.rank)
         stale = round_key(epoch, boundary - 2, self.rank)  # every member has read it (see module doc)
         fut: Future[Holding] = Future()
-        self._worker.submit(lambda store, stopped: _run_round(store, own, holding, stale, keys, self.timeout_s,
-                                                              stopped), fut)
+        self._worker.submit(lambda store: _run_round(store, own, holding, stale, keys, self.timeout_s), fut)
         self._round = (epoch, boundary, fut)
+        self._outstanding = [o for o in self._outstanding if not o[1].done()] + [(keys, fut)]
 
     def collect(self, give_up: Callable[[], bool] = lambda: False, slice_s: float = 0.2) -> Holding | None:
         """What every member held at the last posted boundary (None when none is outstanding, or
@@ -163,54 +164,48 @@ class BoundaryAgreement:
             self._worker = None
         self._round = None
 
-    def close(self, timeout_s: float = 2.0) -> bool:
-        """Stop the workers and wait for them to leave the store (a thread inside a store call
-        when the interpreter exits aborts the process). False if one is still there."""
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop the workers and let none stay in a store call: a daemon thread woken inside torch
+        while the interpreter exits aborts the process ("terminate called without an active
+        exception"). A round still waiting — abandoned after a switch, or the last one, whose
+        posts some member never made — is released by writing ``ABANDONED`` in place of the
+        missing posts (``compare_set``: a member's real post is never overwritten; nobody reads
+        these rounds any more). False if a worker is still in the store after ``timeout_s``."""
         self._round = None
-        if self._worker is not None:
-            self._worker.stop()
-            self._abandoned.append(self._worker)
-            self._worker = None
+        workers = [*self._abandoned, *([self._worker] if self._worker is not None else [])]
+        self._abandoned, self._worker = [], None
+        for w in workers:
+            w.stop()
+        waiting = [keys for keys, fut in self._outstanding if not fut.done()]
+        self._outstanding = []
+        if waiting:
+            try:
+                store = self.connect()
+                for keys in waiting:
+                    for key in keys:
+                        store.compare_set(key, "", ABANDONED)
+            except Exception as exc:  # noqa: BLE001 - the store is gone: nothing waits on it either
+                log.warning("agreement: could not release %d waiting round(s): %s", len(waiting), exc)
         deadline = time.monotonic() + timeout_s
-        for w in self._abandoned:
+        for w in workers:
             w.join(max(0.0, deadline - time.monotonic()))
-        left = [w for w in self._abandoned if w.alive()]
-        self._abandoned = []
+        left = sum(w.alive() for w in workers)
         if left:
-            log.warning("agreement: %d worker(s) still in a store call after %.1f s", len(left), timeout_s)
+            log.warning("agreement: %d worker(s) still in a store call after %.1f s", left, timeout_s)
         return not left
 
 
-def _run_round(store: Any, own: str, holding: Holding, stale: str, keys: list[str], timeout_s: float,
-               stopped: threading.Event) -> Holding:
+def _run_round(store: Any, own: str, holding: Holding, stale: str, keys: list[str], timeout_s: float) -> Holding:
     store.set(own, holding.encode())
     try:
         store.delete_key(stale)
     except Exception:  # noqa: BLE001 - a key that was never written (the first rounds) is fine
         pass
-    # twice the loop's deadline: the loop's own timeout, with its clearer message, comes first
-    await_keys(store, keys, 2.0 * timeout_s, stopped)
+    try:  # twice the loop's deadline: the loop's own timeout, with its clearer message, comes first
+        store.wait(keys, timedelta(seconds=2.0 * timeout_s))
+    except Exception as exc:  # noqa: BLE001 - the store's wait timeout: say so in our words
+        raise AgreementTimeout(f"agreement: Timed out waiting for {len(keys)} members' posts: {exc}") from exc
     return common([Holding.decode(v, k) for k, v in zip(keys, store.multi_get(keys))])
-
-
-def await_keys(store: Any, keys: list[str], limit_s: float, stopped: threading.Event) -> None:
-    """Until every key is in the store. Checks with pauses (0.5 ms doubling to 10 ms) rather than
-    one blocking ``store.wait``: a round abandoned after a switch or a failure waits for posts
-    that never come, and a daemon thread still inside that call when the interpreter exits is
-    woken into a shutting-down runtime and aborts the process ("terminate called without an
-    active exception"). Between checks it sees ``stopped`` and leaves."""
-    deadline = time.monotonic() + limit_s
-    pause = POLL_S[0]
-    while not store.check(keys):
-        if stopped.is_set():
-            raise AgreementTimeout("agreement: round abandoned")
-        if time.monotonic() > deadline:
-            raise AgreementTimeout(f"agreement: Timed out after {limit_s:.0f} s waiting for {len(keys)} members' posts")
-        time.sleep(pause)  # the members post within a step: a few checks, each one store round trip
-        pause = min(2.0 * pause, POLL_S[1])
-
-
-Round = Callable[[Any, threading.Event], Holding]  # (store client, stopped) -> every member's holding
 
 
 class _Worker:
@@ -218,17 +213,15 @@ class _Worker:
     round blocked on the store never holds up the process's exit)."""
 
     def __init__(self, connect: Callable[[], Any]) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Round, Future[Holding]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[Any], Holding], Future[Holding]] | None] = queue.SimpleQueue()
         self._connect = connect
-        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="resihp-agreement", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Round, fut: Future[Holding]) -> None:
+    def submit(self, fn: Callable[[Any], Holding], fut: Future[Holding]) -> None:
         self._jobs.put((fn, fut))
 
     def stop(self) -> None:
-        self._stopped.set()
         self._jobs.put(None)
 
     def alive(self) -> bool:
@@ -247,6 +240,6 @@ class _Worker:
             try:
                 if store is None:
                     store = self._connect()
-                fut.set_result(fn(store, self._stopped))
+                fut.set_result(fn(store))
             except Exception as exc:  # noqa: BLE001 - handed to the loop, which decides
                 fut.set_exception(exc)

@@ -311,8 +311,14 @@ class Detector(IdleRankVerdicts):
             bulk = np.where(np.isfinite(ring) & (ring > 1.0 + c.dp_threshold), ring, np.nan)
             score[need] = np.fmax(nanmedian(dirs[:, need], axis=0), bulk)
         suspect = (ex_c > 0) | (ex_m > 0)
-        normal = (fill_nan(comp, 1.0) < 1 + c.recover_threshold) & (
-            fill_nan(comm, 1.0) < 1 + np.maximum(c.recover_threshold, comm_thr / 2))
+        # a rank found link-slow recovers on its links — its P2P and its DP ring's bulk transfer,
+        # which a shaper's burst cannot hide — and its compute need only be no fault of its own
+        # (on shared cores a link-slow rank's compute ratio swings by ±20 %: three consecutive
+        # iterations within recover_threshold took up to 250 iterations after the link was back)
+        link_slow = (self.state == RankState.SLOW) & (self.cause_code > 0)
+        normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
+            fill_nan(comm, 1.0) < 1 + np.maximum(c.recover_threshold, comm_thr / 2)) & (
+            ~link_slow | (fill_nan(dp_ratio, 1.0) < 1 + c.dp_threshold))
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
         found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold)

@@ -194,3 +194,25 @@ def stop(launch: subprocess.Popen[str]) -> None:
     if launch.poll() is None:
         launch.send_signal(signal.SIGINT)
         launch.wait(60)
+
+
+def launch_four_node_job(cluster: NetnsCluster, work: Path, policy: Sequence[str], steps: int = 400) -> subprocess.Popen[str]:
+    """The slow-link tests' job on a four-node cluster, one rank per node: TP1 x PP2 x DP2 of
+    gpt-tiny under ``resihp launch`` (run directory ``work/run``), with coordinator ``policy``."""
+    repo = Path(__file__).resolve().parents[1]
+    line = cluster.launch_command(work / "run", cluster.hostfile(work / "hosts", slots=1),
+                                  ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], policy,
+                                  [sys.executable, str(repo / "examples" / "train_gpt.py"), "--pp", "2", "--dp", "2",
+                                   "--microbatches", "8", "--steps", str(steps), "--threads", "1", "--log-every",
+                                   "1000"])
+    # output to a file, not a pipe nobody reads: the ranks' output must not block
+    return subprocess.Popen(line, stdout=open(work / "launch.log", "w"), stderr=subprocess.STDOUT, text=True,
+                            cwd=str(repo))
+
+
+def healthy_at(run: Path, rank: int, iteration: int) -> int | None:
+    """The job's iteration once it is at least ``iteration`` with ``rank`` judged healthy (a noise
+    finding on the shared cores must have cleared first), else None."""
+    st = admin_status(run)
+    healthy = any(r["rank"] == rank and r["state"] == "healthy" for r in st["ranks"])
+    return int(st["iteration"]) if st["iteration"] >= iteration and healthy else None

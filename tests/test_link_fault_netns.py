@@ -16,30 +16,18 @@ p50 0.5–1.0 ms, p90 4–8 ms), so the test waits for rank 3 to be healthy befo
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from cp_helpers import read_jsonl, wait_until
-from netns_cluster import admin_status, cluster_or_skip, stop
+from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "train_gpt.py"
 THROTTLE_AT = 20
 LINK_POLICY = ("--policy=links=on", "--policy=comm_threshold=2.0", "--policy=dp_threshold=1.0", "--no-auto-reconfigure")
 
 pytestmark = pytest.mark.flaky(reruns=1)
-
-
-def _ready(run: Path) -> int | None:
-    """The iteration, once past THROTTLE_AT with rank 3 judged healthy (a noise finding on the
-    shared cores must have cleared, or the throttle's finding could not come)."""
-    st = admin_status(run)
-    healthy = any(r["rank"] == 3 and r["state"] == "healthy" for r in st["ranks"])
-    return int(st["iteration"]) if st["iteration"] >= THROTTLE_AT and healthy else None
 
 
 def _findings(run: Path, kind: str, since: int) -> list[dict[str, Any]]:
@@ -57,14 +45,9 @@ def throttled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     work = tmp_path_factory.mktemp("linkfault")
     run = work / "run"
     with cluster_or_skip(work / "cluster", 4) as cluster:
-        line = cluster.launch_command(run, cluster.hostfile(work / "hosts", slots=1),
-                                      ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], LINK_POLICY,
-                                      [sys.executable, str(EXAMPLE), "--pp", "2", "--dp", "2", "--microbatches", "8",
-                                       "--steps", "400", "--threads", "1", "--log-every", "1000"])
-        launch = subprocess.Popen(line, stdout=open(work / "launch.log", "w"), stderr=subprocess.STDOUT, text=True,
-                                  cwd=str(REPO))  # a file, not a pipe nobody reads: the ranks' output must not block
+        launch = launch_four_node_job(cluster, work, LINK_POLICY)
         try:
-            at = wait_until(lambda: _ready(run), 120, f"iteration {THROTTLE_AT} with rank 3 healthy")
+            at = wait_until(lambda: healthy_at(run, 3, THROTTLE_AT), 120, f"iteration {THROTTLE_AT} with rank 3 healthy")
             cluster.throttle_link(cluster.nodes[3], mbit=50)
             found = wait_until(lambda: _link_findings(run, at), 120, "a link-slow finding on rank 3")[0]
             cluster.clear_link(cluster.nodes[3])

@@ -114,6 +114,16 @@ def _slow(it: int) -> m.FindingInfo:
     return m.FindingInfo(it, "fail-slow", (SLOW,), "compute", 2.0, f"rank {SLOW} is 2x slow")
 
 
+def _slow_rank_switched_out(core: CoordinatorCore, conn: Any) -> int:
+    """Healthy iterations at 0.2 s, rank 3 found slow, the old plan at 0.4 s until the planner's
+    switch (rank 3 left idle) is acknowledged; the next iteration."""
+    it = _records(core, 0, 0, [0.2] * 5)
+    core._findings([_slow(it)], core.now())
+    it = _records(core, 0, it, [0.4] * 3)
+    _ack_all(core, conn)
+    return it
+
+
 def _events(core: CoordinatorCore, kind: str) -> list[dict[str, Any]]:
     return [e for e in core.events.since(0, 1000) if e["event"] == kind]
 
@@ -162,20 +172,14 @@ def test_a_replan_that_measures_slower_is_undone_and_the_fault_keeps_the_layout(
 
 def test_a_replan_that_pays_off_is_kept_and_audits_can_be_switched_off(tmp_path: Path) -> None:
     core, conn, _ = _core(tmp_path)
-    it = _records(core, 0, 0, [0.2] * 5)
-    core._findings([_slow(it)], core.now())
-    it = _records(core, 0, it, [0.4] * 3)
-    _ack_all(core, conn)
+    it = _slow_rank_switched_out(core, conn)
     _records(core, 1, it, [0.25] * (WARMUP + WINDOW))
     audit, = _events(core, "plan-audit")
     assert (audit["ratio"], audit["regret"], audit["outcome"]) == (0.625, False, "kept")
     assert conn.outbox.empty() and core.plan.epoch == 1
 
     off, conn2, _ = _core(tmp_path / "off", plan_audit="off")
-    it = _records(off, 0, 0, [0.2] * 5)
-    off._findings([_slow(it)], off.now())
-    it = _records(off, 0, it, [0.4] * 3)
-    _ack_all(off, conn2)
+    it = _slow_rank_switched_out(off, conn2)
     _records(off, 1, it, [0.9] * (WARMUP + WINDOW))
     assert _events(off, "plan-audit") == [] and conn2.outbox.empty() and off.plan.epoch == 1
 
@@ -194,10 +198,7 @@ def test_the_audit_policy_is_validated_and_set_at_run_time(tmp_path: Path) -> No
 
 def test_a_restarted_coordinator_keeps_the_verdict_and_an_operator_clears_it(tmp_path: Path) -> None:
     core, conn, _ = _core(tmp_path)
-    it = _records(core, 0, 0, [0.2] * 5)
-    core._findings([_slow(it)], core.now())
-    it = _records(core, 0, it, [0.4] * 3)
-    _ack_all(core, conn)
+    it = _slow_rank_switched_out(core, conn)
     it = _records(core, 1, it, [0.9] * (WARMUP + WINDOW))
     _ack_all(core, conn)  # the regret's command back to the old layout
     core.journal.close()

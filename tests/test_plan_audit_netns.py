@@ -21,22 +21,14 @@ from typing import Any, Iterator
 import pytest
 
 from cp_helpers import read_jsonl, wait_until
-from netns_cluster import admin_status, cluster_or_skip, stop
+from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "train_gpt.py"
 THROTTLE_AT = 20
 # re-planning starts off and is turned on just before the throttle: a noise finding on the
 # shared cores before it would re-plan the healthy job and leave nothing to test
 LINK_POLICY = ("--policy=links=on", "--policy=comm_threshold=2.0", "--policy=dp_threshold=1.0", "--no-auto-reconfigure")
 
 pytestmark = pytest.mark.flaky(reruns=1)
-
-
-def _ready(run: Path) -> int | None:
-    st = admin_status(run)
-    healthy = any(r["rank"] == 3 and r["state"] == "healthy" for r in st["ranks"])
-    return int(st["iteration"]) if st["iteration"] >= THROTTLE_AT and healthy else None
 
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:
@@ -55,14 +47,9 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     work = tmp_path_factory.mktemp("audit")
     run = work / "run"
     with cluster_or_skip(work / "cluster", 4) as cluster:
-        line = cluster.launch_command(run, cluster.hostfile(work / "hosts", slots=1),
-                                      ["-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8"], LINK_POLICY,
-                                      [sys.executable, str(EXAMPLE), "--pp", "2", "--dp", "2", "--microbatches", "8",
-                                       "--steps", "400", "--threads", "1", "--log-every", "1000"])
-        launch = subprocess.Popen(line, stdout=open(work / "launch.log", "w"), stderr=subprocess.STDOUT, text=True,
-                                  cwd=str(REPO))
+        launch = launch_four_node_job(cluster, work, LINK_POLICY)
         try:
-            at = wait_until(lambda: _ready(run), 120, f"iteration {THROTTLE_AT} with rank 3 healthy")
+            at = wait_until(lambda: healthy_at(run, 3, THROTTLE_AT), 120, f"iteration {THROTTLE_AT} with rank 3 healthy")
             on = subprocess.run([sys.executable, "-m", "resihp.cli", "admin", "--run-dir", str(run), "policy",
                                  "auto_reconfigure=on"], capture_output=True, text=True, timeout=60)
             assert on.returncode == 0, on.stdout + on.stderr

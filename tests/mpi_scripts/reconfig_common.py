@@ -125,3 +125,29 @@ def reference_losses(comm: Any, store: str, plan: Any, steps: int) -> list[float
     assert ref.runtime is not None
     destroy_groups(ref.runtime.groups)
     return [next((v[i] for v in gathered if v[i] is not None), None) for i in range(steps)]
+
+
+def start_resilient(tx: Any, plan: Any) -> tuple[Any, Any]:
+    """``hooks.init`` of the tiny job on ``plan`` (epoch 1), resilient, with the scripted agent
+    transport ``tx`` (which learns the job, to time its commands by boundary): (job, resilience)."""
+    from dataclasses import replace
+
+    from resihp.trainer_hooks import hooks
+
+    job = hooks.init(SPEC, replace(plan, epoch=1), config=CONFIG, transport=tx, trace="", resilient=True,
+                     failure_timeout_s=5.0)
+    tx.job = job
+    assert job.resilience is not None
+    return job, job.resilience
+
+
+def train_records(job: Any, res: Any, steps: int) -> list[dict[str, Any]]:
+    """Run the resilient loop to ``steps``: one record per step this rank trained (no failures
+    expected: a rolled-back step would stay recorded)."""
+    records: list[dict[str, Any]] = []
+    for it in job.iterations(steps):
+        r = job.train_step(it)
+        if r is not None:
+            records.append({"step": it, "epoch": res.rc.epoch, "loss": r.loss, "samples": list(r.sample_ids)})
+        job.step(r)
+    return records

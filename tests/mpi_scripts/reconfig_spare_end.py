@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from typing import Any
 
-from reconfig_common import CONFIG, GLOBAL_MB, SPEC, report_and_exit, set_threads
+from reconfig_common import GLOBAL_MB, SPEC, report_and_exit, set_threads, start_resilient, train_records
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import PipelinePlan, Plan
 from resihp.trainer_hooks import hooks
@@ -75,17 +74,8 @@ def main() -> None:
     if size != 4:
         raise SystemExit(f"run with 4 ranks, got {size}")
     tx = ScriptedTransport()
-    job = hooks.init(SPEC, replace(START, epoch=1), config=CONFIG, transport=tx, trace="", resilient=True,
-                     failure_timeout_s=5.0)
-    tx.job = job
-    res = job.resilience
-    assert res is not None
-    records: list[dict[str, Any]] = []
-    for it in job.iterations(STEPS):
-        r = job.train_step(it)
-        if r is not None:
-            records.append({"step": it, "epoch": res.rc.epoch, "loss": r.loss, "samples": list(r.sample_ids)})
-        job.step(r)
+    job, res = start_resilient(tx, START)
+    records = train_records(job, res, STEPS)
     report = {"rank": me, "records": records, "history": res.history, "acks": tx.acks, "end": res.next_step,
               "epoch": res.rc.epoch, "failures": res.failures}
     report_and_exit(out, me, report)

@@ -151,3 +151,24 @@ def train_records(job: Any, res: Any, steps: int) -> list[dict[str, Any]]:
             records.append({"step": it, "epoch": res.rc.epoch, "loss": r.loss, "samples": list(r.sample_ids)})
         job.step(r)
     return records
+
+
+class ScriptedAgent:
+    """The agent's side of the hooks for a script: acknowledgements are kept, reports and probes
+    dropped; a subclass says which commands each poll returns (``poll_commands``)."""
+
+    def __init__(self) -> None:
+        self.job: Any = None  # set by start_resilient: polls are timed by the job's boundary
+        self.acks: list[tuple[int, int, bool, str]] = []
+
+    def report(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def probe(self, probe_s: float) -> None:  # compute probes are the agent's business
+        return None
+
+    def ack(self, command: Any, iteration: int, ok: bool = True, error: str = "") -> None:
+        self.acks.append((command.seq, iteration, ok, error))
+
+    def close(self) -> None:
+        pass

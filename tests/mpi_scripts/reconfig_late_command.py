@@ -22,11 +22,10 @@ import sys
 from dataclasses import replace
 
 from reconfig_common import (
-    GLOBAL_MB, SPEC, reference_losses, report_and_exit, set_threads, start_resilient, train_records,
+    GLOBAL_MB, SPEC, ScriptedAgent, reference_losses, report_and_exit, set_threads, start_resilient, train_records,
 )
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import Plan
-from resihp.trainer_hooks import hooks
 from resihp.trainer_hooks.bootstrap import STORE_ENV
 from resihp.trainer_hooks.ulfm import ft_world
 
@@ -37,12 +36,12 @@ START = Plan.uniform(2, 1, 2, SPEC.num_layers, GLOBAL_MB)
 PP2DP2 = Plan.uniform(1, 2, 2, SPEC.num_layers, GLOBAL_MB)
 
 
-class ScriptedTransport:
+class ScriptedTransport(ScriptedAgent):
     """The agent's side of the hooks: each command reaches this rank at a chosen boundary
     (the boundary after step N is the poll that follows step N)."""
 
     def __init__(self, rank: int) -> None:
-        self.job: hooks.Job | None = None
+        super().__init__()
         late_arrival = 0 if rank == 0 else LATE_ARRIVES
         self.script = [
             (late_arrival, m.ReconfigCommand(epoch=10, plan=replace(PP2DP2, epoch=10), apply_at=LATE_AT,
@@ -50,14 +49,7 @@ class ScriptedTransport:
             (ON_TIME_ARRIVES, m.ReconfigCommand(epoch=11, plan=replace(START, epoch=11), apply_at=ON_TIME_AT,
                                                 reason="planned: back to TP2xDP2", seq=2)),
         ]
-        self.acks: list[tuple[int, int, bool, str]] = []
         self.arrived: list[tuple[int, int]] = []  # (seq, boundary)
-
-    def report(self, *args: object, **kwargs: object) -> bool:
-        return True
-
-    def probe(self, probe_s: float) -> None:  # compute probes are the agent's business
-        return None
 
     def poll_commands(self) -> list[m.Command]:
         boundary = self.job._iteration if self.job is not None else -1
@@ -65,12 +57,6 @@ class ScriptedTransport:
         self.script = [(at, c) for at, c in self.script if at > boundary]
         self.arrived += [(c.seq, boundary) for _, c in due]
         return [c for _, c in due]
-
-    def ack(self, command: m.Command, iteration: int, ok: bool = True, error: str = "") -> None:
-        self.acks.append((command.seq, iteration, ok, error))
-
-    def close(self) -> None:
-        pass
 
 
 def main() -> None:

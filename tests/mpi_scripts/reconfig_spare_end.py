@@ -17,10 +17,11 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from reconfig_common import GLOBAL_MB, SPEC, report_and_exit, set_threads, start_resilient, train_records
+from reconfig_common import (
+    GLOBAL_MB, SPEC, ScriptedAgent, report_and_exit, set_threads, start_resilient, train_records,
+)
 from resihp.coordinator import messages as m
 from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.trainer_hooks import hooks
 from resihp.trainer_hooks.ulfm import ft_world
 
 STEPS = 12
@@ -29,24 +30,17 @@ START = Plan.uniform(2, 1, 2, SPEC.num_layers, GLOBAL_MB)
 EXCLUDED = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 5), PipelinePlan(((2,),), (8,), 3)), spares=(3,))
 
 
-class ScriptedTransport:
+class ScriptedTransport(ScriptedAgent):
     """The agent's side of the hooks: the exclusion reaches every rank at boundary 0; the
     readmission reaches a spare as soon as it idles, a member at boundary MEMBERS_GET."""
 
     def __init__(self) -> None:
-        self.job: hooks.Job | None = None
+        super().__init__()
         self.exclude = m.ReconfigCommand(epoch=10, plan=replace(EXCLUDED, epoch=10), apply_at=EXCLUDE_AT,
                                          reason="planned: exclude rank 3", seq=1)
         self.readmit = m.ReconfigCommand(epoch=11, plan=replace(START, epoch=11), apply_at=READMIT_AT,
                                          reason="planned: readmit rank 3", seq=2)
         self.sent: set[int] = set()
-        self.acks: list[tuple[int, int, bool, str]] = []
-
-    def report(self, *args: object, **kwargs: object) -> bool:
-        return True
-
-    def probe(self, probe_s: float) -> None:
-        return None
 
     def poll_commands(self) -> list[m.Command]:
         assert self.job is not None
@@ -58,12 +52,6 @@ class ScriptedTransport:
             out.append(self.readmit)
         self.sent |= {c.seq for c in out}
         return out
-
-    def ack(self, command: m.Command, iteration: int, ok: bool = True, error: str = "") -> None:
-        self.acks.append((command.seq, iteration, ok, error))
-
-    def close(self) -> None:
-        pass
 
 
 def main() -> None:

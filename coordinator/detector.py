@@ -315,10 +315,14 @@ class Detector(IdleRankVerdicts):
         # which a shaper's burst cannot hide — and its compute need only be no fault of its own
         # (on shared cores a link-slow rank's compute ratio swings by ±20 %: three consecutive
         # iterations within recover_threshold took up to 250 iterations after the link was back)
+        # Where its DP ring is measured, that bulk transfer is the hysteresis (a slow NIC keeps it
+        # far above dp_threshold), and its P2P need only be no longer suspect: small P2P messages
+        # on shared cores read above comm_threshold / 2 in one iteration of three when healthy.
         link_slow = (self.state == RankState.SLOW) & (self.cause_code > 0)
+        ring = link_slow & np.isfinite(dp_ratio)
         normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
-            fill_nan(comm, 1.0) < 1 + np.maximum(c.recover_threshold, comm_thr / 2)) & (
-            ~link_slow | (fill_nan(dp_ratio, 1.0) < 1 + c.dp_threshold))
+            fill_nan(comm, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
+            ~ring | (dp_ratio < 1 + c.dp_threshold))
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
         found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold)

@@ -302,6 +302,12 @@ class LiveReconfigurer:
         prepare_rank(cached, self.rank, new_plan, self.specs, stock=stock, old_shards=live)
         return cached
 
+    def store(self) -> Any:
+        """This rank's client of the job's store (made on first use, kept across epochs)."""
+        if self._store is None:
+            self._store = connect_store(self.store_addr, self.timeout_s)
+        return self._store
+
     def _release(self) -> None:
         if self.runtime is not None:
             destroy_groups(self.runtime.groups)
@@ -334,9 +340,7 @@ class LiveReconfigurer:
         self._release()
         # 1. regroup: fresh default group under the new epoch's prefix
         self.members = new_members
-        if self._store is None:
-            self._store = connect_store(self.store_addr, self.timeout_s)
-        init_world(self._store, epoch, self.pg_rank, len(self.members), self.timeout_s, self.backend)
+        init_world(self.store(), epoch, self.pg_rank, len(self.members), self.timeout_s, self.backend)
         t1 = time.perf_counter()
         # 2. reshard, on the new default group (pg ranks of logical ranks via members)
         # one all-reduce: do all old holders have AdamW moments (not before the first step), and

@@ -115,7 +115,6 @@ class Resilience:
     agreement: BoundaryAgreement | None = None
     _round_epoch: int | None = None  # the epoch of the round collected at this boundary
     _stall: BaseException | None = None  # the members went silent at a boundary: recover
-    _store: Any = None  # client of the job's store: switch announcements (members -> idle spares)
 
     def __post_init__(self) -> None:
         if self.agreement is None:
@@ -263,17 +262,12 @@ class Resilience:
             self.progress.write("reconfig", **entry)
 
     # --- spares -----------------------------------------------------------------------
-    def _switch_store(self) -> Any:
-        if self._store is None:
-            self._store = connect_store(self.rc.store_addr, max(self.rc.timeout_s, 30.0))
-        return self._store
-
     def _announce_switch(self, epoch: int) -> None:
         """A member is about to enter epoch ``epoch``'s rendezvous (the idle spares wait for this)."""
-        self._switch_store().set(switch_key(epoch), str(self.rc.rank))
+        self.rc.store().set(switch_key(epoch), str(self.rc.rank))
 
     def _switch_announced(self, epoch: int) -> bool:
-        return bool(self._switch_store().check([switch_key(epoch)]))
+        return bool(self.rc.store().check([switch_key(epoch)]))
 
     def _idle_as_spare(self, total: int) -> None:
         """Wait, holding no state, for the end of the job, a plan that readmits this rank (applied

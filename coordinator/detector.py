@@ -518,6 +518,10 @@ class Detector(IdleRankVerdicts):
         names = {RankState.HEALTHY: "healthy", RankState.SUSPECT: "suspect", RankState.SLOW: "slow", RankState.DEAD: "dead"}
         return {r: names[s] for r, s in sorted(self._state.items())}
 
+    def all_healthy(self) -> bool:
+        """Every rank of the current plan is judged healthy (none suspect, slow or dead)."""
+        return bool((self.state == RankState.HEALTHY).all())
+
     def rank_speed(self) -> dict[int, float]:
         """1.0 healthy, 1/factor for a slow rank (0.5 = 2x slow), 0.0 dead; ranks outside the
         plan keep their last verdict (``_left_slow``)."""

@@ -134,7 +134,7 @@ class AdminServicer(pbg.AdminServicer):
             job=st["job"], state=st["state"], state_reason=st["state_reason"], epoch=st["epoch"],
             iteration=st["iteration"], world_size=st["world_size"], agents_connected=st["agents_connected"],
             engine=st["engine"], policy=st["policy"], uptime_s=st["uptime_s"],
-            ranks=[pb.RankStatus(**r) for r in st["ranks"]],
+            planner_profile=st["planner_profile"], ranks=[pb.RankStatus(**r) for r in st["ranks"]],
         )
 
     @guarded

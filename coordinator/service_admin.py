@@ -176,4 +176,4 @@ class CoordinatorAdmin:
                     "epoch": self.core.epoch, "iteration": self.core.last_iteration, "world_size": self.core.config.world_size,
                     "ranks": ranks, "agents_connected": sum(a.streaming for a in self.core.agents.values()),
                     "engine": self.core.engine.name, "policy": {**self.core.policy, **self.core.engine.policy()},
-                    "uptime_s": now}
+                    "uptime_s": now, "planner_profile": self.core.engine.profile_text()}

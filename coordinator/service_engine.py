@@ -64,6 +64,7 @@ class Engine(Protocol):
     def set_plan(self, plan: Plan, iteration: int) -> None: ...
     def policy(self) -> dict[str, str]: ...
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]: ...
+    def profile_text(self) -> str: ...  # what prices the planner's plans (admin status)
 
 
 def parse_float(key: str, value: str, minimum: float = 0.0) -> float:
@@ -214,6 +215,9 @@ class RuleEngine:
 
     def probe_ratios(self) -> dict[int, float]:
         return {}
+
+    def profile_text(self) -> str:
+        return "none: the rule engine compares ranks, it prices no plan"
 
     def readmit(self, rank: int) -> bool:
         tr = self._tracks.get(rank)

@@ -5,6 +5,10 @@ converted to ``FindingInfo``). Planning is ``planner.decide`` over a ``Cluster``
 the ranks the coordinator knows (node of each rank, the detector's speed estimate, dead
 and excluded ranks marked failed) when that module is importable; until it is, the rule
 planner of ``service_engine.py`` plans, and ``name`` says which pair is running.
+The planner's device FLOP/s and link speeds are measured from the job's healthy iterations
+(``planner_profile.ProfileFitter``, policy ``profile=measured``, the default) once
+``MIN_PROFILE_ITERATIONS`` were seen; until then, or with ``profile=configured``, they are
+the configured ``links`` (``--cluster`` / ``--device-flops``).
 Pure: no grpc, time passed in.
 """
 from __future__ import annotations
@@ -14,14 +18,18 @@ import logging
 from dataclasses import fields, replace
 from typing import Any, Mapping
 
+from resihp.coordinator.cluster import Cluster
 from resihp.coordinator.detector import Detector, DetectorConfig, Finding
 from resihp.coordinator.messages import FindingInfo
 from resihp.coordinator.plan import Plan
+from resihp.coordinator.planner_profile import Profile, ProfileFitter
 from resihp.coordinator.service_engine import EngineDecision, RuleEngine, parse_float
 from resihp.coordinator.spec import SpecError
 from resihp.coordinator.trace import IterationRecord, PlanChange, Record, TraceHeader
 
 log = logging.getLogger(__name__)
+
+MIN_PROFILE_ITERATIONS = 8  # healthy iterations before the measured profile prices plans
 
 
 def to_info(f: Finding) -> FindingInfo:
@@ -54,6 +62,11 @@ class RealEngine:
         # links=off: no communication findings and no link factors for the planner (a CPU job
         # over loopback, where a P2P receive also waits for a slow sender)
         self.link_detection = True
+        self.measured_profile = True
+        cfg = {**{f.name: f.default for f in fields(Cluster) if f.name != "devices"}, **self.links}
+        self.fitter = ProfileFitter(header.model, header.plan, intra_node_bw_Bps=cfg["intra_node_bw_Bps"],
+                                    inter_node_bw_Bps=cfg["inter_node_bw_Bps"],
+                                    inter_node_latency_s=cfg["inter_node_latency_s"])
 
     # --- detection -------------------------------------------------------------------------
     def _convert(self, found: list[Finding]) -> list[FindingInfo]:
@@ -75,7 +88,25 @@ class RealEngine:
                 return []
         if isinstance(record, PlanChange):
             self._rules.set_plan(record.plan, record.iteration)
-        return self._convert(self.detector.observe(record, now))
+            self.fitter.set_plan(record.plan)
+        out = self._convert(self.detector.observe(record, now))
+        # the profile learns from iterations every rank of the plan ran healthy
+        if isinstance(record, IterationRecord) and self.detector.all_healthy():
+            self.fitter.add(record)
+        return out
+
+    def profile(self) -> Profile:
+        """The measured profile (whether or not the policy lets it price plans)."""
+        return self.fitter.profile()
+
+    def profile_text(self) -> str:
+        prof = self.fitter.profile()
+        if not self.measured_profile:
+            return f"configured (policy profile=configured); {prof.describe()}"
+        if prof.iterations < MIN_PROFILE_ITERATIONS or not prof.cluster_fields():
+            return (f"configured until {MIN_PROFILE_ITERATIONS} healthy iterations are measured "
+                    f"({prof.iterations} so far)")
+        return prof.describe()
 
     def tick(self, now: float) -> list[FindingInfo]:
         return self._convert(self.detector.tick(now))
@@ -100,6 +131,7 @@ class RealEngine:
     def set_plan(self, plan: Plan, iteration: int) -> None:
         self.detector.set_plan(plan, iteration)  # its first iteration: the detector re-warms from there
         self._rules.set_plan(plan, iteration)
+        self.fitter.set_plan(plan)
 
     # --- planning ----------------------------------------------------------------------------
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
@@ -115,7 +147,7 @@ class RealEngine:
 
     def _planner_decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
                         nodes: Mapping[int, str], speeds: Mapping[int, float]) -> EngineDecision:
-        from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
+        from resihp.coordinator.cluster import DeviceState, GlobalBatch
 
         pl = self._planner
         assert pl is not None
@@ -128,7 +160,8 @@ class RealEngine:
                                     speed=max(compute.get(r, speeds.get(r, 1.0)), 1e-3),
                                     failed=r in unavailable or speeds.get(r, 1.0) <= 0,
                                     link_factor=links.get(r, 1.0)) for r in world)
-        cluster = Cluster(devices=devices, **self.links)
+        fields, priced = self._profile_fields()
+        cluster = Cluster(devices=devices, **fields)
         rec = self._last
         mbs = max(1, current.global_microbatches)
         if rec is not None and rec.seqlens and rec.seqlens[0]:
@@ -145,6 +178,8 @@ class RealEngine:
                               finding.replica, None, finding.factor, finding.cause, finding.reason, {}, finding.time_s)
         # the real runtime needs every replica to split a layer over the same TP size
         config = pl.PlannerConfig(uniform_tp_per_layer=True) if hasattr(pl, "PlannerConfig") else None
+        if config is not None and priced is not None and priced.hbm_bw_Bps:
+            config = replace(config, hbm_bw_Bps=priced.hbm_bw_Bps)
         # unavailable = excluded by the operator or dead; the detector is told of every
         # death (exit events, heartbeat timeouts), so an unavailable rank it has alive was
         # excluded: the planner says so instead of calling it failed
@@ -156,7 +191,17 @@ class RealEngine:
             return EngineDecision(False, current, f"planner: {exc}", "none", fatal=broken)
         plan = d.plan if d.act else current
         fatal = bool(getattr(d, "fatal", False)) or (not d.act and any(r in unavailable for r in current.ranks()))
-        return EngineDecision(bool(d.act), plan, str(d.reason), str(getattr(d, "level", "none")), fatal)
+        reason = str(d.reason) + (f" [profile {priced.describe()}]" if priced is not None else " [profile configured]")
+        return EngineDecision(bool(d.act), plan, reason, str(getattr(d, "level", "none")), fatal)
+
+    def _profile_fields(self) -> tuple[dict[str, float], Profile | None]:
+        """Cluster link / FLOP fields for the planner, and the measured profile when it set them."""
+        if not self.measured_profile:
+            return dict(self.links), None
+        prof = self.fitter.profile()
+        if prof.iterations < MIN_PROFILE_ITERATIONS or not prof.cluster_fields():
+            return dict(self.links), None
+        return {**self.links, **prof.cluster_fields()}, prof
 
     # --- policy ------------------------------------------------------------------------------
     def policy(self) -> dict[str, str]:
@@ -164,16 +209,24 @@ class RealEngine:
         out = {f.name: _policy_text(getattr(c, f.name)) for f in fields(c)}
         out["detection"] = "on" if self.detection else "off"
         out["links"] = "on" if self.link_detection else "off"
+        out["profile"] = "measured" if self.measured_profile else "configured"
         return out
 
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]:
         c = self.detector.config
         known = {f.name: f for f in fields(c)}
         changes: dict[str, Any] = {}
-        detection, links = self.detection, self.link_detection
+        detection, links, measured = self.detection, self.link_detection, self.measured_profile
         for key, value in updates.items():
+            if key == "profile":
+                if value not in ("measured", "configured"):
+                    raise ValueError(f"policy profile must be 'measured' (device and link speeds from the job's "
+                                     f"healthy iterations) or 'configured' (--cluster), got {value!r}")
+                measured = value == "measured"
+                continue
             if key not in known and key not in ("detection", "links"):
-                raise ValueError(f"unknown policy key {key!r}; known: {sorted(list(known) + ['detection', 'links'])}")
+                raise ValueError(f"unknown policy key {key!r}; known: "
+                                 f"{sorted(list(known) + ['detection', 'links', 'profile'])}")
             if key in ("detection", "links") or isinstance(getattr(c, key), bool):
                 if value not in ("on", "off"):
                     raise ValueError(f"policy {key} must be 'on' or 'off', got {value!r}")
@@ -191,7 +244,7 @@ class RealEngine:
             changes["link_detection"] = links
         new = replace(c, **changes)  # DetectorConfig validates itself (ValueError with its message)
         self.detector.config = new
-        self.detection, self.link_detection = detection, links
+        self.detection, self.link_detection, self.measured_profile = detection, links, measured
         return self.policy()
 
 

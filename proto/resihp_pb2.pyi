@@ -399,7 +399,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "state", "state_reason", "epoch", "iteration", "world_size", "ranks", "agents_connected", "engine", "policy", "uptime_s")
+    __slots__ = ("job", "state", "state_reason", "epoch", "iteration", "world_size", "ranks", "agents_connected", "engine", "policy", "uptime_s", "planner_profile")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +418,7 @@ class StatusReply(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_PROFILE_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: str
     state_reason: str
@@ -429,7 +430,8 @@ class StatusReply(_message.Message):
     engine: str
     policy: _containers.ScalarMap[str, str]
     uptime_s: float
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., agents_connected: _Optional[int] = ..., engine: _Optional[str] = ..., policy: _Optional[_Mapping[str, str]] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    planner_profile: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., agents_connected: _Optional[int] = ..., engine: _Optional[str] = ..., policy: _Optional[_Mapping[str, str]] = ..., uptime_s: _Optional[float] = ..., planner_profile: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq", "limit")

@@ -1,0 +1,201 @@
+"""The planner's profile measured from healthy iterations (coordinator/planner_profile.py).
+
+Records are synthesised from a known profile through the planner's own formulas
+(planner_cost.py: F and B FLOPs per op, two TP all-reduces per layer per op, one hop per
+P2P, a ring per DP all-reduce, a memory-bound optimizer step); the fitter must give that
+profile back. The engine tests check that only healthy iterations teach it and that the
+policy switch decides which profile prices a plan.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from resihp.coordinator.costmodel import stage_flops
+from resihp.coordinator.plan import Plan
+from resihp.coordinator.planner_profile import UNBOUNDED_BW, Profile, ProfileFitter, _Transfer, fit_link
+from resihp.coordinator.spec import preset
+from resihp.coordinator.trace import ChunkTiming, DeviceInfo, IterationRecord, TraceHeader
+
+SPEC = preset("gpt-tiny")
+TRUE = {"flops": 3.0e9, "bw": 40e6, "lat": 4e-4, "tp_lat": 2.5e-4, "hbm": 1.5e9}
+INTRA_BW = 2e9
+SEQS = ((30, 50, 48), (128,), (64, 64), (100, 28))
+
+
+def _shard_params(plan: Plan, rank: int) -> float:
+    d, s, _, k = plan.position_table()[rank]
+    rep = plan.replicas[d]
+    n = rep.layers[s] * SPEC.params_per_layer() + SPEC.embedding_params() * ((s == 0) + (s == rep.pp - 1))
+    return n / k
+
+
+def synth(plan: Plan, iteration: int, slow: dict[int, float] | None = None, prof: dict[str, float] = TRUE) -> IterationRecord:
+    """One iteration's chunks as the planner's model says they take (``slow``: rank → factor
+    on its compute)."""
+    slow = slow or {}
+    seqlens = tuple(tuple(SEQS[m % len(SEQS)] for m in range(rep.microbatches)) for rep in plan.replicas)
+    chunks: list[ChunkTiming] = []
+    for rank, (d, s, _, k) in sorted(plan.position_table().items()):
+        rep = plan.replicas[d]
+        t = 0.0
+        for m in range(rep.microbatches):
+            seq = seqlens[d][m]
+            f = stage_flops(SPEC, seq, rep.layers[s], k, first=s == 0, last=s == rep.pp - 1)
+            tokens = sum(seq)
+            ring = 2 * (k - 1) / k * 2.0 * tokens * SPEC.hidden / INTRA_BW + 2 * (k - 1) * prof["tp_lat"]
+            tp = 2 * rep.layers[s] * ring if k > 1 else 0.0
+            hop = prof["lat"] + 2.0 * tokens * SPEC.hidden / prof["bw"]
+            for kind, work in (("F", f.f), ("B", f.b + f.w)):
+                if (kind == "F" and s > 0) or (kind == "B" and s < rep.pp - 1):
+                    chunks.append(ChunkTiming(rank, "P2P", m, 0, t, t + hop))
+                    t += hop
+                span = work / prof["flops"] * slow.get(rank, 1.0) + tp
+                chunks.append(ChunkTiming(rank, kind, m, 0, t, t + span))
+                if tp:
+                    chunks.append(ChunkTiming(rank, "TP", m, 0, t + span - tp, t + span))
+                t += span
+        params = _shard_params(plan, rank)
+        if plan.dp > 1:
+            n = plan.dp
+            dp = 2 * (n - 1) * prof["lat"] + 2 * (n - 1) / n * params * 2.0 / prof["bw"]
+            chunks.append(ChunkTiming(rank, "DP", -1, 0, t, t + dp))
+            t += dp
+        opt = params * 16.0 * 2.0 / prof["hbm"]
+        chunks.append(ChunkTiming(rank, "OPT", -1, 0, t, t + opt))
+    end = max(c.end_s for c in chunks)
+    return IterationRecord(iteration, iteration * end, end, seqlens, tuple(chunks))
+
+
+def fitter(plan: Plan) -> ProfileFitter:
+    return ProfileFitter(SPEC, plan, intra_node_bw_Bps=INTRA_BW, inter_node_bw_Bps=2e9, inter_node_latency_s=8e-4)
+
+
+def test_fit_recovers_the_profile_a_3d_job_ran_with() -> None:
+    plan = Plan.uniform(2, 2, 2, SPEC.num_layers, 8)
+    fit = fitter(plan)
+    for i in range(10):
+        fit.add(synth(plan, i))
+    p = fit.profile()
+    assert p.iterations == 10
+    assert p.device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
+    assert p.link_bw_Bps == pytest.approx(TRUE["bw"], rel=1e-6)
+    assert p.link_latency_s == pytest.approx(TRUE["lat"], rel=1e-6)
+    assert p.tp_latency_s == pytest.approx(TRUE["tp_lat"], rel=1e-9)
+    assert p.hbm_bw_Bps == pytest.approx(TRUE["hbm"], rel=1e-9)
+    assert p.cluster_fields() == {"device_flops": p.device_flops, "inter_node_bw_Bps": p.link_bw_Bps,
+                                  "inter_node_latency_s": p.link_latency_s, "intra_node_latency_s": p.tp_latency_s}
+    assert "3 GFLOP/s" in p.describe() and "40 MB/s + 400 µs" in p.describe()
+
+
+def test_samples_in_planner_units_stay_valid_across_plans() -> None:
+    """Half the window on PP2×DP2, half on DP4: one profile (a re-plan does not restart it)."""
+    a, b = Plan.uniform(1, 2, 2, SPEC.num_layers, 8), Plan.uniform(1, 1, 4, SPEC.num_layers, 8)
+    fit = fitter(a)
+    for i in range(5):
+        fit.add(synth(a, i))
+    fit.set_plan(b)
+    for i in range(5, 10):
+        fit.add(synth(b, i))
+    p = fit.profile()
+    assert p.device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
+    assert p.link_bw_Bps == pytest.approx(TRUE["bw"], rel=1e-6)
+    assert p.link_latency_s == pytest.approx(TRUE["lat"], rel=1e-6)
+    assert p.tp_latency_s is None  # no TP group ran: no evidence, the configured value stays
+
+
+def test_one_outlier_iteration_does_not_move_the_profile() -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    fit = fitter(plan)
+    for i in range(9):
+        fit.add(synth(plan, i))
+    fit.add(synth(plan, 9, prof={**TRUE, "flops": TRUE["flops"] / 10, "bw": TRUE["bw"] / 10}))
+    p = fit.profile()
+    assert p.device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
+    assert p.link_bw_Bps == pytest.approx(TRUE["bw"], rel=1e-6)
+
+
+def test_one_kind_of_transfer_scales_the_configured_line() -> None:
+    """PP only: one message size cannot split latency from bandwidth; the configured line
+    (2 GB/s, 0.8 ms) is scaled through the measured hop."""
+    plan = Plan.uniform(1, 4, 1, SPEC.num_layers, 8)
+    fit = fitter(plan)
+    fit.add(synth(plan, 0))
+    p = fit.profile()
+    hops = {round(c.duration_s, 12) for c in synth(plan, 0).chunks if c.kind == "P2P"}
+    assert len(hops) == 1  # packed micro-batches: one message size
+    assert p.link_latency_s is not None and p.link_bw_Bps is not None
+    assert p.link_latency_s + 2.0 * 128 * SPEC.hidden / p.link_bw_Bps == pytest.approx(hops.pop())
+    assert p.link_latency_s * p.link_bw_Bps == pytest.approx(8e-4 * 2e9)  # the configured line, scaled
+
+
+def test_fit_link_keeps_both_terms_non_negative() -> None:
+    # bigger messages faster than small ones: no line with both terms >= 0; the better one-term fit
+    pts = [_Transfer(1.0, 1e3, 2e-3), _Transfer(2.0, 1e6, 1e-3)]
+    lat, bw = fit_link(pts, (8e-4, 2e9))  # type: ignore[misc]
+    assert lat >= 0 and bw > 0
+    assert lat == 0.0 or bw == UNBOUNDED_BW
+    # the better of the two here: all latency, L = Σ(a/t) / Σ(a/t)² in relative least squares
+    assert (lat, bw) == (pytest.approx((1 / 2e-3 + 2 / 1e-3) / ((1 / 2e-3) ** 2 + (2 / 1e-3) ** 2)), UNBOUNDED_BW)
+    assert fit_link([], (8e-4, 2e9)) is None
+
+
+def test_no_chunks_no_profile() -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    fit = fitter(plan)
+    rec = synth(plan, 0)
+    fit.add(IterationRecord(0, 0.0, rec.time_s, rec.seqlens))
+    assert fit.profile() == Profile()
+    assert fit.profile().describe() == "no healthy iteration measured yet"
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        ProfileFitter(SPEC, plan, window=0)
+
+
+# --- the engine --------------------------------------------------------------------------------
+def _engine(plan: Plan):  # type: ignore[no-untyped-def]
+    from resihp.coordinator.service_engine_real import RealEngine
+
+    header = TraceHeader(SPEC, plan, tuple(DeviceInfo(r, f"n{r}") for r in range(4)), tokens_per_microbatch=128)
+    links = {"device_flops": 2e9, "intra_node_bw_Bps": INTRA_BW, "inter_node_bw_Bps": 2e9,
+             "intra_node_latency_s": 8e-4, "inter_node_latency_s": 8e-4}
+    return RealEngine(header, links=links)
+
+
+def test_engine_learns_from_healthy_iterations_only() -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    eng = _engine(plan)
+    assert eng.policy()["profile"] == "measured"
+    i = 0
+    while i < 60 and eng.detector.all_healthy():
+        eng.observe(synth(plan, i), now=float(i))
+        i += 1
+    healthy = eng.profile()
+    assert healthy.device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
+    # rank 2 computes 4x slower: once the detector suspects it, nothing more is learned
+    learned = [healthy.iterations]
+    for j in range(i, i + 30):
+        eng.observe(synth(plan, j, slow={2: 4.0}), now=float(j))
+        learned.append(eng.profile().iterations)
+    assert not eng.detector.all_healthy()
+    assert learned[-1] <= learned[0] + 1  # at most the iteration that made it a suspect
+    assert eng.profile().device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
+
+
+def test_the_measured_profile_prices_plans_and_the_policy_can_turn_it_off() -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    eng = _engine(plan)
+    nodes = {r: f"n{r}" for r in range(4)}
+    early = eng.decide(plan, None, frozenset({3}), 0.0, nodes)
+    assert early.reason.endswith("[profile configured]")  # nothing measured yet
+    for i in range(20):
+        eng.observe(synth(plan, i), now=float(i))
+    measured = eng.decide(plan, None, frozenset({3}), 20.0, nodes)
+    assert "[profile measured over 20 healthy iterations: 3 GFLOP/s, links 40 MB/s + 400 µs" in measured.reason
+    eng.set_policy({"profile": "configured"})
+    assert eng.policy()["profile"] == "configured"
+    assert eng.decide(plan, None, frozenset({3}), 20.0, nodes).reason.endswith("[profile configured]")
+    with pytest.raises(ValueError, match="policy profile must be 'measured' .* or 'configured'"):
+        eng.set_policy({"profile": "guessed"})
+    assert eng.policy()["profile"] == "configured"  # a refused update changes nothing
+    assert math.isfinite(TRUE["bw"])

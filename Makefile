@@ -30,7 +30,7 @@ PURE := $(addprefix resihp.coordinator.,spec plan trace costmodel schedule sched
 	detector detector_config detector_types detector_idle detector_probe detector_evidence detector_model detector_program detect_cli \
 	cluster memory planner planner_cost planner_split planner_shares planner_groups planner_search \
 	planner_levels planner_decision planner_move planner_exhaustive planner_tables planner_arrange plan_cli statemachine joiner \
-	plan_audit service_audit planner_profile) \
+	plan_audit service_audit planner_profile profile_cli) \
 	resihp.trainer_hooks.layout resihp.trainer_hooks.reshard resihp.trainer_hooks.checkpoint_format resihp.trainer_hooks.hostfile \
 	resihp.report_data resihp.report_summary \
 	$(addprefix resihp.sim.,engine runner perf world failures scenarios detection workload workload_truth policies)

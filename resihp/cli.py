@@ -12,6 +12,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "detect": ("resihp.coordinator.detect_cli", "replay a trace through the detector; findings as JSON Lines"),
+    "profile": ("resihp.coordinator.profile_cli", "measure the planner's profile (FLOP/s, link speed) from a trace"),
     "plan": ("resihp.coordinator.plan_cli", "search a new TP/PP/DP plan for a cluster, model and current plan"),
     "simulate": ("resihp.sim.cli", "simulate resilience policies at cluster scale"),
     "coordinator": ("resihp.coordinator.main", "run the job's coordinator service"),

@@ -21,6 +21,7 @@ PURE = [
     "resihp.coordinator.detector_program", "resihp.coordinator.cluster", "resihp.coordinator.memory",
     "resihp.coordinator.planner", "resihp.coordinator.statemachine", "resihp.coordinator.joiner",
     "resihp.coordinator.plan_audit", "resihp.coordinator.service_audit", "resihp.coordinator.planner_profile",
+    "resihp.coordinator.profile_cli",
     "resihp.trainer_hooks.layout", "resihp.trainer_hooks.reshard", "resihp.trainer_hooks.checkpoint_format",
     "resihp.trainer_hooks.hostfile",
     "resihp.report_data", "resihp.report_summary",

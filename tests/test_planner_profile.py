@@ -8,15 +8,21 @@ policy switch decides which profile prices a plan.
 """
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from resihp.coordinator.cluster import Cluster, GlobalBatch
+from resihp.coordinator.planner_cost import PlannerConfig, evaluate
 from resihp.coordinator.costmodel import stage_flops
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.planner_profile import UNBOUNDED_BW, Profile, ProfileFitter, _Transfer, fit_link
 from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import ChunkTiming, DeviceInfo, IterationRecord, TraceHeader
+from resihp.coordinator.trace import ChunkTiming, DeviceInfo, IterationRecord, TraceHeader, write_trace
 
 SPEC = preset("gpt-tiny")
 TRUE = {"flops": 3.0e9, "bw": 40e6, "lat": 4e-4, "tp_lat": 2.5e-4, "hbm": 1.5e9}
@@ -199,3 +205,58 @@ def test_the_measured_profile_prices_plans_and_the_policy_can_turn_it_off() -> N
         eng.set_policy({"profile": "guessed"})
     assert eng.policy()["profile"] == "configured"  # a refused update changes nothing
     assert math.isfinite(TRUE["bw"])
+
+
+# --- resihp profile (the CLI, a real subprocess) ---------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "resihp.cli", "profile", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_profile_cli_measures_a_trace_and_writes_a_cluster_file_for_resihp_plan(tmp_path: Path) -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    header = TraceHeader(SPEC, plan, tuple(DeviceInfo(r, f"n{r}") for r in range(4)), tokens_per_microbatch=128)
+    trace = tmp_path / "trace.jsonl"
+    with trace.open("w") as fh:
+        write_trace(fh, header, [synth(plan, i) for i in range(30)])
+    out = tmp_path / "cluster.json"
+    done = _cli("--trace", str(trace), "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    prof = json.loads(done.stdout)
+    assert prof["device_flops"] == pytest.approx(TRUE["flops"], rel=1e-6)
+    assert prof["link_bw_Bps"] == pytest.approx(TRUE["bw"], rel=1e-6)
+    assert prof["hbm_bw_Bps"] == pytest.approx(TRUE["hbm"], rel=1e-6)
+    assert prof["healthy_iterations_seen"] == 30 and prof["iterations"] == 30
+    cluster = Cluster.from_dict(json.loads(out.read_text()))
+    assert cluster.device_flops == pytest.approx(TRUE["flops"], rel=1e-6)
+    assert cluster.inter_node_latency_s == pytest.approx(TRUE["lat"], rel=1e-6)
+    assert [(d.rank, d.node) for d in cluster.devices] == [(r, f"n{r}") for r in range(4)]
+    # the file prices a plan with resihp plan
+    current = tmp_path / "current.json"
+    current.write_text(json.dumps(plan.to_dict()))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"preset": "gpt-tiny"}))
+    planned = subprocess.run([sys.executable, "-m", "resihp.cli", "plan", "--cluster", str(out), "--model", str(model),
+                              "--current", str(current), "--tokens-per-microbatch", "128", "--json"],
+                             capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    # priced with the measured numbers: the current plan's time is the planner's evaluation on them
+    batch = GlobalBatch(8, 128)
+    expected = evaluate(plan, cluster, SPEC, batch, PlannerConfig()).iteration_s
+    assert json.loads(planned.stdout)["predicted_iteration_s_before"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_profile_cli_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": 2}\n')
+    done = _cli("--trace", str(bad))
+    assert done.returncode == 2 and "resihp profile: error: line 1" in done.stderr and "format" in done.stderr
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    header = TraceHeader(SPEC, plan, tuple(DeviceInfo(r, f"n{r}") for r in range(4)))
+    bare = tmp_path / "bare.jsonl"
+    with bare.open("w") as fh:
+        write_trace(fh, header, [IterationRecord(i, float(i), 1.0, synth(plan, 0).seqlens) for i in range(5)])
+    done = _cli("--trace", str(bare))
+    assert done.returncode == 2 and "no healthy iteration with chunk timings" in done.stderr, done.stderr
+    done = _cli("--trace", str(bare), "--window", "0")
+    assert done.returncode == 2 and "--window must be >= 1" in done.stderr

@@ -73,6 +73,10 @@ class Journal:
         if path.stat().st_size == 0:
             self._write({"type": "format", "format": FORMAT}, sync=True)
 
+    def resuming(self) -> bool:
+        """A job started on this journal before: a coordinator built on it resumes."""
+        return self.load().t0 > 0
+
     def load(self) -> JournalState:
         st = JournalState()
         for obj in _read_lines(self.path):

@@ -34,12 +34,12 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 from resihp.coordinator.costmodel import stage_flops
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec
-from resihp.coordinator.trace import ChunkTiming, IterationRecord
+from resihp.coordinator.trace import ChunkTiming, IterationRecord, PlanChange, Record
 
 UNBOUNDED_BW = 1e18  # B/s: a link whose time is all latency
 MAX_RANKS = 64  # ranks read per iteration: a stride over larger jobs keeps a record's cost bounded
@@ -210,6 +210,30 @@ class ProfileFitter:
             hbm_bw_Bps=statistics.median(self._hbm) if self._hbm else None,
             iterations=min(n, self._seen),
         )
+
+
+class HealthJudge(Protocol):
+    """What ``fit_trace`` needs of a detector (coordinator/detector.py's ``Detector``)."""
+
+    def observe(self, record: Record, now: float) -> Any: ...
+    def tick(self, now: float) -> Any: ...
+    def all_healthy(self) -> bool: ...
+
+
+def fit_trace(records: Iterable[Record], judge: HealthJudge, fitter: ProfileFitter) -> int:
+    """Replay recorded ``records`` through ``judge`` as the coordinator saw them live, and feed
+    ``fitter`` the iterations it judged every rank healthy in; returns how many those were."""
+    healthy = 0
+    for rec in records:
+        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else float(getattr(rec, "time_s", 0.0))
+        judge.observe(rec, now)
+        judge.tick(now)
+        if isinstance(rec, PlanChange):
+            fitter.set_plan(rec.plan)
+        elif isinstance(rec, IterationRecord) and judge.all_healthy():
+            fitter.add(rec)
+            healthy += 1
+    return healthy
 
 
 def fit_link(samples: list[_Transfer], configured: tuple[float, float]) -> tuple[float, float] | None:

@@ -17,9 +17,9 @@ from pathlib import Path
 from resihp.coordinator.cluster import Cluster, DeviceState
 from resihp.coordinator.detect_cli import _config
 from resihp.coordinator.detector import Detector
-from resihp.coordinator.planner_profile import ProfileFitter
+from resihp.coordinator.planner_profile import ProfileFitter, fit_trace
 from resihp.coordinator.spec import SpecError
-from resihp.coordinator.trace import IterationRecord, PlanChange, TraceError, read_trace
+from resihp.coordinator.trace import TraceError, read_trace
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,16 +43,7 @@ def measure(trace: Path, configured: Cluster | None, config_text: str | None, wi
         fit = ProfileFitter(header.model, header.plan, intra_node_bw_Bps=base.intra_node_bw_Bps,
                             inter_node_bw_Bps=base.inter_node_bw_Bps, inter_node_latency_s=base.inter_node_latency_s,
                             window=window)
-        healthy = 0
-        for rec in records:
-            now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else getattr(rec, "time_s", 0.0)
-            det.observe(rec, now)
-            det.tick(now)
-            if isinstance(rec, PlanChange):
-                fit.set_plan(rec.plan)
-            elif isinstance(rec, IterationRecord) and det.all_healthy():
-                fit.add(rec)
-                healthy += 1
+        healthy = fit_trace(records, det, fit)
     prof = fit.profile()
     if not prof.cluster_fields():
         raise ValueError(f"{trace}: no healthy iteration with chunk timings ({healthy} healthy iterations without "

@@ -250,7 +250,14 @@ class CoordinatorServer:
                                             {"heartbeat_timeout_s": str(cfg.heartbeat_timeout_s),
                                              **{k: v for k, v in cfg.policy.items() if k not in SERVICE_ONLY_POLICY}},
                                             planner_links(cfg))
+        # a restarted coordinator relearns its planner profile first: the core's clock of rank
+        # silences starts when it is built
+        warm = self._warm_start(run / "trace.jsonl") if journal.resuming() else None
         self.core = CoordinatorCore(cfg, plan, self.engine, journal, run / "events.jsonl", self.registry, clock)
+        if warm is not None:
+            self.core.events.emit("engine-warm-start", healthy_iterations=warm,
+                                  reason=f"{warm} healthy iterations of trace.jsonl replayed; planner profile: "
+                                         f"{self.engine.profile_text()}")
         self.core.trace = TraceSink(run / "trace.jsonl", header, append=self.core.resumed)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="coord"),
                                   interceptors=[TokenInterceptor(cfg.token)] if cfg.token else [],
@@ -274,6 +281,15 @@ class CoordinatorServer:
     def address(self) -> str:
         host = self.cfg.host if self.cfg.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return f"{host}:{self.port}"
+
+    def _warm_start(self, trace: Path) -> int | None:
+        """The planner's measured profile relearnt from the job's trace (None: not readable)."""
+        try:
+            with trace.open(encoding="utf-8") as fh:
+                return self.engine.warm_start(fh)
+        except OSError as exc:
+            log.warning("could not read %s for the planner profile: %s", trace, exc)
+            return None
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self.cfg.tick_s):

@@ -13,7 +13,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, replace
-from typing import Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from resihp.coordinator.messages import FindingInfo
 from resihp.coordinator.plan import PipelinePlan, Plan, even_split
@@ -65,6 +65,8 @@ class Engine(Protocol):
     def policy(self) -> dict[str, str]: ...
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]: ...
     def profile_text(self) -> str: ...  # what prices the planner's plans (admin status)
+    # a restarted coordinator: relearn what the job's trace lines hold; returns what it learnt from
+    def warm_start(self, trace_lines: Iterable[str]) -> int: ...
 
 
 def parse_float(key: str, value: str, minimum: float = 0.0) -> float:
@@ -218,6 +220,9 @@ class RuleEngine:
 
     def profile_text(self) -> str:
         return "none: the rule engine compares ranks, it prices no plan"
+
+    def warm_start(self, trace_lines: Iterable[str]) -> int:
+        return 0  # its tracks re-warm from the live reports
 
     def readmit(self, rank: int) -> bool:
         tr = self._tracks.get(rank)

@@ -16,20 +16,21 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import fields, replace
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from resihp.coordinator.cluster import Cluster
 from resihp.coordinator.detector import Detector, DetectorConfig, Finding
 from resihp.coordinator.messages import FindingInfo
 from resihp.coordinator.plan import Plan
-from resihp.coordinator.planner_profile import Profile, ProfileFitter
+from resihp.coordinator.planner_profile import Profile, ProfileFitter, fit_trace
 from resihp.coordinator.service_engine import EngineDecision, RuleEngine, parse_float
 from resihp.coordinator.spec import SpecError
-from resihp.coordinator.trace import IterationRecord, PlanChange, Record, TraceHeader
+from resihp.coordinator.trace import IterationRecord, PlanChange, Record, TraceError, TraceHeader, read_trace, trace_tail
 
 log = logging.getLogger(__name__)
 
 MIN_PROFILE_ITERATIONS = 8  # healthy iterations before the measured profile prices plans
+WARM_START_ITERATIONS = 128  # a restarted coordinator's profile replays this much of the trace's end (64 fill its window)
 
 
 def to_info(f: Finding) -> FindingInfo:
@@ -37,6 +38,13 @@ def to_info(f: Finding) -> FindingInfo:
                              "evidence": {k: round(float(v), 6) for k, v in f.evidence.items()}}
     return FindingInfo(f.iteration, f.kind, tuple(f.ranks), f.cause, float(f.factor), f.reason, f.time_s,
                        f.stage, f.replica, extra)
+
+
+def _until_error(records: Iterator[Record]) -> Iterator[Record]:
+    try:
+        yield from records
+    except TraceError as exc:
+        log.warning("trace: %s; the planner profile uses the records before it", exc)
 
 
 def _planner() -> Any | None:
@@ -107,6 +115,25 @@ class RealEngine:
             return (f"configured until {MIN_PROFILE_ITERATIONS} healthy iterations are measured "
                     f"({prof.iterations} so far)")
         return prof.describe()
+
+    def warm_start(self, trace_lines: Iterable[str]) -> int:
+        """A restarted coordinator's profile: the end of the job's trace replayed through a
+        detector of the same config (the live one keeps its own state and re-warms from the
+        reports), its healthy iterations fed to the fitter, so that the first plans after a
+        restart are priced as before it. Returns the healthy iterations it found; a torn or
+        malformed line ends the replay there (a SIGKILLed coordinator can leave half a line)."""
+        tail = trace_tail(trace_lines, WARM_START_ITERATIONS)
+        if not tail:
+            return 0
+        plan = self.fitter.plan
+        try:
+            header, records = read_trace(tail)
+            found = fit_trace(_until_error(records), Detector(header, self.detector.config), self.fitter)
+        except TraceError as exc:
+            log.warning("trace: %s; the planner profile is measured afresh", exc)
+            found = 0
+        self.fitter.set_plan(plan)
+        return found
 
     def tick(self, now: float) -> list[FindingInfo]:
         return self._convert(self.detector.tick(now))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, Union
 
@@ -342,3 +343,40 @@ def load_trace(path: str) -> tuple[TraceHeader, list[Record]]:
 
 def seqlens_flat(seqlens: Sequence[Sequence[Sequence[int]]]) -> list[tuple[int, ...]]:
     return [tuple(mb) for rep in seqlens for mb in rep]
+
+
+def trace_tail(lines: Iterable[str], max_iterations: int) -> list[str]:
+    """The header, the last plan change before the tail, and the last ``max_iterations``
+    iteration records with the records among them: what a reader that only needs the
+    recent past (a restarted coordinator's profile) parses of a long trace. Streams: holds
+    only the tail."""
+    if max_iterations < 1:
+        raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
+    body = (t for t in lines if t.strip())
+    header = next(body, None)
+    if header is None:
+        return []
+    window: deque[tuple[str, str]] = deque()  # (type, line) from the oldest kept iteration on
+    iterations, plan_before = 0, ""
+    for text in body:
+        kind = _line_type(text)
+        window.append((kind, text))
+        iterations += kind == "iteration"
+        while iterations > max_iterations:
+            old_kind, old = window.popleft()
+            iterations -= old_kind == "iteration"
+            plan_before = old if old_kind == "plan" else plan_before
+    return [header, *([plan_before] if plan_before else []), *(t for _, t in window)]
+
+
+def _line_type(text: str) -> str:
+    """A record line's ``type`` from its first characters (writers put it first), parsing
+    the whole line only when it is not there."""
+    head = text.lstrip()[:40].replace(" ", "")
+    if head.startswith('{"type":"'):
+        return head[len('{"type":"'):].split('"', 1)[0]
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return ""
+    return str(obj.get("type", "")) if isinstance(obj, dict) else ""

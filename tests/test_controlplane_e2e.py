@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+from resihp.coordinator.service_engine_real import MIN_PROFILE_ITERATIONS
 from resihp.proto import resihp_pb2 as pb
 from cp_helpers import Cluster, wait_until
 
@@ -74,6 +75,12 @@ def test_sigkill_is_fail_stop_within_1s_and_a_hung_rank_within_the_heartbeat_tim
     assert codes["b"] == -signal.SIGKILL and codes["coordinator"] == 0
 
 
+def _traced_since_last_plan(trace: Path) -> int:
+    kinds = [json.loads(line)["type"] for line in trace.read_text().splitlines()[1:] if line.endswith("}")]
+    last_plan = max((i for i, k in enumerate(kinds) if k == "plan"), default=-1)
+    return kinds[last_plan + 1:].count("iteration")
+
+
 def test_restarted_coordinator_resumes_its_epoch_while_trainers_keep_stepping(tmp_path: Path) -> None:
     c = Cluster(tmp_path, world=2, pp=1, heartbeat_timeout_s=3.0)
     try:
@@ -84,7 +91,11 @@ def test_restarted_coordinator_resumes_its_epoch_while_trainers_keep_stepping(tm
         reply = c.admin().Exclude(pb.RankRequest(rank=1, reason="test"), metadata=c.md(), timeout=5)
         assert reply.ok and reply.epoch == 1, reply
         wait_until(lambda: (s := c.status()).state == "RUNNING" and s.epoch == 1, 60, "epoch 1 acknowledged")
+        # enough of epoch 1 on disk for the restarted coordinator to measure its profile from
+        wait_until(lambda: _traced_since_last_plan(c.run / "trace.jsonl") >= 5 * MIN_PROFILE_ITERATIONS, 60,
+                   "epoch 1's iterations in the trace")
         before = c.status().iteration
+        assert not c.events("engine-warm-start")  # a fresh job has nothing to relearn
         c.kill("coordinator")
         c.procs["coordinator"].wait(10)
         trainer_alive_during_outage = c.procs["t"].poll() is None
@@ -92,6 +103,10 @@ def test_restarted_coordinator_resumes_its_epoch_while_trainers_keep_stepping(tm
         st = wait_until(lambda: c.status(), 60, "restarted coordinator")
         assert st.epoch == 1 and st.state == "RUNNING", (st.epoch, st.state)
         assert c.events("coordinator-resumed")
+        # the planner's measured profile came back from the job's trace, not from new reports
+        warm = c.events("engine-warm-start")
+        assert len(warm) == 1 and warm[0]["healthy_iterations"] >= MIN_PROFILE_ITERATIONS, warm
+        assert "planner profile: measured over" in warm[0]["reason"] and "GFLOP/s" in warm[0]["reason"], warm
         after = wait_until(lambda: (it := c.status().iteration) > before + 5 and it, 60, "iterations after restart")
         assert trainer_alive_during_outage and after > before
         reply = c.admin().Readmit(pb.RankRequest(rank=1), metadata=c.md(), timeout=5)

@@ -8,6 +8,7 @@ policy switch decides which profile prices a plan.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -22,7 +23,8 @@ from resihp.coordinator.costmodel import stage_flops
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.planner_profile import UNBOUNDED_BW, Profile, ProfileFitter, _Transfer, fit_link
 from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import ChunkTiming, DeviceInfo, IterationRecord, TraceHeader, write_trace
+from resihp.coordinator.trace import (ChunkTiming, DeviceInfo, ExitEvent, IterationRecord, PlanChange, Record, TraceHeader,
+                                     read_trace, trace_tail, write_trace)
 
 SPEC = preset("gpt-tiny")
 TRUE = {"flops": 3.0e9, "bw": 40e6, "lat": 4e-4, "tp_lat": 2.5e-4, "hbm": 1.5e9}
@@ -205,6 +207,68 @@ def test_the_measured_profile_prices_plans_and_the_policy_can_turn_it_off() -> N
         eng.set_policy({"profile": "guessed"})
     assert eng.policy()["profile"] == "configured"  # a refused update changes nothing
     assert math.isfinite(TRUE["bw"])
+
+
+# --- a restarted coordinator relearns the profile from the trace ------------------------------------
+def _lines(header: TraceHeader, records: list[Record]) -> list[str]:
+    buf = io.StringIO()
+    write_trace(buf, header, records)
+    return buf.getvalue().splitlines()
+
+
+def test_trace_tail_keeps_the_header_the_plan_in_force_and_the_last_iterations() -> None:
+    a, b = Plan.uniform(1, 2, 2, SPEC.num_layers, 8), Plan.uniform(1, 1, 4, SPEC.num_layers, 8)
+    header = TraceHeader(SPEC, a, tuple(DeviceInfo(r, f"n{r}") for r in range(4)), tokens_per_microbatch=128)
+    recs: list[Record] = [*(synth(a, i) for i in range(10)), PlanChange(10, b), *(synth(b, i) for i in range(10, 20)),
+                          ExitEvent(3, 99.0, -9)]
+    lines = _lines(header, recs)
+    short = trace_tail(lines, 5)  # the plan change before the tail is kept: it is the plan in force
+    assert short == [lines[0], lines[11], *lines[17:]]
+    _, parsed = read_trace(short)
+    got = list(parsed)
+    assert isinstance(got[0], PlanChange) and got[0].plan == b
+    assert [r.iteration for r in got if isinstance(r, IterationRecord)] == list(range(15, 20))
+    assert isinstance(got[-1], ExitEvent)
+    assert trace_tail(lines, 15) == [lines[0], *lines[6:]]  # from iteration 5: the change is inside
+    assert trace_tail(iter(lines), 100) == lines  # streams
+    assert trace_tail([], 3) == [] and trace_tail(["", "  "], 3) == []
+    with pytest.raises(ValueError, match="max_iterations must be >= 1, got 0"):
+        trace_tail(lines, 0)
+
+
+def _same(got: Profile, want: Profile) -> bool:
+    """Equal but for the trace's rounding of times to the nanosecond."""
+    return got.iterations == want.iterations and all(
+        getattr(got, f) == (None if getattr(want, f) is None else pytest.approx(getattr(want, f), rel=1e-6))
+        for f in ("device_flops", "link_bw_Bps", "link_latency_s", "tp_latency_s", "hbm_bw_Bps"))
+
+
+def test_a_restarted_engine_relearns_the_profile_from_the_job_trace() -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    live = _engine(plan)
+    records: list[Record] = [synth(plan, i) for i in range(40)]
+    for rec in records:
+        assert isinstance(rec, IterationRecord)
+        live.observe(rec, now=rec.start_s + rec.time_s)
+    learnt = live.profile()
+    assert learnt.iterations >= 30 and learnt.device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
+    lines = _lines(live.header, records)
+    restarted = _engine(plan)
+    assert restarted.profile().iterations == 0
+    assert restarted.warm_start(lines) == learnt.iterations
+    assert _same(restarted.profile(), learnt) and restarted.fitter.plan == plan
+    # its first decision is priced with the measured profile, not the configured one
+    decision = restarted.decide(plan, None, frozenset({3}), 0.0, {r: f"n{r}" for r in range(4)})
+    assert f"[profile measured over {learnt.iterations} healthy iterations: 3 GFLOP/s" in decision.reason
+    # a SIGKILLed coordinator can leave half a line: the records before it still count
+    torn = _engine(plan)
+    assert torn.warm_start([*lines, '{"type":"iteration","iteration":40,"sta']) == learnt.iterations
+    assert _same(torn.profile(), learnt)
+    # a trace that is not one (a damaged header) leaves the profile to be measured afresh
+    broken = _engine(plan)
+    assert broken.warm_start(["not json", *lines[1:]]) == 0 and broken.profile().iterations == 0
+    from resihp.coordinator.service_engine import RuleEngine
+    assert RuleEngine(live.header).warm_start(lines) == 0
 
 
 # --- resihp profile (the CLI, a real subprocess) ---------------------------------------------------

@@ -45,7 +45,7 @@ import numpy.typing as npt
 from resihp.coordinator.detector_config import DetectorConfig as DetectorConfig  # re-exported: its home for callers
 from resihp.coordinator.detector_evidence import (
     BWD, FWD, IterationTimings, PlanIndex, batch_features, group_all, rank_work, timings_from_record,
-    tp_own_share,
+    tp_wait_share,
 )
 from resihp.coordinator.detector_model import Predictor, fill_nan, nanmedian, trimmed_ratio
 from resihp.coordinator.detector_idle import IdleRankVerdicts
@@ -253,8 +253,8 @@ class Detector(IdleRankVerdicts):
         p_p2p = pred.p2p(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
-        if t.tp_wait is not None:  # wall spans coupled by TP collectives: credit the member that is slow
-            comp = comp * tp_own_share(t.compute[:, :, :k], t.tp_wait, ix)
+        if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
+            comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
         if c.peer_relative:
             comp = comp / self._common_factor(comp)
         in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])

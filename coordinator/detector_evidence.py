@@ -238,22 +238,25 @@ def group_all(mask: npt.NDArray[np.bool_], index: PlanIndex) -> npt.NDArray[np.b
     return out
 
 
-def tp_own_share(compute: FloatArray, tp_wait: FloatArray, index: PlanIndex) -> FloatArray:
-    """Per rank: its own time (compute spans minus the time inside TP collectives) over the
-    largest own time in its TP group, in [0, 1]; 1 where the group has one member or a
-    member recorded no TP time. Wall-clock spans of TP members are coupled by the
-    collectives: a member that waits for a slow partner has spans as long as the
-    partner's, but spends them inside the collectives, so its own time stays short."""
+def tp_wait_share(compute: FloatArray, tp_wait: FloatArray, index: PlanIndex) -> FloatArray:
+    """Per rank: the part of its compute spans that was not spent waiting for its TP group,
+    in [0, 1]; 1 where the group has one member or a member recorded no TP time.
+
+    Wall-clock spans of TP members are coupled by the collectives. The member that reaches a
+    collective last waits least there: the least time any member spent inside the group's
+    collectives is their own cost, and a member's time beyond it is waiting — for a partner
+    still computing (a slow partner), or for one that came late from a pipeline receive,
+    which is outside its compute spans (a stage-0 member whose partner waited for a slow
+    stage-1 rank). Either way it is not this member's compute."""
     n = index.n
-    own = np.nansum(compute.reshape(n, -1), axis=1) - tp_wait  # NaN where no TP chunk
-    has = np.isfinite(own) & (index.tp_size > 1)
+    span = np.nansum(compute.reshape(n, -1), axis=1)
+    has = np.isfinite(tp_wait) & (index.tp_size > 1) & (span > 0)
     g = index.group_of
     full = group_all(has, index) & has
-    top = np.full(index.n_groups, -np.inf)
-    np.maximum.at(top, g, np.where(full, own, -np.inf))
-    ok = full & (top[g] > 0)
+    least = np.full(index.n_groups, np.inf)
+    np.minimum.at(least, g, np.where(full, tp_wait, np.inf))
     share = np.ones(n)
-    share[ok] = np.clip(own[ok] / top[g][ok], 0.0, 1.0)
+    share[full] = np.clip((span[full] - (tp_wait[full] - least[g][full])) / span[full], 0.0, 1.0)
     return share
 
 

@@ -346,6 +346,31 @@ def test_tp_chunks_name_the_slow_member_whose_partner_waited(with_tp_chunks: boo
         assert det.rank_speed()[4] == 1.0
 
 
+def test_a_tp_member_that_waited_for_a_late_partner_is_not_slow() -> None:
+    # From iteration 12 rank 5 reaches every collective late: it waited for a slow neighbour
+    # in a pipeline receive, outside its compute spans. Rank 4 was on time and waits for it
+    # inside the collectives, so its spans are twice as long, all of it in TP chunks; both
+    # members' own compute is healthy. (A CI run of the probe demo named such a stage-0
+    # member fail-slow at 1.74x when the slow rank was in stage 1.)
+    cfg = _cfg(iterations=30)
+    records: list[Record] = []
+    for rec in _tp_coupled_records(cfg, comm_s=0.002):
+        if isinstance(rec, IterationRecord) and rec.iteration >= 12:
+            chunks, wait = [], 0.0
+            for c in rec.chunks:  # each op's TP chunk follows it (_tp_coupled_records)
+                if c.rank == 4 and c.kind in ("F", "B", "W"):
+                    wait = c.duration_s  # the op lasts twice as long ...
+                    c = dataclasses.replace(c, end_s=c.end_s + wait)
+                elif c.rank == 4 and c.kind == "TP":
+                    c = dataclasses.replace(c, end_s=c.end_s + wait)  # ... inside its collectives
+                chunks.append(c)
+            rec = dataclasses.replace(rec, chunks=tuple(chunks))  # type: ignore[arg-type]
+        records.append(rec)
+    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    found, states = _observe_all(det, records)
+    assert found == [] and states[-1][4] == "healthy", found
+
+
 def test_tp_chunks_keep_a_whole_slow_tp_group_in_the_finding() -> None:
     # both members slow (a slow TP link, or two sick devices): no member waits for the other
     faults = (Fault("compute", 4, 12, 1.8), Fault("compute", 5, 12, 1.8))

@@ -10,6 +10,13 @@ from a lapse of its verdict (``spare_verdict_s``, 10 min) — and the coordinato
 that (whether the readmission then stays is the plan audit's call: on these shared cores a
 readmitted eighth rank can measure slower, and the audit undoes it). Every step is trained
 once and the loss is the uninterrupted reference's.
+
+The operator pins ``policy profile=configured`` at step 2, as tests/test_demo_idle_kill.py
+does: the measured profile is fitted from the first iterations on these shared cores, so the
+planner's answer to the throttle varies with the machine's load then, and the test is of the
+probe path, which needs rank 2 left idle. (In one of ten runs here with the measured profile,
+right after the four-node namespace test, rank 2 sent no idle probe before the clear; in the
+other nine the re-plan left ranks 2 and 7 idle, as with the configured profile.)
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ STEPS, SLOW_AT, CLEAR_AT, RANK = 150, 8, 50, 2
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_demo(tmp_path_factory.mktemp("probe"), "--steps", str(STEPS), "--slow-at", str(SLOW_AT),
                     "--slow-factor", "3", "--slow-rank", str(RANK), "--no-kill", "--probe-every-s", "1",
-                    "--admin", f"{CLEAR_AT}:inject slow --rank {RANK} --factor 1")
+                    "--admin", "2:policy profile=configured", "--admin", f"{CLEAR_AT}:inject slow --rank {RANK} --factor 1")
 
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:
@@ -46,7 +53,7 @@ def test_the_slow_rank_is_left_idle_then_recovered_by_its_probes(run: Path) -> N
     assert "compute probes" in back["reason"] and "lapsed" not in back["reason"], back
     assert back["evidence"]["ratio"] <= 1.5 and back["evidence"]["probes"] == 3.0, back  # the demo's probe_threshold
     actions = json.loads((run / "demo.json").read_text())["operator_actions"]
-    assert [a["ok"] for a in actions] == [True], actions
+    assert [a["ok"] for a in actions] == [True, True], actions
     injected = [e for e in _events(run, "inject") if e.get("factor") == 1.0]
     assert injected and back["time"] > injected[0]["time"], (injected, back)
     # the coordinator re-planned on the recovery (whether a new layout pays is the planner's call)
@@ -56,8 +63,10 @@ def test_the_slow_rank_is_left_idle_then_recovered_by_its_probes(run: Path) -> N
 
 def test_the_idle_ranks_probes_read_its_throttle_until_it_is_cleared(run: Path) -> None:
     probes = _events(run, "probe")
-    startup = [p["probe_s"] for p in probes if not p["idle"] and p["rank"] != RANK]
-    assert len(startup) == 7, probes  # every other rank probed once at start-up
+    # every other rank probed once at start-up (a member probes again when a re-plan brings it
+    # back from idle: the readmission may take a spare beside rank 2, so count epoch 0 only)
+    startup = [p["probe_s"] for p in probes if p["epoch"] == 0 and not p["idle"] and p["rank"] != RANK]
+    assert len(startup) == 7, probes
     ref = statistics.median(startup)
     clear = [e for e in _events(run, "inject") if e.get("factor") == 1.0][0]["time"]
     mine = [p for p in probes if p["idle"] and p["rank"] == RANK]
@@ -66,7 +75,7 @@ def test_the_idle_ranks_probes_read_its_throttle_until_it_is_cleared(run: Path) 
     # the probes that judged the recovery (a readmission the plan audit undoes makes it idle again)
     after = [p["probe_s"] / ref for p in mine if clear < p["time"] <= back]
     # the 3x throttle stretches the probe as it stretches a compute chunk (measured 2.8-2.9x)
-    assert slow and min(slow) >= 2.0, (slow, ref)
+    assert slow and min(slow) >= 2.0, (slow, ref, _events(run, "command")[0]["plan"])
     assert len(after) >= 3 and max(after[-3:]) <= 1.5, (after, ref)
 
 

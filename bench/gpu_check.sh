@@ -10,6 +10,9 @@
 #  1. NCCL + CUDA, one rank: the reference job (30 steps) runs on the GPU through the NCCL
 #     backend and must match the same job on the CPU within 1e-4 relative (fp32, TF32 off;
 #     GPU kernels sum in another order than CPU ones).
+#  1b. tests/test_gpu_timing.py, one rank over NCCL: F/B spans are the device's work (CUDA
+#     events; trainer_hooks/chunk_clock.py), a throttle stretches device time, TP collectives
+#     inside an op are recorded, a runtime step places every chunk inside the step.
 #  2. The 8-rank equivalence test (TP2xPP2xDP2, TP2xPP2, PP4, DP4, unequal DP) over NCCL when
 #     there is a GPU per rank (or NCCL lets ranks share one), else over gloo. Only its loss
 #     comparisons: its fail-slow replays time compute in CPU time, which on a virtual machine
@@ -68,6 +71,14 @@ PYEOF
 }
 step one_rank_gpu_vs_cpu one_rank_gpu_vs_cpu
 
+# chunk timing by CUDA events and the throttle in device time (skipped without CUDA, so a
+# skip here is a failure: the GPU is the point)
+gpu_timing() {
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu_timing.py | tee "$OUT/gpu_timing.txt"
+  grep -q "4 passed" "$OUT/gpu_timing.txt"
+}
+step gpu_timing gpu_timing
+
 if [ "$NGPU" -ge 8 ] || [ "$SHARE" = true ]; then BACKEND=nccl; else BACKEND=gloo; fi
 echo "8-rank backend: $BACKEND ($NGPU GPU(s); NCCL lets ranks share a GPU: $SHARE)"
 equivalence() { RESIHP_BACKEND=$BACKEND timeout 240 "$PY" -m pytest -q -p no:cacheprovider -k layout_matches tests/test_equivalence_mpi.py; }
@@ -82,7 +93,7 @@ step reconfigure_bench reconfigure_bench
 TOTAL=$((SECONDS - START))
 FAILED=0
 SUMMARY="{\"total_s\": $TOTAL, \"ngpu\": $NGPU, \"nccl_ranks_share_gpu\": $SHARE, \"equivalence_backend\": \"$BACKEND\""
-for name in share_probe one_rank_gpu_vs_cpu equivalence_8_ranks runtime_bench reconfigure_bench; do
+for name in share_probe one_rank_gpu_vs_cpu gpu_timing equivalence_8_ranks runtime_bench reconfigure_bench; do
   SUMMARY+=", \"$name\": {\"exit\": ${STATUS[$name]}, \"s\": ${SECS[$name]}}"
   [ "${STATUS[$name]}" -eq 0 ] || FAILED=1
 done

@@ -12,28 +12,70 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from resihp.trainer_hooks.chunk_clock import HostClock, SpanClock
 from resihp.trainer_hooks.data import ReplicaBatch
 from resihp.trainer_hooks.groups import StagePlace
 from resihp.trainer_hooks.model import GPTStage, PackedMeta, loss_sum
 from resihp.trainer_hooks.throttle import Throttle
-from resihp.trainer_hooks.tp_layers import collective_seconds
+from resihp.trainer_hooks.tp_layers import collective_seconds, cuda_spans_mark, take_cuda_spans
 
 
 @dataclass
 class ChunkLog:
     """Timed chunks of one rank in one iteration: (kind, microbatch, chunk, start_s, end_s),
-    times in seconds from the rank's iteration start (perf_counter based)."""
+    times in seconds from the rank's iteration start (``clock.t0``). ``add`` takes host
+    ``perf_counter`` readings; ``add_marks`` takes marks of ``clock`` (chunk_clock.py): on a
+    CPU they are host readings too and land at once, on a GPU they are CUDA events, placed
+    where they were added once ``finish`` has waited for the device."""
 
-    t0: float = field(default_factory=time.perf_counter)
+    clock: SpanClock = field(default_factory=HostClock)
     chunks: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+    # spans still waiting for their events: (index in chunks, kind, microbatch, chunk, start, end,
+    # the (before, after) marks of the TP collectives inside the op)
+    _marked: list[tuple[int, str, int, int, Any, Any, tuple[tuple[Any, Any], ...]]] = field(default_factory=list)
+
+    @property
+    def t0(self) -> float:
+        return self.clock.t0
 
     def add(self, kind: str, microbatch: int, start: float, end: float, chunk: int = 0) -> None:
         self.chunks.append((kind, microbatch, chunk, start - self.t0, end - self.t0))
+
+    def add_marks(self, kind: str, microbatch: int, start: Any, end: Any, chunk: int = 0,
+                  inside: Sequence[tuple[Any, Any]] = ()) -> None:
+        """The span between two marks of ``clock``. ``inside``: the mark pairs of the TP
+        collectives the op ran, recorded as one ``TP`` chunk of their total that ends where
+        the op ends (docs/trace-format.md)."""
+        entry = (len(self.chunks), kind, microbatch, chunk, start, end, tuple(inside))
+        if self.clock.immediate:
+            self.chunks += self._place(entry)
+        else:
+            self._marked.append(entry)
+
+    def _place(self, entry: tuple[int, str, int, int, Any, Any, tuple[tuple[Any, Any], ...]]
+               ) -> list[tuple[str, int, int, float, float]]:
+        _, kind, mb, chunk, start, end, inside = entry
+        s, e = self.clock.seconds(start), self.clock.seconds(end)
+        rows = [(kind, mb, chunk, s, e)]
+        if inside:
+            waited = sum(self.clock.seconds(b) - self.clock.seconds(a) for a, b in inside)
+            rows.append(("TP", mb, chunk, e - min(max(waited, 0.0), e - s), e))
+        return rows
+
+    def finish(self) -> float:
+        """Wait for the device and place every marked span; the step's time (host seconds since t0)."""
+        took = self.clock.settle()
+        if self._marked:
+            out = list(self.chunks)
+            for entry in reversed(self._marked):  # from the last, so earlier indexes still hold
+                out[entry[0]:entry[0]] = self._place(entry)
+            self.chunks, self._marked = out, []
+        return took
 
     def total(self, kind: str) -> float:
         return sum(e - s for k, _, _, s, e in self.chunks if k == kind)
@@ -58,6 +100,9 @@ class PipelineStep:
         (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it)."""
         if compute_clock not in ("wall", "cpu"):
             raise ValueError(f"compute_clock must be 'wall' or 'cpu', got {compute_clock!r}")
+        if compute_clock == "cpu" and device.type == "cuda":
+            raise ValueError("compute_clock 'cpu' times CPU ops in the host thread's CPU time; a GPU's ops are "
+                             "timed by CUDA events: use compute_clock 'wall'")
         self.stage = stage
         self.place = place
         self.device = device
@@ -83,10 +128,17 @@ class PipelineStep:
         detector's per-link calibration absorbs.)"""
         rows, cols = shape
         framed = torch.empty((rows + 1, cols), dtype=torch.float32, device=self.device)
-        start = time.perf_counter()
+        before = log.clock.mark()
         dist.recv(framed, src=src, tag=tag, group=self._group(src))
         end = time.perf_counter()
         sent = float(framed[rows, :2].to("cpu").clone().view(torch.float64)[0])
+        if self.device.type == "cuda":
+            # the copy above waited for the receive; the receive started when the stream
+            # reached it (the op before it done), not when the host queued it. The sender's
+            # post time is when its host queued the send, which on a GPU can be before the
+            # op producing the payload ends: there a P2P chunk may hold that op's tail
+            end = time.perf_counter()
+        start = log.t0 + log.clock.seconds(before)
         took = max(0.0, min(end - start, time.time() - sent))
         log.add("P2P", mb, end - took, end)
         return framed[:rows]
@@ -102,6 +154,8 @@ class PipelineStep:
             self._pending.append((dist.isend(framed, dst=dst, tag=tag, group=self._group(dst)), framed))
 
     def _compute(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
+        if self.device.type == "cuda":
+            return self._compute_on_gpu(fn, kind, mb, log)
         if self.compute_clock == "cpu":
             # CPU-time durations (placed at the chunk's wall start): on CPUs shared with other
             # jobs, a chunk's CPU time barely moves when co-tenants take the core, its wall
@@ -122,6 +176,24 @@ class PipelineStep:
             # interleaved with its compute; only the duration means anything): a partner
             # that waits for a slow member spends its op there (docs/trace-format.md)
             log.add("TP", mb, end - waited, end)
+        return out
+
+    def _compute_on_gpu(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
+        """The op between two events on the compute stream (chunk_clock.py), its TP
+        collectives' events inside it. A throttle waits for the op's kernels, then stalls
+        the host while the device has nothing queued, so the op really takes factor × its
+        device time (a stall on the host alone would only delay the launch of work the GPU
+        had not reached yet)."""
+        clock = log.clock
+        first = cuda_spans_mark()
+        start = clock.mark()
+        out = fn()
+        end = clock.mark()
+        if self.throttle.factor > 1.0:
+            clock.wait(end)
+            self.throttle.stall_for(clock.seconds(end) - clock.seconds(start))
+            end = clock.mark()  # the stall counts, as on a CPU
+        log.add_marks(kind, mb, start, end, inside=take_cuda_spans(first))
         return out
 
     def run(self, batch: ReplicaBatch, log: ChunkLog) -> torch.Tensor | None:
@@ -180,9 +252,9 @@ class PipelineStep:
         return pending
 
     def finish_sends(self, log: ChunkLog) -> None:
-        start = time.perf_counter()
+        start = log.clock.mark()
         for work, _ in self._pending:
             work.wait()
         if self._pending:
-            log.add("P2P", -1, start, time.perf_counter())
+            log.add_marks("P2P", -1, start, log.clock.mark())
         self._pending.clear()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from resihp.coordinator.plan import Plan
 from resihp.coordinator.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.chunk_clock import clock_for
 from resihp.trainer_hooks.data import GlobalBatches, PackedStream
 from resihp.trainer_hooks.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
 from resihp.trainer_hooks.model import GPTStage
@@ -178,7 +179,7 @@ class Runtime:
         return self.groups.epoch
 
     def _sync_gradients(self, log: ChunkLog) -> None:
-        start = time.perf_counter()
+        start = log.clock.mark()
         for _, group, names in self.groups.grad_buckets:
             params = [self._params[n] for n in names]
             for p in params:
@@ -193,7 +194,7 @@ class Runtime:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
-        log.add("DP", -1, start, time.perf_counter())
+        log.add_marks("DP", -1, start, log.clock.mark())
 
     def _global_loss(self, local: torch.Tensor | None) -> float | None:
         if local is None:
@@ -206,7 +207,7 @@ class Runtime:
 
     def train_step(self, step: int) -> StepResult:
         wall = time.time()
-        log = ChunkLog()
+        log = ChunkLog(clock_for(self.device))  # on a GPU: CUDA events (chunk_clock.py)
         place = self.groups.place
         batch = self.data.for_replica(step, self.plan, place.replica)
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,14 +215,15 @@ class Runtime:
         self.pipeline.finish_sends(log)
         self._sync_gradients(log)
         loss = self._global_loss(local_loss)
-        start = time.perf_counter()
+        start = log.clock.mark()
         self.optimizer.step()
-        log.add("OPT", -1, start, time.perf_counter())
+        log.add_marks("OPT", -1, start, log.clock.mark())
+        time_s = log.finish()
         return StepResult(
             iteration=step, replica=place.replica, loss=loss,
             tokens=sum(mb.num_tokens for mb in batch.microbatches), global_tokens=batch.global_tokens,
             seqlens=batch.seqlens, sample_ids=batch.sample_ids, wall_start_s=wall,
-            time_s=time.perf_counter() - log.t0, chunks=log.chunks,
+            time_s=time_s, chunks=log.chunks,
         )
 
     def let_go_of_groups(self) -> list[Any]:

@@ -8,7 +8,8 @@ column-parallel layer, whose input gradient is partial on every rank), ``g`` is 
 all-reduce forward and the identity backward (after a row-parallel layer). With a TP group
 of one both are the identity and no collective runs.
 
-Every TP collective adds its wall time to a process-wide counter (``collective_seconds``):
+Every TP collective adds its wall time to a process-wide counter (``collective_seconds``),
+or on a GPU a pair of CUDA events around it to a list the op takes (``take_cuda_spans``):
 the pipeline records, per F or B op, how much of the op was spent inside them, so the
 detector can tell the TP member that is slow from the partners that wait for it.
 """
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 _COLLECTIVE_S = [0.0]  # wall seconds this process has spent inside TP all-reduces
+# on a GPU: (before, after) CUDA events around each TP all-reduce on the compute stream, since
+# the op that takes them began (the host returns from an NCCL all-reduce once it is queued)
+_CUDA_SPANS: list[tuple[Any, Any]] = []
 
 
 def collective_seconds() -> float:
@@ -31,7 +35,28 @@ def collective_seconds() -> float:
     return _COLLECTIVE_S[0]
 
 
+def cuda_spans_mark() -> int:
+    """Where the TP all-reduces of an op that starts now will begin in the event list."""
+    return len(_CUDA_SPANS)
+
+
+def take_cuda_spans(first: int) -> list[tuple[Any, Any]]:
+    """The event pairs of the all-reduces since ``first``; the list is emptied (pairs left by an
+    op that failed are dropped with it)."""
+    spans = _CUDA_SPANS[first:]
+    _CUDA_SPANS.clear()
+    return spans
+
+
 def _timed_all_reduce(t: torch.Tensor, group: Any) -> None:
+    if t.is_cuda:
+        before = torch.cuda.Event(enable_timing=True)
+        before.record()
+        dist.all_reduce(t, group=group)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record()  # the compute stream waits for the all-reduce here
+        _CUDA_SPANS.append((before, after))
+        return
     start = time.perf_counter()
     dist.all_reduce(t, group=group)
     _COLLECTIVE_S[0] += time.perf_counter() - start

@@ -72,9 +72,7 @@ class CudaClock:
         self.anchor = self.mark()
 
     def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return cuda_mark()
 
     def wait(self, mark: Any) -> None:
         mark.synchronize()
@@ -85,6 +83,13 @@ class CudaClock:
 
     def seconds(self, mark: Any) -> float:
         return float(self.anchor.elapsed_time(mark)) / 1000.0  # elapsed_time is in ms
+
+
+def cuda_mark() -> Any:
+    """A timing event recorded on the current CUDA stream, now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def clock_for(device: torch.device) -> SpanClock:

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from resihp.trainer_hooks.chunk_clock import cuda_mark
+
 _COLLECTIVE_S = [0.0]  # wall seconds this process has spent inside TP all-reduces
 # on a GPU: (before, after) CUDA events around each TP all-reduce on the compute stream, since
 # the op that takes them began (the host returns from an NCCL all-reduce once it is queued)
@@ -50,12 +52,9 @@ def take_cuda_spans(first: int) -> list[tuple[Any, Any]]:
 
 def _timed_all_reduce(t: torch.Tensor, group: Any) -> None:
     if t.is_cuda:
-        before = torch.cuda.Event(enable_timing=True)
-        before.record()
+        before = cuda_mark()
         dist.all_reduce(t, group=group)
-        after = torch.cuda.Event(enable_timing=True)
-        after.record()  # the compute stream waits for the all-reduce here
-        _CUDA_SPANS.append((before, after))
+        _CUDA_SPANS.append((before, cuda_mark()))  # the compute stream waits for the all-reduce there
         return
     start = time.perf_counter()
     dist.all_reduce(t, group=group)

@@ -14,16 +14,16 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from resihp.agent.pidwatch import PidWatch
 from resihp.agent.sampler import ProcessSampler, Sampler, make_sampler
 from resihp.agent.server import CommandRelay, HookServer
 from resihp.agent.uplink import Uplink
-from resihp.coordinator import messages as m
-from resihp.coordinator.codec import MAX_RANK, ValidationError
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.codec import MAX_RANK, ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class AgentDaemon:
             self.uplink.send(m.AgentBatch(exits=(m.RankExit(rank, pid, self.clock(), code, clean),)), urgent=True)
         if self.cfg.exit_when_ranks_done:
             with self._lock:
-                done = bool(self.locals) and all(l.exited for l in self.locals.values())
+                done = bool(self.locals) and all(loc.exited for loc in self.locals.values())
             if done:
                 threading.Thread(target=self._flush_and_stop, daemon=True).start()
 
@@ -210,7 +210,7 @@ class AgentDaemon:
     def _registration(self) -> m.Registration:
         degraded, status = self.sampler.status()
         with self._lock:
-            ranks = tuple(m.LocalRank(l.rank, l.local_rank, l.pid) for l in self.locals.values() if not l.exited)
+            ranks = tuple(m.LocalRank(loc.rank, loc.local_rank, loc.pid) for loc in self.locals.values() if not loc.exited)
         return m.Registration(self.node, self.job, ranks, socket.gethostname(), degraded, status)
 
     def _on_welcome(self, welcome: m.Welcome) -> None:
@@ -249,9 +249,9 @@ class AgentDaemon:
             now = self.clock()
             try:
                 with self._lock:
-                    beats = tuple(m.RankHeartbeat(l.rank, l.last_seen, l.iteration)
-                                  for l in self.locals.values() if not l.exited)
-                    pids = {l.rank: l.pid for l in self.locals.values() if not l.exited}
+                    beats = tuple(m.RankHeartbeat(loc.rank, loc.last_seen, loc.iteration)
+                                  for loc in self.locals.values() if not loc.exited)
+                    pids = {loc.rank: loc.pid for loc in self.locals.values() if not loc.exited}
                 degraded, status = self.sampler.status()
                 batch = m.AgentBatch(heartbeat=m.AgentHeartbeat(now, beats, degraded, status))
                 if now >= next_sample:

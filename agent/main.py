@@ -16,9 +16,9 @@ import os
 import signal
 import socket
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
-from resihp.coordinator.auth import AuthError, resolve_token
+from resihp.coordinator.protocol.auth import AuthError, resolve_token
 
 
 def default_node(env: Mapping[str, str]) -> str:

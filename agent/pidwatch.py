@@ -12,7 +12,7 @@ import logging
 import os
 import select
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 ExitCallback = Callable[[int, int, int], None]  # (rank, pid, code)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from resihp.coordinator.messages import GpuSample, ProcessSample
+from resihp.coordinator.protocol.messages import GpuSample, ProcessSample
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

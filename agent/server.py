@@ -13,7 +13,8 @@ import logging
 import queue
 import threading
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 import grpc.aio
@@ -21,11 +22,10 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from resihp.coordinator import codec
-from resihp.coordinator import messages as m
-from resihp.coordinator import service_wire as wire
-from resihp.coordinator.codec import ValidationError
-from resihp.coordinator.service import SERVER_OPTIONS
+from resihp.coordinator.protocol import codec, wire
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.codec import ValidationError
+from resihp.coordinator.service.server import SERVER_OPTIONS
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
 
@@ -90,17 +90,17 @@ class CommandRelay:
             for q in qs:
                 q.put(cmd)
 
-    def subscribe(self, rank: int, after_seq: int) -> tuple["queue.Queue[m.Command | None]", list[m.Command]]:
-        q: "queue.Queue[m.Command | None]" = queue.Queue()
+    def subscribe(self, rank: int, after_seq: int) -> tuple[queue.Queue[m.Command | None], list[m.Command]]:
+        q: queue.Queue[m.Command | None] = queue.Queue()
         return q, self.subscribe_with(rank, after_seq, q)
 
-    def subscribe_with(self, rank: int, after_seq: int, sink: "_Putter") -> list[m.Command]:
+    def subscribe_with(self, rank: int, after_seq: int, sink: _Putter) -> list[m.Command]:
         """Deliver future commands for ``rank`` to ``sink.put``; returns the missed ones."""
         with self._lock:
             self._subs.setdefault(rank, []).append(sink)
             return [c for c in self._recent if c.seq > after_seq and m.command_targets(c, rank)]
 
-    def unsubscribe(self, rank: int, q: "_Putter") -> None:
+    def unsubscribe(self, rank: int, q: _Putter) -> None:
         with self._lock:
             if q in self._subs.get(rank, []):
                 self._subs[rank].remove(q)
@@ -121,7 +121,7 @@ class _AsyncQueueAdapter:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: "asyncio.Queue[m.Command | None]" = asyncio.Queue()
+        self.queue: asyncio.Queue[m.Command | None] = asyncio.Queue()
 
     def put(self, item: m.Command | None) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)

@@ -18,14 +18,15 @@ import logging
 import random
 import threading
 from collections import deque
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import grpc.aio
 
-from resihp.coordinator import codec
-from resihp.coordinator import messages as m
-from resihp.coordinator.auth import metadata
+from resihp.coordinator.protocol import codec
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.auth import metadata
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
 

@@ -31,15 +31,15 @@ from typing import Any
 import grpc
 import psutil
 
-from resihp.coordinator import codec
-from resihp.coordinator import messages as m
-from resihp.coordinator.auth import metadata
-from resihp.coordinator.service import CoordinatorServer
-from resihp.coordinator.service_config import CoordinatorConfig
-from resihp.coordinator.trace import ChunkTiming
+from resihp.coordinator.model.trace import ChunkTiming
+from resihp.coordinator.protocol import codec
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.auth import metadata
+from resihp.coordinator.service.config import CoordinatorConfig
+from resihp.coordinator.service.server import CoordinatorServer
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
-from resihp.trainer_hooks.agent_client import AgentClient
+from resihp.trainer_hooks.reporting.agent_client import AgentClient
 
 TOKEN = "bench-token"
 PY = sys.executable
@@ -169,7 +169,7 @@ def bench_fanout(run: Path, commands: int) -> tuple[list[float], list[float]]:
     try:
         wait(lambda: sum(len(c.ranks) for c in server.core.agents.values()) == 64, 30, "64 ranks registered")
         time.sleep(0.5)  # command subscriptions open
-        for i in range(commands):
+        for _ in range(commands):
             done.clear()
             with server.core.lock:
                 server.core.seq += 1
@@ -250,7 +250,7 @@ def bench_coordinator_1024(run: Path, seconds: float) -> tuple[float, int]:
     md = metadata(TOKEN)
     stop_ev = threading.Event()
     joined = [0]
-    from resihp.coordinator.plan import Plan
+    from resihp.coordinator.model.plan import Plan
 
     plan = Plan.uniform(8, 4, 32, 32, 128)
     t0 = time.time()

@@ -17,16 +17,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 import numpy as np
 
-from resihp.coordinator.detector import Detector, DetectorConfig, Finding
-from resihp.coordinator.detector_evidence import IterationTimings, batch_features, timings_from_record
-from resihp.coordinator.plan import Plan, Schedule
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import DeviceInfo, IterationRecord, Record, TraceHeader
+from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.detector.evidence import IterationTimings, batch_features, timings_from_record
+from resihp.coordinator.model.plan import Plan, Schedule
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import DeviceInfo, IterationRecord, Record, TraceHeader
 from resihp.sim.detect_baselines import BocdBaseline, ThresholdBaseline
 from resihp.sim.workload import Fault, WorkloadConfig, generate, make_header
 

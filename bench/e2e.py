@@ -39,8 +39,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -210,7 +211,7 @@ def run_reference_into(root: Path, a: argparse.Namespace) -> None:
 
 
 def _summary(root: Path) -> dict[str, Any] | None:
-    from resihp.report_summary import summarize
+    from resihp.report.summary import summarize
 
     try:
         return summarize(root).to_dict()

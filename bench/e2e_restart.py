@@ -35,9 +35,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from resihp.demo import CPU_CLUSTER, CPU_POLICY, EXAMPLE, Follower, _resihp
 
@@ -168,7 +169,7 @@ def _inject(inj: Injection, run: Path, step: int) -> dict[str, Any]:
 
 
 def _resume_step(ckpt: Path) -> int:
-    from resihp.trainer_hooks.checkpoint import latest_checkpoint, read_meta
+    from resihp.trainer_hooks.checkpoint.saver import latest_checkpoint, read_meta
 
     path = latest_checkpoint(ckpt)
     return int(read_meta(path)["resume_step"]) if path is not None else 0

@@ -11,7 +11,7 @@
 #     backend and must match the same job on the CPU within 1e-4 relative (fp32, TF32 off;
 #     GPU kernels sum in another order than CPU ones).
 #  1b. tests/test_gpu_timing.py, one rank over NCCL: F/B spans are the device's work (CUDA
-#     events; trainer_hooks/chunk_clock.py), a throttle stretches device time, TP collectives
+#     events; trainer_hooks/runtime/chunk_clock.py), a throttle stretches device time, TP collectives
 #     inside an op are recorded, a runtime step places every chunk inside the step.
 #  2. The 8-rank equivalence test (TP2xPP2xDP2, TP2xPP2, PP4, DP4, unequal DP) over NCCL when
 #     there is a GPU per rank (or NCCL lets ranks share one), else over gloo. Only its loss

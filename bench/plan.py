@@ -22,18 +22,18 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
-from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.planner import PlannerConfig, clear_memos, decide, evaluate
-from resihp.coordinator.planner_cost import Costs, pipe_sig
-from resihp.coordinator.planner_exhaustive import Exhaustive
-from resihp.coordinator.planner_levels import _best_subgroup, reshare
-from resihp.coordinator.planner_search import Searcher
-from resihp.coordinator.planner_split import profile
-from resihp.coordinator.spec import ModelSpec, preset
+from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec, preset
+from resihp.coordinator.planner.cost import Costs, pipe_sig
+from resihp.coordinator.planner.exhaustive import Exhaustive
+from resihp.coordinator.planner.levels import _best_subgroup, reshare
+from resihp.coordinator.planner.planner import PlannerConfig, clear_memos, decide, evaluate
+from resihp.coordinator.planner.search import Searcher
+from resihp.coordinator.planner.split import profile
 
 GiB = 2**30
 

@@ -34,7 +34,7 @@ ROUNDS = 3
 
 def kinds(layers: int) -> list[tuple[str, Any]]:
     """(name, plan) switched to in order, starting from TP2×DP2."""
-    from resihp.coordinator.plan import PipelinePlan, Plan
+    from resihp.coordinator.model.plan import PipelinePlan, Plan
 
     h = layers // 2
     mb = GLOBAL_MB
@@ -54,9 +54,9 @@ def kinds(layers: int) -> list[tuple[str, Any]]:
 def _setup(hidden: int, layers: int) -> tuple[Any, Any, Any]:
     import torch
 
-    from resihp.coordinator.plan import Plan
-    from resihp.coordinator.spec import ModelSpec
-    from resihp.trainer_hooks.runtime import TrainConfig
+    from resihp.coordinator.model.plan import Plan
+    from resihp.coordinator.model.spec import ModelSpec
+    from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
     torch.set_num_threads(1)
     spec = ModelSpec("bench-reconf", layers, hidden, 4, 4 * hidden, 256)
@@ -71,10 +71,10 @@ def worker(out: Path, hidden: int, layers: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from resihp.trainer_hooks.bootstrap import Bootstrap
-    from resihp.trainer_hooks.groups import destroy_groups, make_groups, wait_retired
-    from resihp.trainer_hooks.reconfigure import LiveReconfigurer, init_world, optimizer_steps, runtime_shards
-    from resihp.trainer_hooks.layout import tensors_of_rank
+    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+    from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, init_world, optimizer_steps, runtime_shards
+    from resihp.trainer_hooks.runtime.groups import destroy_groups, make_groups, wait_retired
+    from resihp.trainer_hooks.runtime.layout import tensors_of_rank
 
     spec, config, start = _setup(hidden, layers)
     boot = Bootstrap(timeout_s=120)
@@ -181,9 +181,9 @@ def restart_worker(out: Path, hidden: int, layers: int, t_launch: float) -> None
     """The restarted job: new layout, state assembled from the saved shards, ready at the same step."""
     import torch
 
-    from resihp.trainer_hooks.bootstrap import Bootstrap
-    from resihp.trainer_hooks.layout import tensors_of_rank
-    from resihp.trainer_hooks.reconfigure import LiveReconfigurer, load_shards
+    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+    from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, load_shards
+    from resihp.trainer_hooks.runtime.layout import tensors_of_rank
 
     spec, config, _ = _setup(hidden, layers)
     boot = Bootstrap(timeout_s=120)

@@ -25,7 +25,7 @@ WORLD = 4
 
 
 def kinds(layers: int) -> dict[str, tuple[Any, Any, list[int]]]:
-    from resihp.coordinator.plan import PipelinePlan, Plan
+    from resihp.coordinator.model.plan import PipelinePlan, Plan
 
     half = layers // 2
     return {
@@ -47,10 +47,10 @@ def worker(rank: int, port: int, hidden: int, layers: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from resihp.coordinator.spec import ModelSpec
-    from resihp.trainer_hooks.layout import gpt_tensor_specs, shard_shape, tensors_of_rank
-    from resihp.trainer_hooks.reshard import STATES, plan_reshard
-    from resihp.trainer_hooks.transfer import execute_reshard
+    from resihp.coordinator.model.spec import ModelSpec
+    from resihp.trainer_hooks.reconfig.reshard import STATES, plan_reshard
+    from resihp.trainer_hooks.reconfig.transfer import execute_reshard
+    from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs, shard_shape, tensors_of_rank
 
     torch.set_num_threads(1)
     specs = gpt_tensor_specs(ModelSpec("bench", layers, hidden, 8, 4 * hidden, 8 * hidden), 256)

@@ -65,7 +65,7 @@ BLOCK_FLUSHES = 3  # overhead blocks last at least this many of the hooks' flush
 
 # --- worker (runs under mpirun) ------------------------------------------------------------
 def _plan(name: str, layers: int) -> Any:
-    from resihp.coordinator.plan import PipelinePlan, Plan
+    from resihp.coordinator.model.plan import PipelinePlan, Plan
 
     uniform = {"tp2pp2dp2": (2, 2, 2), "tp2pp2": (2, 2, 1), "pp4": (1, 4, 1), "dp4": (1, 1, 4), "tp2": (2, 1, 1),
                "pp2": (1, 2, 1), "dp2": (1, 1, 2), "single": (1, 1, 1)}  # (tp, pp, dp)
@@ -80,8 +80,8 @@ def _plan(name: str, layers: int) -> Any:
 def enter_layout(boot: Any, spec: Any, cfg: Any, name: str, epoch: int) -> tuple[Any, Any, Any]:
     """Start layout ``name`` in the world (collective): (plan, communicator of its members or of
     the ranks it leaves out, this rank's Runtime or None where the layout leaves it out)."""
-    from resihp.trainer_hooks.groups import make_groups
-    from resihp.trainer_hooks.runtime import Runtime
+    from resihp.trainer_hooks.runtime.groups import make_groups
+    from resihp.trainer_hooks.runtime.trainer import Runtime
 
     plan = _plan(name, spec.num_layers)
     boot.init_epoch(epoch)
@@ -97,14 +97,14 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
            block_len: int) -> int:
     import torch
 
-    from resihp.coordinator.spec import preset
-    from resihp.trainer_hooks.bootstrap import Bootstrap
-    from resihp.trainer_hooks.groups import destroy_groups
+    from resihp.coordinator.model.spec import preset
     from resihp.trainer_hooks.hooks import Job
-    from resihp.trainer_hooks.reporter import AgentTransport, NullTransport, Transport
-    from resihp.trainer_hooks.runtime import Runtime, TrainConfig
-    from resihp.trainer_hooks.throttle import Throttle
-    from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
+    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+    from resihp.trainer_hooks.reporting.reporter import AgentTransport, NullTransport, Transport
+    from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
+    from resihp.trainer_hooks.runtime.groups import destroy_groups
+    from resihp.trainer_hooks.runtime.throttle import Throttle
+    from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
 
     torch.set_num_threads(1)
     spec = preset("gpt-tiny")
@@ -280,7 +280,7 @@ def mean_speed(rank: int, start: float, end: float, busy: dict[int, list[tuple[f
                speed: list[float]) -> float:
     """The mean speed ``rank`` ran at over [start, end): speed[k-1] while k ranks of the host
     (this one included) were busy, from the other ranks' recorded compute chunks."""
-    from resihp.coordinator.schedule_shared import speed_for
+    from resihp.coordinator.schedule.shared_host import speed_for
 
     if end <= start:
         return 1.0
@@ -305,13 +305,13 @@ def analyse(path: Path, speed: list[float] | None = None) -> dict[str, Any]:
     calibrated as a rank alone would run them and predicted through the processor-sharing
     simulator (coordinator.schedule_shared); without it every rank is a device of its own
     (coordinator.schedule.simulate_iteration)."""
-    from resihp.coordinator.costmodel import Calibrator
-    from resihp.coordinator.plan import Schedule
-    from resihp.coordinator.schedule import ReplicaWork, simulate_iteration
-    from resihp.coordinator.schedule_orders import B as KIND_B
-    from resihp.coordinator.schedule_orders import F as KIND_F
-    from resihp.coordinator.schedule_shared import simulate_shared
-    from resihp.coordinator.trace import IterationRecord, load_trace
+    from resihp.coordinator.model.costmodel import Calibrator
+    from resihp.coordinator.model.plan import Schedule
+    from resihp.coordinator.model.trace import IterationRecord, load_trace
+    from resihp.coordinator.schedule.orders import B as KIND_B
+    from resihp.coordinator.schedule.orders import F as KIND_F
+    from resihp.coordinator.schedule.shared_host import simulate_shared
+    from resihp.coordinator.schedule.simulator import ReplicaWork, simulate_iteration
 
     header, recs = load_trace(str(path))
     its = [r for r in recs if isinstance(r, IterationRecord)]

@@ -41,15 +41,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime import GLOBAL_MB, MPIRUN, REPO, SEQ, _plan, busy_probe, enter_layout  # noqa: E402  (bench/runtime.py)
 
-from resihp.coordinator import costmodel  # noqa: E402
-from resihp.coordinator.spec import ModelSpec, SpecError, preset  # noqa: E402
+from resihp.coordinator.model import costmodel
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset  # noqa: E402
 from resihp.sim.perf import JobSpec, PerfModel  # noqa: E402
 from resihp.sim.world import World  # noqa: E402
 
@@ -249,9 +250,9 @@ def _allreduce_probe(reps: int) -> list[tuple[float, float]]:
 def worker(out: Path, layouts: Sequence[str], steps: int, warmup: int) -> int:
     import torch
 
-    from resihp.trainer_hooks.bootstrap import Bootstrap
-    from resihp.trainer_hooks.groups import destroy_groups
-    from resihp.trainer_hooks.runtime import TrainConfig
+    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+    from resihp.trainer_hooks.runtime.groups import destroy_groups
+    from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
     torch.set_num_threads(1)
     spec = preset(MODEL)

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from resihp.sim import scenarios
+from resihp.sim.policies.resihp import _DECISIONS, ResiHP, oracle_for
 from resihp.sim.runner import compare
-from resihp.sim.policies.resihp import ResiHP, _DECISIONS, oracle_for
 
 PAPER = ("paper-failstop", "paper-failslow", "paper-mixed", "paper-mixed-harsh")
 MODELS = ("llama2-70b", "llama2-13b", "llama2-7b", "qwen2.5-72b")

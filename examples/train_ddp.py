@@ -15,10 +15,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import resihp.trainer_hooks as hooks
-from resihp.coordinator.spec import preset
-from resihp.trainer_hooks.data import GlobalBatches, PackedStream
-from resihp.trainer_hooks.model import GPTStage, PackedMeta, loss_sum
-from resihp.trainer_hooks.runtime import TrainConfig
+from resihp.coordinator.model.spec import preset
+from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
+from resihp.trainer_hooks.runtime.model import GPTStage, PackedMeta, loss_sum
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,11 @@ import traceback
 import torch
 
 import resihp.trainer_hooks as hooks
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.spec import ModelSpec, SpecError, preset
-from resihp.trainer_hooks.checkpoint import AsyncCheckpointer, latest_checkpoint, load_into
-from resihp.trainer_hooks.resilient import JobStopped, loss_rank
-from resihp.trainer_hooks.runtime import TrainConfig
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.trainer_hooks.checkpoint.saver import AsyncCheckpointer, latest_checkpoint, load_into
+from resihp.trainer_hooks.runtime.resilient import JobStopped, loss_rank
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 
 def build_plan(args: argparse.Namespace, spec: ModelSpec) -> Plan:

@@ -11,16 +11,16 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "detect": ("resihp.coordinator.detect_cli", "replay a trace through the detector; findings as JSON Lines"),
-    "profile": ("resihp.coordinator.profile_cli", "measure the planner's profile (FLOP/s, link speed) from a trace"),
-    "plan": ("resihp.coordinator.plan_cli", "search a new TP/PP/DP plan for a cluster, model and current plan"),
+    "detect": ("resihp.coordinator.cli.detect", "replay a trace through the detector; findings as JSON Lines"),
+    "profile": ("resihp.coordinator.cli.profile", "measure the planner's profile (FLOP/s, link speed) from a trace"),
+    "plan": ("resihp.coordinator.cli.plan", "search a new TP/PP/DP plan for a cluster, model and current plan"),
     "simulate": ("resihp.sim.cli", "simulate resilience policies at cluster scale"),
-    "coordinator": ("resihp.coordinator.main", "run the job's coordinator service"),
+    "coordinator": ("resihp.coordinator.service.main", "run the job's coordinator service"),
     "agent": ("resihp.agent.main", "run a node's sidecar agent"),
-    "admin": ("resihp.coordinator.admin_cli", "inspect and steer a running job"),
-    "launch": ("resihp.trainer_hooks.launch", "start coordinator, agents and ranks under mpirun"),
+    "admin": ("resihp.coordinator.cli.admin", "inspect and steer a running job"),
+    "launch": ("resihp.trainer_hooks.launch.launcher", "start coordinator, agents and ranks under mpirun"),
     "demo": ("resihp.demo", "run the main job: a real training run with injected faults"),
-    "report": ("resihp.report", "render the summary and timeline of a run directory"),
+    "report": ("resihp.report.cli", "render the summary and timeline of a run directory"),
 }
 
 

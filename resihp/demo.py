@@ -4,7 +4,7 @@ Launches, through ``resihp launch`` (coordinator + node agent + mpirun with ULFM
 ``examples/train_gpt.py`` as TP2 x PP2 x DP2 on CPU (gloo), on real text (the Python
 standard library's sources, packed). At step ``--slow-at`` it throttles one rank's compute
 2x (``resihp admin inject slow``: the rank really computes at half speed, see
-trainer_hooks/throttle.py); at ``--kill-at`` it SIGKILLs another rank (``resihp admin
+trainer_hooks/runtime/throttle.py); at ``--kill-at`` it SIGKILLs another rank (``resihp admin
 inject kill``). resihp detects each, re-plans and reconfigures live; training completes.
 Then an uninterrupted single-process run of the same model, seed and data gives the
 reference loss, and the summary table and timeline are printed / drawn
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resihp.coordinator.plan import Plan
+from resihp.coordinator.model.plan import Plan
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 DEFAULT_KILL_RANK = 5  # the fail-stop target unless the plan then leaves it idle (see _kill_target)
@@ -309,7 +309,7 @@ def main(argv: list[str]) -> int:
             run_reference(args, run)
         except (subprocess.SubprocessError, OSError) as exc:
             print(f"resihp demo: the reference run failed ({exc}); see {run}/reference/run.log", file=sys.stderr)
-    from resihp import report
+    from resihp.report import cli as report
 
     rc = report.main([str(run)])
     print(f"\nrun directory: {run}\n  again: resihp report {run}")

@@ -15,10 +15,10 @@ import os
 import sys
 import tempfile
 
-from resihp.coordinator.detector import Detector, DetectorConfig
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import IterationRecord, load_trace
+from resihp.coordinator.detector.detector import Detector, DetectorConfig
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import IterationRecord, load_trace
 
 
 def main(argv: list[str]) -> int:

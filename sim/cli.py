@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from resihp.coordinator.spec import PRESETS, SpecError
+from resihp.coordinator.model.spec import PRESETS, SpecError
 from resihp.sim import policies as policy_registry
 from resihp.sim import scenarios
 from resihp.sim.failures import FailureTraceError, dump_trace

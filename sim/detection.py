@@ -1,4 +1,4 @@
-"""Detection delays measured by running the real detector (resihp.coordinator.detector)
+"""Detection delays measured by running the real detector (resihp.coordinator.detector.detector)
 on realistic simulated timings (resihp.sim.workload), only where it matters.
 
 Running the detector on every iteration of a day-long 16,384-GPU job would cost hours and
@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from resihp.coordinator.detector import Detector, DetectorConfig, Finding
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import ModelSpec
-from resihp.coordinator.trace import ExitEvent, HeartbeatEvent, IterationRecord
+from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord
 from resihp.sim.detect_baselines import BocdBaseline
 from resihp.sim.workload import Fault as WorkloadFault
 from resihp.sim.workload import WorkloadConfig, generate, make_header

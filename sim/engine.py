@@ -16,8 +16,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from resihp.sim.world import FailSlow, FailStop, Fault, World, WorldEvent
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Iterable, Mapping, Sequence
+from typing import IO, Any
 
 import numpy as np
 

@@ -1,13 +1,13 @@
 """Iteration time of a plan on the simulated hardware: the one performance oracle every
 policy is judged by.
 
-Stage compute comes from the real cost model (``resihp.coordinator.costmodel.stage_flops``)
+Stage compute comes from the real cost model (``resihp.coordinator.model.costmodel.stage_flops``)
 divided by the device's sustained FLOP/s and its current speed (a TP group runs at its
 slowest member). Each stage also pays its tensor-parallel all-reduces (2 forward, 2
 backward per layer, ring over the group's links: 2(tp−1) latencies each) and the point-to-point send of its
 activations (forward) or gradients (backward) to the neighbour stage, slowed by the worse
 of the two nodes' network factors. Pipeline makespan under 1F1B is Oobleck's closed form
-for unequal stages from ``resihp.coordinator.schedule`` (other schedules run the schedule
+for unequal stages from ``resihp.coordinator.schedule.simulator`` (other schedules run the schedule
 simulator); the iteration is the slowest replica plus the data-parallel gradient
 all-reduce (ring across replicas, slowed by the slowest NIC taking part) plus, when the job
 describes it (``optimizer_bytes_per_param`` > 0), the memory-bound optimizer step of the
@@ -22,15 +22,15 @@ devices costs a handful of distinct evaluations. Pure.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Sequence
 
-from resihp.coordinator import costmodel
-from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
-from resihp.coordinator.memory import MemoryModel, inflight_microbatches, stage_device_bytes
-from resihp.coordinator.plan import Plan, PipelinePlan, Schedule
-from resihp.coordinator.spec import ModelSpec, SpecError
+from resihp.coordinator.model import costmodel
+from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.model.memory import MemoryModel, inflight_microbatches, stage_device_bytes
+from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
+from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.sim.world import World
 
 GiB = 2**30
@@ -377,7 +377,7 @@ def _stage_flops_cached(
 def pipeline_makespan(f: Sequence[float], b: Sequence[float], m: int, schedule: Schedule) -> float:
     """One replica's pipeline time for ``m`` equal micro-batches, from the schedule module:
     the closed form for 1F1B, the dependency-graph simulator for the others."""
-    from resihp.coordinator import schedule as sched
+    from resihp.coordinator.schedule import simulator as sched
 
     if schedule is Schedule.ONE_F_ONE_B:
         return float(sched.one_f_one_b_time(list(f), list(b), m))

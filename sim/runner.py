@@ -5,9 +5,9 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
 
 from resihp.sim import policies as policy_registry
 from resihp.sim.engine import RunResult, Simulation
@@ -56,7 +56,7 @@ def best_healthy_tps(job: JobSpec, perf: PerfModel) -> float:
     an upper bound even when a re-plan finds a layout faster than the initial one."""
     r0 = failure_free_tps(job, perf)
     try:
-        from resihp.coordinator import planner
+        from resihp.coordinator.planner import planner
 
         plan = planner.search_plan(job.cluster(), job.model, job.batch(), job.initial_plan(), planner.PlannerConfig())
         return max(r0, perf.tokens_per_s(plan, World(job.world_size, job.gpus_per_node)))

@@ -8,13 +8,13 @@ paper evaluated, up to TP4 PP16 DP4; larger jobs keep TP8 within a node and PP16
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 
-from resihp.coordinator.spec import SpecError, preset
+from resihp.coordinator.model.spec import SpecError, preset
 from resihp.sim.failures import fail_slows, fail_stops, load_trace
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Settings

@@ -22,16 +22,23 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Iterator, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import ModelSpec
-from resihp.coordinator.trace import (
-    DeviceInfo, ExitEvent, HeartbeatEvent, IterationRecord, Record, TraceHeader, write_trace,
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.coordinator.model.trace import (
+    DeviceInfo,
+    ExitEvent,
+    HeartbeatEvent,
+    IterationRecord,
+    Record,
+    TraceHeader,
+    write_trace,
 )
 
 Evidence = Literal["chunks", "rank_step", "iteration"]

@@ -12,8 +12,8 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from resihp.coordinator.detector_evidence import BWD, FWD, IterationTimings, PlanIndex
-from resihp.coordinator.trace import ChunkTiming, IterationRecord
+from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, PlanIndex
+from resihp.coordinator.model.trace import ChunkTiming, IterationRecord
 from resihp.sim.workload import BatchStream, WorkloadConfig
 
 FloatArray = npt.NDArray[np.float64]

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.groups import retire, wait_retired
-from resihp.trainer_hooks.runtime import Runtime, TrainConfig
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.runtime.groups import retire, wait_retired
+from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
 
 SPEC = ModelSpec("sever", num_layers=3, hidden=16, num_heads=2, ffn_hidden=32, vocab=256)
 PLAN = Plan(replicas=(PipelinePlan(((0, 1), (2,)), (1, 2), 4),))

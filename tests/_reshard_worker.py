@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.layout import gpt_tensor_specs, tensors_of_rank
-from resihp.trainer_hooks.reshard import STATES, Transfer, plan_reshard
-from resihp.trainer_hooks.transfer import TransferError, execute_reshard
-from resihp.trainer_hooks.ulfm import is_peer_failure
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.reconfig.reshard import STATES, Transfer, plan_reshard
+from resihp.trainer_hooks.reconfig.transfer import TransferError, execute_reshard
+from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
+from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs, tensors_of_rank
 
 MODEL = ModelSpec("t", num_layers=4, hidden=16, num_heads=4, ffn_hidden=32, vocab=24)
 SPECS = gpt_tensor_specs(MODEL, max_seq_len=8)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from resihp.trainer_hooks.ulfm import bootstrap_gloo, ft_world, is_peer_failure, shrink
+from resihp.trainer_hooks.reconfig.ulfm import bootstrap_gloo, ft_world, is_peer_failure, shrink
 
 
 def die() -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -51,6 +51,6 @@ def _no_stale_open_mpi_segments() -> None:
     by a killed job can be mapped by a later job whose mpirun got the same pid, and then a rank
     segfaults at start-up (seen as MPI_ERR_PROC_FAILED in Comm.Dup). Remove stale segments and
     session directories before the tests start, but only when no mpirun is running."""
-    from resihp.trainer_hooks.launch import remove_stale_mpi_segments
+    from resihp.trainer_hooks.launch.launcher import remove_stale_mpi_segments
 
     remove_stale_mpi_segments()

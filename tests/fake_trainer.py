@@ -21,10 +21,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.trace import ChunkTiming
-from resihp.trainer_hooks.agent_client import AgentClient, agent_address_from_env
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.trace import ChunkTiming
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.reporting.agent_client import AgentClient, agent_address_from_env
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Reruns that judge a fresh recording (for tests of timings on shared cores)."""
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 

@@ -20,10 +20,11 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 SSH_AGENT = """#!/bin/sh
 # a stand-in for ssh: run the command in the named node's namespaces (tests/netns_cluster.py)

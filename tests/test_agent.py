@@ -14,8 +14,8 @@ import pytest
 from resihp.agent.pidwatch import PidWatch
 from resihp.agent.sampler import NvmlSampler, ProcessSampler, make_sampler
 from resihp.agent.server import CommandRelay, check_local_address
-from resihp.coordinator import messages as m
-from resihp.trainer_hooks.agent_client import AgentClient, agent_address_from_env
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.reporting.agent_client import AgentClient, agent_address_from_env
 
 
 def test_missing_nvml_is_degraded_not_a_crash() -> None:
@@ -164,7 +164,7 @@ def test_hook_flush_waits_for_its_tick_but_a_slow_step_and_close_cut_it_short() 
 
 
 def test_report_checks_name_the_bad_field() -> None:
-    from resihp.coordinator import codec
+    from resihp.coordinator.protocol import codec
     from resihp.proto import resihp_pb2 as pb
 
     good = pb.RankReport(rank=1, iteration=3, start_s=1.0, step_s=0.5, microbatches=[pb.MicroBatch(seqlens=[8])],
@@ -199,7 +199,7 @@ def test_probes_go_up_through_the_agent_and_a_bad_one_is_refused_by_name() -> No
     from cp_helpers import wait_until
 
     from resihp.agent.daemon import AgentConfig, AgentDaemon
-    from resihp.coordinator import codec
+    from resihp.coordinator.protocol import codec
     from resihp.proto import resihp_pb2 as pb
     from resihp.proto import resihp_pb2_grpc as pbg
 

@@ -1,4 +1,4 @@
-"""The boundary agreement (trainer_hooks/agreement.py): the pure rule, and rounds on a real TCPStore."""
+"""The boundary agreement (trainer_hooks/reconfig/agreement.py): the pure rule, and rounds on a real TCPStore."""
 from __future__ import annotations
 
 import threading
@@ -7,10 +7,17 @@ from typing import Any
 
 import pytest
 
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import Plan
-from resihp.trainer_hooks.agreement import (
-    AgreementTimeout, BoundaryAgreement, Holding, common, holding_of, is_agreed_command, is_due, round_key,
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.reconfig.agreement import (
+    AgreementTimeout,
+    BoundaryAgreement,
+    Holding,
+    common,
+    holding_of,
+    is_agreed_command,
+    is_due,
+    round_key,
 )
 
 PLAN = Plan.uniform(1, 1, 2, 4, 4)
@@ -114,7 +121,7 @@ def test_every_member_reads_the_same_common_holding_each_boundary(store: Any) ->
 
 
 def test_a_silent_member_times_out_with_a_failure_the_loop_recovers_from(store: Any) -> None:
-    from resihp.trainer_hooks.ulfm import is_peer_failure
+    from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
 
     a = _members(store, 2, timeout_s=0.6)[0]
     a.post(1, 0, (0, 1), Holding(1, False))  # rank 1 never posts

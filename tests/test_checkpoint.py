@@ -13,15 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from resihp.coordinator.plan import PipelinePlan, Plan, Schedule
-from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.checkpoint import (
-    AsyncCheckpointer, CheckpointError, latest_checkpoint, list_checkpoints, load_full, load_into, read_meta,
+from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.checkpoint.format import COMPLETE, tmp_dir_name, writer_assignment
+from resihp.trainer_hooks.checkpoint.saver import (
+    AsyncCheckpointer,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_full,
+    load_into,
+    read_meta,
     shards_for,
 )
-from resihp.trainer_hooks.checkpoint_format import COMPLETE, tmp_dir_name, writer_assignment
-from resihp.trainer_hooks.layout import gpt_tensor_specs, tensors_of_rank
-from resihp.trainer_hooks.runtime import TrainConfig
+from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs, tensors_of_rank
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 SPEC = ModelSpec("gpt-ckpt", num_layers=4, hidden=16, num_heads=4, ffn_hidden=32, vocab=256)
 CONFIG = TrainConfig(seed=3, max_seq_len=16)
@@ -204,7 +210,7 @@ def test_every_and_spares(tmp_path: Path) -> None:
 # --- a real runtime, one process --------------------------------------------------------------
 
 def test_real_runtime_save_then_load_into_resumes_bitwise(tmp_path: Path, world1: None) -> None:
-    from resihp.trainer_hooks.runtime import Runtime
+    from resihp.trainer_hooks.runtime.trainer import Runtime
 
     torch.set_num_threads(1)
     plan = Plan.uniform(1, 1, 1, SPEC.num_layers, GLOBAL_MB)

@@ -1,4 +1,4 @@
-"""The chunk log's placement of marked spans (trainer_hooks/chunk_clock.py, pipeline.ChunkLog).
+"""The chunk log's placement of marked spans (trainer_hooks/runtime/chunk_clock.py, pipeline.ChunkLog).
 
 On a CPU a mark is a host reading and lands at once; on a GPU it is a CUDA event, placed
 only after the device has finished. The placement logic is checked here with a deferred
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from resihp.trainer_hooks import tp_layers
-from resihp.trainer_hooks.chunk_clock import HostClock, clock_for
-from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
-from resihp.trainer_hooks.throttle import Throttle
+from resihp.trainer_hooks.runtime import tp_layers
+from resihp.trainer_hooks.runtime.chunk_clock import HostClock, clock_for
+from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
+from resihp.trainer_hooks.runtime.throttle import Throttle
 
 
 class DeferredClock:

@@ -1,16 +1,16 @@
 """Control plane end to end: scripted trainers → real agents → a real coordinator (processes, loopback)."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import signal
 import time
 from pathlib import Path
 
-from resihp.coordinator.service_engine_real import MIN_PROFILE_ITERATIONS
-from resihp.proto import resihp_pb2 as pb
+import pytest
 from cp_helpers import Cluster, wait_until
+
+from resihp.coordinator.service.engine_real import MIN_PROFILE_ITERATIONS
+from resihp.proto import resihp_pb2 as pb
 
 # Real multi-process jobs (mpirun with ULFM, gloo, gRPC daemons) on a 2-core machine: an
 # infrastructure crash (e.g. Open MPI's ULFM segfaulting a rank at start-up, seen once in five

@@ -10,11 +10,10 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from cp_helpers import Cluster, wait_until
 
 

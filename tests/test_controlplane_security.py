@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
@@ -16,9 +15,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from resihp.agent.daemon import AgentConfig, AgentDaemon
 from resihp.agent.sampler import ScriptedSampler
-from resihp.coordinator.auth import metadata, read_token, write_token, AuthError
-from resihp.coordinator.service import CoordinatorServer
-from resihp.coordinator.service_config import CoordinatorConfig
+from resihp.coordinator.protocol.auth import AuthError, metadata, read_token, write_token
+from resihp.coordinator.service.config import CoordinatorConfig
+from resihp.coordinator.service.server import CoordinatorServer
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
 

@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 
-from resihp.coordinator import messages as m
-from resihp.coordinator.codec import ValidationError
-from resihp.coordinator.joiner import Joiner
-from resihp.coordinator.journal import Journal
-from resihp.coordinator.metrics import Registry, describe_standard
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.service_config import ConfigError, CoordinatorConfig, load_config
-from resihp.coordinator.service_core import CoordinatorCore, Refused
-from resihp.coordinator.service_engine import RuleEngine, build_header, make_engine
-from resihp.coordinator.spec import preset
-from resihp.coordinator.statemachine import IllegalTransition, State, Trigger, step
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.codec import ValidationError
+from resihp.coordinator.service.config import ConfigError, CoordinatorConfig, load_config
+from resihp.coordinator.service.core import CoordinatorCore, Refused
+from resihp.coordinator.service.engine import RuleEngine, build_header, make_engine
+from resihp.coordinator.service.joiner import Joiner
+from resihp.coordinator.service.journal import Journal
+from resihp.coordinator.service.metrics import Registry, describe_standard
+from resihp.coordinator.service.statemachine import IllegalTransition, State, Trigger, step
 
 
 def test_state_machine_transitions_and_reasons() -> None:
@@ -150,7 +150,7 @@ def test_core_refuses_bad_admin_requests_with_precise_messages(tmp_path: Path) -
 
 def _chunked(rank: int, it: int, epoch: int, plan: Plan) -> m.RankReport:
     """A report with per-micro-batch F/B chunks, shaped like ``plan`` (the detector judges it)."""
-    from resihp.coordinator.trace import ChunkTiming
+    from resihp.coordinator.model.trace import ChunkTiming
 
     rep = plan.replicas[plan.position(rank).replica]
     seqlens = tuple((64, 64) for _ in range(rep.microbatches))
@@ -279,7 +279,7 @@ def test_core_with_replanning_off_still_shrinks_past_a_dead_idle_rank_and_nothin
 def _spares_core(tmp_path: Path, metrics: Registry | None = None) -> tuple[CoordinatorCore, Any, Any]:
     """A coordinator with the real engine over ranks 0, 1 (two stages) and spares 2, 3, all
     four registered on one agent: (core, engine, the agent's connection)."""
-    from resihp.coordinator.plan import PipelinePlan
+    from resihp.coordinator.model.plan import PipelinePlan
 
     plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 4),), spares=(2, 3))
     cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
@@ -291,7 +291,7 @@ def _spares_core(tmp_path: Path, metrics: Registry | None = None) -> tuple[Coord
 
 
 def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> None:
-    from resihp.coordinator.detector import RankState
+    from resihp.coordinator.detector.detector import RankState
 
     core, engine, _ = _spares_core(tmp_path)
     # rank 3 as a fail-slow re-plan leaves it: found 2x slow, then moved out of the plan
@@ -307,7 +307,7 @@ def test_admin_readmit_clears_the_slow_verdict_of_a_spare(tmp_path: Path) -> Non
 
 
 def test_probes_of_a_slow_spare_recover_it_and_the_coordinator_replans(tmp_path: Path) -> None:
-    from resihp.coordinator.detector import RankState
+    from resihp.coordinator.detector.detector import RankState
 
     metrics = Registry()
     core, engine, conn = _spares_core(tmp_path, metrics)

@@ -6,11 +6,19 @@ import math
 import numpy as np
 import pytest
 
-from resihp.coordinator.costmodel import (
-    Calibrator, ChunkFlops, LinearCost, embedding_flops, features, fit_linear_cost, head_flops, layer_flops,
-    matmul_params_per_layer, stage_flops,
+from resihp.coordinator.model.costmodel import (
+    Calibrator,
+    ChunkFlops,
+    LinearCost,
+    embedding_flops,
+    features,
+    fit_linear_cost,
+    head_flops,
+    layer_flops,
+    matmul_params_per_layer,
+    stage_flops,
 )
-from resihp.coordinator.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
 
 # h=8, 2 heads of dim 4, 1 kv head (GQA), SwiGLU ffn 16
 SMALL = ModelSpec("small", num_layers=2, hidden=8, num_heads=2, ffn_hidden=16, vocab=10, num_kv_heads=1, gated_mlp=True)
@@ -182,7 +190,7 @@ def test_nnls_small_skips_subsets_only_when_the_full_fit_is_feasible() -> None:
     it replaced, feasible and infeasible cases alike."""
     import itertools
 
-    from resihp.coordinator.costmodel import _nnls_small
+    from resihp.coordinator.model.costmodel import _nnls_small
 
     def exhaustive(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
         xs, ys = x * np.sqrt(w)[:, None], y * np.sqrt(w)

@@ -36,7 +36,7 @@ def test_the_survivors_restore_the_latest_checkpoint_and_say_so(run: Path) -> No
 
 
 def test_the_loss_curve_matches_the_uninterrupted_reference(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     s = summarize(run)
     assert s.reference_steps_compared == STEPS

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resihp.coordinator.plan import Plan
 from demo_run import jsonl, run_demo
 from fresh_rerun import fresh_on_rerun
+
+from resihp.coordinator.model.plan import Plan
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -48,7 +49,7 @@ def _events(run: Path) -> list[dict[str, Any]]:
 
 
 def test_every_step_is_trained_and_the_loss_matches_the_reference(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     lines = _progress(run)
     steps = [x["step"] for x in lines if x["type"] == "step"]
@@ -60,7 +61,7 @@ def test_every_step_is_trained_and_the_loss_matches_the_reference(run: Path) -> 
 
 
 def test_the_slow_rank_is_detected_and_the_job_reconfigures_around_it(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     s = summarize(run)
     slow = next(d for d in s.detections if d.kind == "slow")
@@ -72,7 +73,7 @@ def test_the_slow_rank_is_detected_and_the_job_reconfigures_around_it(run: Path)
 
 
 def test_the_killed_rank_is_survived_with_the_coordinators_plan(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     s = summarize(run)
     stop = next(d for d in s.detections if d.kind == "kill")

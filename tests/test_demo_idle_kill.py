@@ -17,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from resihp.coordinator.plan import Plan
 from demo_run import jsonl, run_demo
+
+from resihp.coordinator.model.plan import Plan
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -48,7 +49,7 @@ def test_the_members_shrink_past_the_dead_idle_rank_and_keep_their_layout(run: P
 
 
 def test_every_step_is_trained_and_the_loss_is_the_references(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     steps = [r["step"] for r in jsonl(run / "progress.jsonl") if r["type"] == "step"]
     assert sorted(set(steps)) == list(range(STEPS)) and steps[-1] == STEPS - 1

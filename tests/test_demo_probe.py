@@ -4,7 +4,7 @@
 mpirun with ULFM): rank 2's compute is throttled 3x at step 8; the detector finds it and
 the re-plan leaves it idle as a spare. At step 50 the operator clears the throttle
 (``resihp admin inject slow --rank 2 --factor 1``). Nothing runs on an idle rank, so only
-its probes (a few GEMMs every second here, ``--probe-every-s 1``; trainer_hooks/probe.py)
+its probes (a few GEMMs every second here, ``--probe-every-s 1``; trainer_hooks/runtime/probe.py)
 can show the device is healthy again: the detector reports it recovered from them — not
 from a lapse of its verdict (``spare_verdict_s``, 10 min) — and the coordinator re-plans on
 that (whether the readmission then stays is the plan audit's call: on these shared cores a
@@ -80,7 +80,7 @@ def test_the_idle_ranks_probes_read_its_throttle_until_it_is_cleared(run: Path) 
 
 
 def test_every_step_once_and_the_loss_of_the_reference(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     steps = [r["step"] for r in jsonl(run / "progress.jsonl") if r["type"] == "step"]
     assert steps == list(range(STEPS)), steps  # planned switches only: nothing re-run

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resihp.coordinator.plan import Plan
 from demo_run import jsonl, run_demo
+
+from resihp.coordinator.model.plan import Plan
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -52,7 +53,7 @@ def test_the_rank_leaves_as_a_spare_and_comes_back(run: Path) -> None:
 
 
 def test_every_step_once_and_the_loss_of_the_reference(run: Path) -> None:
-    from resihp.report import summarize
+    from resihp.report.cli import summarize
 
     steps = [r["step"] for r in jsonl(run / "progress.jsonl") if r["type"] == "step"]
     assert steps == list(range(STEPS)), steps  # no rollback: planned switches lose nothing

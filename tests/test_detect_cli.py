@@ -5,8 +5,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import preset
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
 from resihp.sim.workload import Fault, Noise, WorkloadConfig, write_workload
 
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from resihp.coordinator.detector import Detector, DetectorConfig, Finding
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import ExitEvent, HeartbeatEvent, IterationRecord, Record
+from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord, Record
 from resihp.sim.detect_baselines import ThresholdBaseline
 from resihp.sim.workload import Fault, Hardware, Noise, WorkloadConfig, make_header, records_list
 
@@ -185,7 +185,7 @@ def test_observe_rejects_non_records() -> None:
 def test_detection_continues_across_a_plan_change_record() -> None:
     from dataclasses import replace as dc_replace
 
-    from resihp.coordinator.trace import PlanChange
+    from resihp.coordinator.model.trace import PlanChange
 
     cfg = _cfg((Fault("compute", 3, 16, 2.0),), iterations=22)
     det = Detector(make_header(cfg))
@@ -267,7 +267,7 @@ def test_peer_relative_must_be_a_boolean() -> None:
 
 
 def test_engine_policy_switches_peer_relative_by_on_and_off() -> None:
-    from resihp.coordinator.service_engine_real import RealEngine
+    from resihp.coordinator.service.engine_real import RealEngine
     engine = RealEngine(make_header(_cfg()))
     assert engine.policy()["peer_relative"] == "off" and engine.policy()["link_detection"] == "on"
     assert engine.set_policy({"peer_relative": "on"})["peer_relative"] == "on"
@@ -411,8 +411,8 @@ def test_tp_chunks_are_read_as_time_inside_collectives_not_as_compute() -> None:
 
     import numpy as np
 
-    from resihp.coordinator.detector_evidence import PlanIndex, timings_from_record
-    from resihp.coordinator.trace import read_trace
+    from resihp.coordinator.detector.evidence import PlanIndex, timings_from_record
+    from resihp.coordinator.model.trace import read_trace
 
     header = {"format": 1, "type": "header", "job": "tp", "model": {"name": "m", "num_layers": 2, "hidden": 64,
               "num_heads": 4, "ffn_hidden": 256, "vocab": 256}, "plan": Plan.uniform(2, 1, 1, 2, 1).to_dict(),

@@ -1,4 +1,4 @@
-"""Idle ranks judged by their compute probes (coordinator/detector_probe.py).
+"""Idle ranks judged by their compute probes (coordinator/detector/probe.py).
 
 The same synthetic 8-rank TP2 x PP2 x DP2 job as test_detector_replan.py: rank 5 turns 2x
 slow at iteration 12, is found, and a re-plan leaves ranks 4-7 idle. Every rank probed once
@@ -10,11 +10,11 @@ import math
 from dataclasses import replace
 
 import pytest
-
-from resihp.coordinator.detector import Detector, DetectorConfig, Finding
-from resihp.coordinator.detector_probe import ProbeBook
-from resihp.coordinator.plan import Plan
 from test_detector_replan import CHANGE, OLD, _header, _run, _slow
+
+from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.detector.probe import ProbeBook
+from resihp.coordinator.model.plan import Plan
 
 PROBE_S = 0.050
 ALONE = Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1)
@@ -127,7 +127,7 @@ def test_probe_threshold_is_validated() -> None:
     (False, True, 1, "none"), (False, True, 2, "fail-slow"), (False, False, 5, "none"),
 ])
 def test_one_rule_for_the_detector_and_the_simulator(was_slow: bool, slow_probe: bool, run: int, action: str) -> None:
-    from resihp.coordinator.detector_probe import is_slow_probe, judge_probe
+    from resihp.coordinator.detector.probe import is_slow_probe, judge_probe
 
     cfg = DetectorConfig()  # confirm_iters 2, recover_iters 3, probe_threshold 0.10
     assert judge_probe(was_slow, slow_probe, run, cfg) == action

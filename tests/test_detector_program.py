@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from resihp.coordinator.detector_evidence import PlanIndex, batch_features
-from resihp.coordinator.detector_model import nanmedian, trimmed_ratio
-from resihp.coordinator.detector_program import compile_schedule
-from resihp.coordinator.plan import Plan, Schedule
-from resihp.coordinator.schedule import simulate_pipeline
+from resihp.coordinator.detector.evidence import PlanIndex, batch_features
+from resihp.coordinator.detector.predictor import nanmedian, trimmed_ratio
+from resihp.coordinator.detector.program import compile_schedule
+from resihp.coordinator.model.plan import Plan, Schedule
+from resihp.coordinator.schedule.simulator import simulate_pipeline
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,17 @@ one node, as ``resihp demo`` runs them.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping
 
 import numpy as np
 import pytest
 
-from resihp.coordinator.detector import Detector, DetectorConfig, Finding
-from resihp.coordinator.detector_evidence import IterationTimings, batch_features
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import DeviceInfo, ExitEvent, HeartbeatEvent, PlanChange, TraceHeader
+from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.detector.evidence import IterationTimings, batch_features
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import DeviceInfo, ExitEvent, HeartbeatEvent, PlanChange, TraceHeader
 
 MODEL = preset("llama2-7b")
 OLD = Plan.uniform(2, 2, 2, 32, 8)  # replicas [[0,1],[2,3]] and [[4,5],[6,7]], 4 micro-batches each
@@ -281,8 +281,8 @@ def test_rewarm_iters_is_validated() -> None:
 
 
 def test_planner_names_excluded_ranks_as_excluded_not_failed() -> None:
-    from resihp.coordinator.cluster import Cluster, GlobalBatch
-    from resihp.coordinator.planner import decide, search_plan
+    from resihp.coordinator.model.cluster import Cluster, GlobalBatch
+    from resihp.coordinator.planner.planner import decide, search_plan
 
     spec, batch = preset("llama2-7b"), GlobalBatch(32, 4096)
     cluster = Cluster.uniform(4, 8)
@@ -298,7 +298,7 @@ def test_planner_names_excluded_ranks_as_excluded_not_failed() -> None:
 
 
 def test_engine_tells_the_planner_which_unavailable_ranks_are_excluded() -> None:
-    from resihp.coordinator.service_engine import build_header, make_engine
+    from resihp.coordinator.service.engine import build_header, make_engine
 
     plan = Plan.uniform(2, 2, 2, 8, 8)  # the demo's layout
     engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 8, "job"))

@@ -83,7 +83,7 @@ def test_merge_segments_writes_one_run(tmp_path: Path) -> None:
     demo = json.loads((tmp_path / "demo.json").read_text())
     assert [i["kind"] for i in demo["injections"]] == ["kill"]  # failed injections are not reported
     assert len(e2e.read_jsonl(tmp_path / "events.jsonl")) == 2
-    from resihp.report_summary import summarize
+    from resihp.report.summary import summarize
 
     s = summarize(tmp_path)
     assert s.steps == 8 and s.reruns == 2

@@ -104,7 +104,7 @@ QUIET_SPREAD = 1.6  # max/min of per-iteration median compute time a quiet machi
 
 def require_quiet_machine(path: Path, until: int) -> None:
     """Skip when other load swung this run's own healthy timings (nothing can be judged then)."""
-    from resihp.coordinator.trace import IterationRecord, load_trace
+    from resihp.coordinator.model.trace import IterationRecord, load_trace
 
     _, recs = load_trace(str(path))
     medians = []
@@ -121,7 +121,7 @@ def require_quiet_machine(path: Path, until: int) -> None:
 def compute_rise(path: Path, rank: int, iteration: int) -> float:
     """A rank's F+B time over the ``confirm_iters`` iterations up to ``iteration`` (median) over
     its median before the throttle: how much slower it really ran when a finding named it."""
-    from resihp.coordinator.trace import IterationRecord, load_trace
+    from resihp.coordinator.model.trace import IterationRecord, load_trace
 
     _, recs = load_trace(str(path))
     per_it = {rec.iteration: sum(c.duration_s for c in rec.chunks if c.rank == rank and c.kind in ("F", "B"))

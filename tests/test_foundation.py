@@ -6,10 +6,17 @@ import subprocess
 
 import pytest
 
-from resihp.coordinator.plan import Plan, Schedule
-from resihp.coordinator.spec import ModelSpec, SpecError, preset
-from resihp.coordinator.trace import (
-    ChunkTiming, DeviceInfo, ExitEvent, IterationRecord, TraceError, TraceHeader, read_trace, write_trace,
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.model.trace import (
+    ChunkTiming,
+    DeviceInfo,
+    ExitEvent,
+    IterationRecord,
+    TraceError,
+    TraceHeader,
+    read_trace,
+    write_trace,
 )
 
 

@@ -1,4 +1,4 @@
-"""Chunk timing and the compute throttle on a real GPU (CUDA events; trainer_hooks/chunk_clock.py).
+"""Chunk timing and the compute throttle on a real GPU (CUDA events; trainer_hooks/runtime/chunk_clock.py).
 
 Skipped without CUDA (CI has none); ``bash bench/gpu_check.sh`` runs it on a GPU machine.
 A CUDA op returns once its kernels are queued, so what these tests pin down is that the
@@ -8,7 +8,7 @@ device time (not only the host's), and that TP collectives inside an op are reco
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,10 +40,10 @@ def _matmuls(device: torch.device, n: int = 4096, times: int = 12) -> torch.Tens
 
 
 def _timed_op(device: torch.device, factor: float, with_tp: bool = False) -> tuple[list[tuple[str, int, int, float, float]], float]:
-    from resihp.trainer_hooks import tp_layers
-    from resihp.trainer_hooks.chunk_clock import CudaClock
-    from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
-    from resihp.trainer_hooks.throttle import Throttle
+    from resihp.trainer_hooks.runtime import tp_layers
+    from resihp.trainer_hooks.runtime.chunk_clock import CudaClock
+    from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
+    from resihp.trainer_hooks.runtime.throttle import Throttle
 
     step = PipelineStep(None, None, device, Throttle(factor), {})  # type: ignore[arg-type]
     log = ChunkLog(CudaClock(device))
@@ -97,9 +97,9 @@ def test_tp_collectives_inside_an_op_are_a_tp_chunk_ending_with_it(nccl1: torch.
 
 
 def test_a_runtime_step_on_the_gpu_places_every_chunk_inside_the_step(nccl1: torch.device) -> None:
-    from resihp.coordinator.plan import Plan
-    from resihp.coordinator.spec import preset
-    from resihp.trainer_hooks.runtime import Runtime, TrainConfig
+    from resihp.coordinator.model.plan import Plan
+    from resihp.coordinator.model.spec import preset
+    from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
 
     spec = preset("gpt-tiny")
     rt = Runtime(spec, Plan.uniform(1, 1, 1, spec.num_layers, 4), 0, TrainConfig(seed=1, max_seq_len=128),

@@ -1,8 +1,6 @@
 """``resihp launch``: coordinator + agents + ranks under mpirun (ULFM flags), clean shutdown, no orphans."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import signal
@@ -11,9 +9,10 @@ import sys
 from pathlib import Path
 
 import psutil
-
+import pytest
 from cp_helpers import FAKE_TRAINER, read_jsonl, wait_until
-from resihp.trainer_hooks.launch import ULFM_FLAGS, mpirun_command
+
+from resihp.trainer_hooks.launch.launcher import ULFM_FLAGS, mpirun_command
 
 # Real multi-process jobs (mpirun with ULFM, gloo, gRPC daemons) on a 2-core machine: an
 # infrastructure crash (e.g. Open MPI's ULFM segfaulting a rank at start-up, seen once in five
@@ -96,7 +95,7 @@ def test_launch_ends_a_job_whose_ranks_left_but_hang_in_finalisation(tmp_path: P
 
 
 def test_progress_watch_reports_a_stall_only_after_no_file_grew_for_the_timeout(tmp_path: Path) -> None:
-    from resihp.trainer_hooks.launch import _ProgressWatch
+    from resihp.trainer_hooks.launch.launcher import _ProgressWatch
 
     now = [100.0]
     watch = _ProgressWatch(tmp_path, 30.0, clock=lambda: now[0])
@@ -132,7 +131,7 @@ def test_launch_ends_a_job_whose_ranks_hang_alive(tmp_path: Path) -> None:
 
 
 def test_launch_refuses_a_probe_interval_that_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
-    from resihp.trainer_hooks.launch import main
+    from resihp.trainer_hooks.launch.launcher import main
 
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit) as exc:
@@ -142,7 +141,7 @@ def test_launch_refuses_a_probe_interval_that_cannot_work(capsys: pytest.Capture
 
 
 def test_hostfiles_map_ranks_to_nodes_in_slot_order_and_bad_ones_are_named() -> None:
-    from resihp.trainer_hooks.hostfile import HostfileError, parse_hostfile, rank_nodes, used_hosts
+    from resihp.trainer_hooks.launch.hostfile import HostfileError, parse_hostfile, rank_nodes, used_hosts
 
     hosts = parse_hostfile("# two GPU nodes and a CPU one\nn1 slots=4\nn2 slots=2   # short\n\nn3\n")
     assert [(h.name, h.slots) for h in hosts] == [("n1", 4), ("n2", 2), ("n3", 1)]
@@ -173,7 +172,7 @@ def test_an_agent_started_by_mpirun_names_itself_after_its_hostfile_entry() -> N
 
 
 def test_launch_with_a_hostfile_refuses_what_cannot_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from resihp.trainer_hooks.launch import agents_command, main
+    from resihp.trainer_hooks.launch.launcher import agents_command, main
 
     hosts = tmp_path / "hosts"
     hosts.write_text("a slots=2\nb slots=2\n")
@@ -195,7 +194,7 @@ def test_launch_with_a_hostfile_refuses_what_cannot_work(tmp_path: Path, capsys:
 def test_the_head_address_is_never_a_loopback_the_nodes_cannot_reach(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    from resihp.trainer_hooks.launch import head_address
+    from resihp.trainer_hooks.launch.launcher import head_address
 
     assert head_address("10.1.2.3") == "10.1.2.3"
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from cp_helpers import read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, stop
 

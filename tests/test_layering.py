@@ -12,19 +12,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 PURE = [
-    "resihp.coordinator.spec", "resihp.coordinator.plan", "resihp.coordinator.trace",
-    "resihp.coordinator.costmodel", "resihp.coordinator.schedule", "resihp.coordinator.schedule_orders",
-    "resihp.coordinator.detector", "resihp.coordinator.detector_config", "resihp.coordinator.detector_types",
-    "resihp.coordinator.detector_idle", "resihp.coordinator.detector_probe",
-    "resihp.coordinator.detector_evidence",
-    "resihp.coordinator.detector_model",
-    "resihp.coordinator.detector_program", "resihp.coordinator.cluster", "resihp.coordinator.memory",
-    "resihp.coordinator.planner", "resihp.coordinator.statemachine", "resihp.coordinator.joiner",
-    "resihp.coordinator.plan_audit", "resihp.coordinator.service_audit", "resihp.coordinator.planner_profile",
-    "resihp.coordinator.profile_cli",
-    "resihp.trainer_hooks.layout", "resihp.trainer_hooks.reshard", "resihp.trainer_hooks.checkpoint_format",
-    "resihp.trainer_hooks.hostfile",
-    "resihp.report_data", "resihp.report_summary",
+    "resihp.coordinator.model.spec", "resihp.coordinator.model.plan", "resihp.coordinator.model.trace",
+    "resihp.coordinator.model.costmodel", "resihp.coordinator.schedule.simulator", "resihp.coordinator.schedule.orders",
+    "resihp.coordinator.detector.detector", "resihp.coordinator.detector.config", "resihp.coordinator.detector.verdicts",
+    "resihp.coordinator.detector.idle", "resihp.coordinator.detector.probe",
+    "resihp.coordinator.detector.evidence",
+    "resihp.coordinator.detector.predictor",
+    "resihp.coordinator.detector.program", "resihp.coordinator.model.cluster", "resihp.coordinator.model.memory",
+    "resihp.coordinator.planner.planner", "resihp.coordinator.service.statemachine", "resihp.coordinator.service.joiner",
+    "resihp.coordinator.planner.audit", "resihp.coordinator.service.audit", "resihp.coordinator.planner.profile",
+    "resihp.coordinator.cli.profile",
+    "resihp.trainer_hooks.runtime.layout", "resihp.trainer_hooks.reconfig.reshard", "resihp.trainer_hooks.checkpoint.format",
+    "resihp.trainer_hooks.launch.hostfile",
+    "resihp.report.data", "resihp.report.summary",
     "resihp.sim.engine", "resihp.sim.runner", "resihp.sim.workload",
 ]
 
@@ -64,7 +64,7 @@ def test_agent_never_imports_torch() -> None:
 
 
 def test_blocker_really_blocks() -> None:
-    done = _import_without("torch", ["resihp.trainer_hooks.model"])
+    done = _import_without("torch", ["resihp.trainer_hooks.runtime.model"])
     assert done.returncode != 0 and "layering: torch imported" in done.stderr
 
 

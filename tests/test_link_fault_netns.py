@@ -16,11 +16,11 @@ p50 0.5–1.0 ms, p90 4–8 ms), so the test waits for rank 3 to be healthy befo
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from cp_helpers import read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 

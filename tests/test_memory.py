@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import pytest
 
-from resihp.coordinator.cluster import Cluster, GlobalBatch
-from resihp.coordinator.memory import GiB, MemoryModel, inflight_microbatches, max_layers_fitting, stage_device_bytes
-from resihp.coordinator.plan import Schedule
-from resihp.coordinator.planner import PlannerConfig, evaluate, search_plan
-from resihp.coordinator.planner_cost import Costs, device_layers
-from resihp.coordinator.spec import SpecError, preset
+from resihp.coordinator.model.cluster import Cluster, GlobalBatch
+from resihp.coordinator.model.memory import (
+    GiB,
+    MemoryModel,
+    inflight_microbatches,
+    max_layers_fitting,
+    stage_device_bytes,
+)
+from resihp.coordinator.model.plan import Schedule
+from resihp.coordinator.model.spec import SpecError, preset
+from resihp.coordinator.planner.cost import Costs, device_layers
+from resihp.coordinator.planner.planner import PlannerConfig, evaluate, search_plan
 
 
 def test_mixed_precision_adamw_is_18_bytes_per_param() -> None:

@@ -1,6 +1,6 @@
 """A rank that lets go of its groups wakes the pipeline neighbours blocked on it (real gloo).
 
-Each pair of pipeline neighbours talks on a two-rank group of its own (trainer_hooks/groups.py),
+Each pair of pipeline neighbours talks on a two-rank group of its own (trainer_hooks/runtime/groups.py),
 so a rank that sees a failure and severs its groups closes those connections, and a neighbour
 blocked in a receive from it fails at once instead of waiting out gloo's timeout; it then
 severs its own, and so on down the pipeline. On the default group (before session 8) the

@@ -1,7 +1,7 @@
 """The coordinator audits its own re-plans: a switch that measures slower than the plan it
 replaced is undone, and that fault keeps the layout until it is over.
 
-Pure logic (coordinator/plan_audit.py) and the coordinator's core with its real state
+Pure logic (coordinator/planner/audit.py) and the coordinator's core with its real state
 machine, journal and event log; the engine's planner is replaced by a fixed answer so the
 test controls which switch is made (the real planner's choice is tested elsewhere)."""
 from __future__ import annotations
@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resihp.coordinator import messages as m
-from resihp.coordinator.journal import Journal
-from resihp.coordinator.metrics import Registry
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.plan_audit import WARMUP, WINDOW, PlanAudit
-from resihp.coordinator.service_config import ConfigError, CoordinatorConfig
-from resihp.coordinator.service_core import CoordinatorCore
-from resihp.coordinator.service_engine import EngineDecision, build_header, make_engine
-from resihp.coordinator.spec import preset
-from resihp.coordinator.statemachine import State
-from resihp.coordinator.trace import IterationRecord
 from cp_helpers import read_jsonl
+
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import IterationRecord
+from resihp.coordinator.planner.audit import WARMUP, WINDOW, PlanAudit
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.service.config import ConfigError, CoordinatorConfig
+from resihp.coordinator.service.core import CoordinatorCore
+from resihp.coordinator.service.engine import EngineDecision, build_header, make_engine
+from resihp.coordinator.service.journal import Journal
+from resihp.coordinator.service.metrics import Registry
+from resihp.coordinator.service.statemachine import State
 
 
 # --- the pure audit --------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def test_a_replan_that_pays_off_is_kept_and_audits_can_be_switched_off(tmp_path:
 def test_the_audit_policy_is_validated_and_set_at_run_time(tmp_path: Path) -> None:
     core, _, _ = _core(tmp_path, audit_margin="0.5")
     assert core.policy["audit_margin"] == "0.5" and core.policy["plan_audit"] == "on"
-    from resihp.coordinator.codec import ValidationError
+    from resihp.coordinator.protocol.codec import ValidationError
 
     with pytest.raises(ValidationError, match="policy plan_audit must be 'on' or 'off', got 'maybe'"):
         core.admin.set_policy({"plan_audit": "maybe"})

@@ -8,7 +8,7 @@ planner is made to price links from the demo's configured CPU profile (``profile
 link-slow rank 3 it picks a layout whose DP ring still holds rank 3's link (measured: predicted
 0.556 → 0.449 s, in fact 0.32 → 0.66 s per iteration). With the profile measured from the
 job's own iterations (the default) it does not: tests/test_planner_profile_netns.py.
-The coordinator's plan audit (coordinator/plan_audit.py) compares the new plan's measured
+The coordinator's plan audit (coordinator/planner/audit.py) compares the new plan's measured
 iterations with the old plan's since the finding, finds it slower by more than
 ``audit_margin`` and commands the previous layout back; the ranks switch live, training
 every step once.
@@ -18,11 +18,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from cp_helpers import read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 

@@ -7,16 +7,24 @@ from types import SimpleNamespace
 
 import pytest
 
-from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.planner import PlannerConfig, decide, evaluate, plan_move, search, search_plan, simulate_plan
-from resihp.coordinator.planner_cost import Costs, PipeSig
-from resihp.coordinator.planner_decision import LEVELS
-from resihp.coordinator.planner_exhaustive import Exhaustive
-from resihp.coordinator.planner_search import node_ranges
-from resihp.coordinator.planner_shares import Monotone, allocate_shares
-from resihp.coordinator.planner_split import profile
-from resihp.coordinator.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.planner.cost import Costs, PipeSig
+from resihp.coordinator.planner.decision import LEVELS
+from resihp.coordinator.planner.exhaustive import Exhaustive
+from resihp.coordinator.planner.planner import (
+    PlannerConfig,
+    decide,
+    evaluate,
+    plan_move,
+    search,
+    search_plan,
+    simulate_plan,
+)
+from resihp.coordinator.planner.search import node_ranges
+from resihp.coordinator.planner.shares import Monotone, allocate_shares
+from resihp.coordinator.planner.split import profile
 
 SPEC = preset("llama2-7b")
 BATCH = GlobalBatch(32, 4096)
@@ -169,7 +177,7 @@ def test_halve_variant_splits_the_slow_devices_group() -> None:
 
 
 def test_concentrate_arrangement_keeps_every_pipeline() -> None:
-    from resihp.coordinator.planner_search import Searcher
+    from resihp.coordinator.planner.search import Searcher
 
     spec = ModelSpec("bench-small", 4, 2048, 16, 5504, 32000, gated_mlp=True)
     cluster = Cluster.uniform(2, 8).with_speeds({4: 0.67}).with_failed((12,))
@@ -288,7 +296,7 @@ def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_repl
     # unconstrained search's best mixed TP2 and TP1 replicas, which the runtime (one TP size
     # per layer) cannot run, so the full re-plan was dropped and the decision fell back to
     # dp-shares (0.441 s/iteration instead of 0.370; bench/e2e.py, 2026-12-01)
-    from resihp.coordinator.planner_decision import tp_uniform_per_layer
+    from resihp.coordinator.planner.decision import tp_uniform_per_layer
     from resihp.demo import CPU_CLUSTER
 
     links = {k: v for k, v in CPU_CLUSTER.items() if k != "devices"}

@@ -9,13 +9,17 @@ import random
 
 import pytest
 
-from resihp.coordinator import planner_groups, planner_levels, planner_move, planner_search, planner_tables
-from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
-from resihp.coordinator.memory import MemoryModel
-from resihp.coordinator.plan import PipelinePlan, Plan, RankPosition, Schedule
-from resihp.coordinator.planner import PlannerConfig, clear_memos, decide, plan_move, search
-from resihp.coordinator.planner_groups import cluster_nodes
-from resihp.coordinator.spec import SpecError, preset
+from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.model.memory import MemoryModel
+from resihp.coordinator.model.plan import PipelinePlan, Plan, RankPosition, Schedule
+from resihp.coordinator.model.spec import SpecError, preset
+from resihp.coordinator.planner import groups as planner_groups
+from resihp.coordinator.planner import levels as planner_levels
+from resihp.coordinator.planner import move as planner_move
+from resihp.coordinator.planner import search as planner_search
+from resihp.coordinator.planner import tables as planner_tables
+from resihp.coordinator.planner.groups import cluster_nodes
+from resihp.coordinator.planner.planner import PlannerConfig, clear_memos, decide, plan_move, search
 
 SPEC = preset("llama2-7b")
 BATCH = GlobalBatch(32, 4096)
@@ -149,8 +153,8 @@ class _Line:
 
 
 def test_one_each_shares_equal_the_general_greedy() -> None:
-    from resihp.coordinator.planner_levels import one_each_shares
-    from resihp.coordinator.planner_shares import allocate_shares
+    from resihp.coordinator.planner.levels import one_each_shares
+    from resihp.coordinator.planner.shares import allocate_shares
 
     rng = random.Random(7)
     for trial in range(300):
@@ -245,7 +249,7 @@ def _reference_regroup_spares(plan: Plan, cluster: Cluster
 
 
 def test_regroup_and_rebuild_touch_only_damaged_replicas_as_the_full_walk_does() -> None:
-    from resihp.coordinator.planner_cost import Costs
+    from resihp.coordinator.planner.cost import Costs
 
     rng = random.Random(2)
     base = Cluster.uniform(8, 8)

@@ -1,7 +1,7 @@
-"""The planner's profile measured from healthy iterations (coordinator/planner_profile.py).
+"""The planner's profile measured from healthy iterations (coordinator/planner/profile.py).
 
 Records are synthesised from a known profile through the planner's own formulas
-(planner_cost.py: F and B FLOPs per op, two TP all-reduces per layer per op, one hop per
+(coordinator/planner/cost.py: F and B FLOPs per op, two TP all-reduces per layer per op, one hop per
 P2P, a ring per DP all-reduce, a memory-bound optimizer step); the fitter must give that
 profile back. The engine tests check that only healthy iterations teach it and that the
 policy switch decides which profile prices a plan.
@@ -17,14 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from resihp.coordinator.cluster import Cluster, GlobalBatch
-from resihp.coordinator.planner_cost import PlannerConfig, evaluate
-from resihp.coordinator.costmodel import stage_flops
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.planner_profile import UNBOUNDED_BW, Profile, ProfileFitter, _Transfer, fit_link
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import (ChunkTiming, DeviceInfo, ExitEvent, IterationRecord, PlanChange, Record, TraceHeader,
-                                     read_trace, trace_tail, write_trace)
+from resihp.coordinator.model.cluster import Cluster, GlobalBatch
+from resihp.coordinator.model.costmodel import stage_flops
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import (
+    ChunkTiming,
+    DeviceInfo,
+    ExitEvent,
+    IterationRecord,
+    PlanChange,
+    Record,
+    TraceHeader,
+    read_trace,
+    trace_tail,
+    write_trace,
+)
+from resihp.coordinator.planner.cost import PlannerConfig, evaluate
+from resihp.coordinator.planner.profile import UNBOUNDED_BW, Profile, ProfileFitter, _Transfer, fit_link
 
 SPEC = preset("gpt-tiny")
 TRUE = {"flops": 3.0e9, "bw": 40e6, "lat": 4e-4, "tp_lat": 2.5e-4, "hbm": 1.5e9}
@@ -162,7 +172,7 @@ def test_no_chunks_no_profile() -> None:
 
 # --- the engine --------------------------------------------------------------------------------
 def _engine(plan: Plan):  # type: ignore[no-untyped-def]
-    from resihp.coordinator.service_engine_real import RealEngine
+    from resihp.coordinator.service.engine_real import RealEngine
 
     header = TraceHeader(SPEC, plan, tuple(DeviceInfo(r, f"n{r}") for r in range(4)), tokens_per_microbatch=128)
     links = {"device_flops": 2e9, "intra_node_bw_Bps": INTRA_BW, "inter_node_bw_Bps": 2e9,
@@ -267,7 +277,7 @@ def test_a_restarted_engine_relearns_the_profile_from_the_job_trace() -> None:
     # a trace that is not one (a damaged header) leaves the profile to be measured afresh
     broken = _engine(plan)
     assert broken.warm_start(["not json", *lines[1:]]) == 0 and broken.profile().iterations == 0
-    from resihp.coordinator.service_engine import RuleEngine
+    from resihp.coordinator.service.engine import RuleEngine
     assert RuleEngine(live.header).warm_start(lines) == 0
 
 

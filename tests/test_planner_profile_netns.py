@@ -3,7 +3,7 @@
 The scenario of tests/test_plan_audit_netns.py (four nodes in network namespaces, TP1 × PP2
 × DP2, the fourth node's link shaped to 50 Mbit/s at iteration ≥ 20, re-planning turned on
 just before), with the default ``profile=measured``: the planner's device FLOP/s and link
-speed come from the healthy iterations before the throttle (coordinator/planner_profile.py).
+speed come from the healthy iterations before the throttle (coordinator/planner/profile.py).
 Priced from the configured CPU profile, the planner answers the slow link with DP4, which
 runs 2.1–2.6× slower and is undone; priced from the measured one, its answer must run
 faster than the job did on the slow link, and the plan audit keeps it.
@@ -14,11 +14,11 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from cp_helpers import read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 

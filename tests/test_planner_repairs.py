@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from resihp.coordinator.cluster import Cluster, GlobalBatch
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.planner import PlannerConfig, decide, evaluate
-from resihp.coordinator.planner_decision import apply_finding, expected_remaining_s, residual_life_s
-from resihp.coordinator.spec import preset
+from resihp.coordinator.model.cluster import Cluster, GlobalBatch
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.planner.decision import apply_finding, expected_remaining_s, residual_life_s
+from resihp.coordinator.planner.planner import PlannerConfig, decide, evaluate
 
 SPEC = preset("llama2-70b")
 BATCH = GlobalBatch(64, 4096)
@@ -103,7 +103,7 @@ def test_fail_slow_charges_the_undo(job: tuple[Cluster, Plan]) -> None:
 
 
 def test_detector_reports_cause_per_rank() -> None:
-    from resihp.coordinator.detector import Detector, RankState
+    from resihp.coordinator.detector.detector import Detector, RankState
 
     det = Detector.__new__(Detector)  # only the query methods: state arrays set by hand
     det.index = SimpleNamespace(ranks=[0, 1, 2], pos={0: 0, 1: 1, 2: 2})  # type: ignore[attr-defined]

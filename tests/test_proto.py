@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from resihp.coordinator import codec
-from resihp.coordinator import messages as m
-from resihp.coordinator.codec import ValidationError
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.trace import ChunkTiming
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.trace import ChunkTiming
+from resihp.coordinator.protocol import codec
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.codec import ValidationError
 from resihp.proto import regen
 from resihp.proto import resihp_pb2 as pb
 

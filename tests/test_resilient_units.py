@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from resihp.coordinator import messages as m
-from resihp.coordinator.cluster import Cluster, DeviceState, GlobalBatch
-from resihp.coordinator.journal import Journal
-from resihp.coordinator.metrics import Registry
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.planner_cost import PlannerConfig
-from resihp.coordinator.planner_decision import decide, tp_uniform_per_layer
-from resihp.coordinator.service_config import CoordinatorConfig
-from resihp.coordinator.service_core import CoordinatorCore, TraceSink
-from resihp.coordinator.service_engine import build_header, make_engine
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import load_trace
+from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import load_trace
+from resihp.coordinator.planner.cost import PlannerConfig
+from resihp.coordinator.planner.decision import decide, tp_uniform_per_layer
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.service.config import CoordinatorConfig
+from resihp.coordinator.service.core import CoordinatorCore, TraceSink
+from resihp.coordinator.service.engine import build_header, make_engine
+from resihp.coordinator.service.journal import Journal
+from resihp.coordinator.service.metrics import Registry
 
 
 def test_plan_describe_uniform_and_mixed_layouts() -> None:
@@ -76,7 +76,7 @@ class _Transport:
 
 def _job(plan: Plan, handler: Any) -> Any:
     from resihp.trainer_hooks.hooks import Job
-    from resihp.trainer_hooks.throttle import Throttle
+    from resihp.trainer_hooks.runtime.throttle import Throttle
 
     boot = SimpleNamespace(rank=0, world_size=8, job_start_s=0.0)
     return Job(boot=boot, model=preset("gpt-tiny"), plan=plan, config=None, transport=_Transport(),  # type: ignore[arg-type]
@@ -123,7 +123,7 @@ def replace_epoch(plan: Plan, epoch: int) -> Plan:
 
 
 def test_progress_log_lines_are_json_with_type_and_time(tmp_path: Path) -> None:
-    from resihp.trainer_hooks.resilient import ProgressLog, loss_rank
+    from resihp.trainer_hooks.runtime.resilient import ProgressLog, loss_rank
 
     log = ProgressLog(tmp_path / "run" / "progress.jsonl")
     log.write("step", step=3, loss=4.5, tokens=1024, kind="not-the-type")
@@ -169,7 +169,7 @@ def test_coordinator_trace_marks_the_fail_stop_command_and_records_the_exit(tmp_
 
 
 def test_trace_sink_writes_a_plan_change_just_before_the_first_record_on_the_new_plan(tmp_path: Path) -> None:
-    from resihp.coordinator.trace import IterationRecord, PlanChange
+    from resihp.coordinator.model.trace import IterationRecord, PlanChange
 
     old = Plan.uniform(1, 2, 2, 8, 4)
     new = Plan.uniform(1, 2, 1, 8, 4, )
@@ -192,7 +192,7 @@ def test_trace_sink_places_a_plan_change_where_the_ranks_switched_by_the_records
     """With each record's plan epoch (the joiner's), a switch that came after its apply_at
     (a late command: same replica count, so no shape tells) and a superseded plan that never
     ran are written as they happened."""
-    from resihp.coordinator.trace import IterationRecord, PlanChange
+    from resihp.coordinator.model.trace import IterationRecord, PlanChange
 
     start = Plan.uniform(2, 1, 2, 8, 4)
     tp4 = replace(Plan.uniform(4, 1, 1, 8, 4), epoch=1)
@@ -216,14 +216,14 @@ def test_trace_sink_places_a_plan_change_where_the_ranks_switched_by_the_records
 
 @pytest.mark.parametrize("argv", [["--run-dir", "D", "status"], ["status", "--run-dir", "D"]])
 def test_admin_options_work_before_and_after_the_subcommand(argv: list[str]) -> None:
-    from resihp.coordinator.admin_cli import _parser
+    from resihp.coordinator.cli.admin import _parser
 
     args = _parser().parse_args(argv)
     assert args.run_dir == "D" and args.cmd == "status" and args.timeout == 5.0
 
 
 def test_launch_watch_ends_the_job_on_finish_or_abort(tmp_path: Path) -> None:
-    from resihp.trainer_hooks.launch import _JobFinishedWatch
+    from resihp.trainer_hooks.launch.launcher import _JobFinishedWatch
 
     ev = tmp_path / "events.jsonl"
     ev.write_text(json.dumps({"event": "state", "to": "RUNNING"}) + "\n")
@@ -235,7 +235,7 @@ def test_launch_watch_ends_the_job_on_finish_or_abort(tmp_path: Path) -> None:
 
 
 def _resilience(plan: Plan, transport: Any) -> Any:
-    from resihp.trainer_hooks.resilient import Resilience
+    from resihp.trainer_hooks.runtime.resilient import Resilience
 
     rc = SimpleNamespace(epoch=plan.epoch, members=tuple(range(8)), plan=plan, rank=0, timeout_s=1.0)
     job = SimpleNamespace(_pending=[], transport=transport)
@@ -245,7 +245,7 @@ def _resilience(plan: Plan, transport: Any) -> Any:
 def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_recovery() -> None:
     """A coordinator started with another --microbatches than the script would otherwise halve
     (or double) what each step trains after its first re-plan: the loss curve would change."""
-    from resihp.trainer_hooks.resilient import batch_change
+    from resihp.trainer_hooks.runtime.resilient import batch_change
 
     job_plan = Plan.uniform(1, 2, 2, 8, 8)  # the script's: 8 micro-batches per step
     same = Plan.uniform(1, 1, 2, 8, 8)
@@ -266,7 +266,7 @@ def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_re
 
 
 def test_the_launcher_says_a_layout_mismatch_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from resihp.trainer_hooks.launch import _JobFinishedWatch
+    from resihp.trainer_hooks.launch.launcher import _JobFinishedWatch
 
     ev = tmp_path / "events.jsonl"
     ev.write_text(json.dumps({"event": "layout-mismatch", "rank": 0, "reason": "rank 0 ran 4 micro-batch(es)"}) + "\n")

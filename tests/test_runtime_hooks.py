@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from resihp.coordinator.trace import IterationRecord, load_trace
+from resihp.coordinator.model.trace import IterationRecord, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,17 +7,17 @@ from typing import Any
 import pytest
 import torch
 
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.coordinator.spec import ModelSpec, SpecError, preset
-from resihp.trainer_hooks.data import GlobalBatches, PackedStream, split_documents
-from resihp.trainer_hooks.groups import param_names, pipeline_peers, place_of, rank_sets, shard_holders
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.hooks import Job, parse_throttle_env
-from resihp.trainer_hooks.model import GPTStage, PackedMeta, init_full_tensor, loss_sum
-from resihp.trainer_hooks.pipeline import schedule_1f1b
-from resihp.trainer_hooks.reporter import MemoryTransport
-from resihp.trainer_hooks.runtime import TrainConfig
-from resihp.trainer_hooks.throttle import Throttle
+from resihp.trainer_hooks.reporting.reporter import MemoryTransport
+from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream, split_documents
+from resihp.trainer_hooks.runtime.groups import param_names, pipeline_peers, place_of, rank_sets, shard_holders
+from resihp.trainer_hooks.runtime.model import GPTStage, PackedMeta, init_full_tensor, loss_sum
+from resihp.trainer_hooks.runtime.pipeline import schedule_1f1b
+from resihp.trainer_hooks.runtime.throttle import Throttle
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 SPEC = ModelSpec("unit", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 
@@ -81,7 +81,7 @@ def test_a_packed_document_sees_nothing_of_its_neighbours() -> None:
 def test_parameter_names_and_shapes_follow_the_layout_contract() -> None:
     model = GPTStage(SPEC, 16, (0, 4), True, True)
     names = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    from resihp.trainer_hooks.layout import gpt_tensor_specs
+    from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs
 
     assert names == {s.name: tuple(s.shape) for s in gpt_tensor_specs(SPEC, 16)}
 
@@ -210,8 +210,8 @@ def test_an_op_records_its_time_inside_tp_collectives_as_a_tp_chunk(world1: None
     # a real gloo all-reduce (a world of one) inside an F op: on the wall clock the op's
     # span holds it, and a TP chunk of that time ends where the op ends; CPU-time spans
     # leave waits out already, so they get none
-    from resihp.trainer_hooks import tp_layers
-    from resihp.trainer_hooks.pipeline import ChunkLog, PipelineStep
+    from resihp.trainer_hooks.runtime import tp_layers
+    from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
 
     step = PipelineStep(None, None, torch.device("cpu"), Throttle(), {}, compute_clock=clock)  # type: ignore[arg-type]
     log = ChunkLog()
@@ -240,7 +240,7 @@ def test_compute_probe_takes_its_throttle_and_the_best_round(monkeypatch: pytest
     # the probe's clock (thread CPU time on a CPU) read through a fake that advances 10 ms per
     # round, then 5 ms, then 8 ms: the probe is the best round, stretched by the throttle as
     # a compute chunk is (a 2x sleep throttle: + its duration)
-    from resihp.trainer_hooks import probe as probe_mod
+    from resihp.trainer_hooks.runtime import probe as probe_mod
 
     rounds = iter([0.0, 0.010, 1.0, 1.005, 2.0, 2.008])
     monkeypatch.setattr(probe_mod.time, "thread_time", lambda: next(rounds))

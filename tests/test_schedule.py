@@ -6,10 +6,17 @@ import random
 
 import pytest
 
-from resihp.coordinator.plan import Schedule
-from resihp.coordinator.schedule import (
-    Op, PipelineResult, ReplicaWork, bubble_fraction_1f1b, bubble_fraction_interleaved, bubble_fraction_zb_h1,
-    one_f_one_b_time, simulate_iteration, simulate_pipeline,
+from resihp.coordinator.model.plan import Schedule
+from resihp.coordinator.schedule.simulator import (
+    Op,
+    PipelineResult,
+    ReplicaWork,
+    bubble_fraction_1f1b,
+    bubble_fraction_interleaved,
+    bubble_fraction_zb_h1,
+    one_f_one_b_time,
+    simulate_iteration,
+    simulate_pipeline,
 )
 
 Table = list[list[float]]

@@ -1,13 +1,13 @@
-"""The processor-sharing iteration simulator (coordinator/schedule_shared.py)."""
+"""The processor-sharing iteration simulator (coordinator/schedule/shared_host.py)."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from resihp.coordinator.plan import Schedule
-from resihp.coordinator.schedule import simulate_pipeline
-from resihp.coordinator.schedule_shared import simulate_shared, speed_for
+from resihp.coordinator.model.plan import Schedule
+from resihp.coordinator.schedule.shared_host import simulate_shared, speed_for
+from resihp.coordinator.schedule.simulator import simulate_pipeline
 
 S = Schedule.ONE_F_ONE_B
 

@@ -7,15 +7,14 @@ import random
 
 import pytest
 
-from resihp.coordinator import codec
-from resihp.coordinator import messages as m
-from resihp.coordinator import service_wire as wire
-from resihp.coordinator.codec import ValidationError
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.service_tracefmt import record_line
-from resihp.coordinator.trace import CHUNK_KINDS, ChunkTiming, ExitEvent, IterationRecord, record_to_dict
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.trace import CHUNK_KINDS, ChunkTiming, ExitEvent, IterationRecord, record_to_dict
+from resihp.coordinator.protocol import codec, wire
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.codec import ValidationError
+from resihp.coordinator.service.tracefmt import record_line
 from resihp.proto import resihp_pb2 as pb
-from resihp.trainer_hooks.trace_writer import RankIteration, iteration_line, join_iteration
+from resihp.trainer_hooks.reporting.trace_writer import RankIteration, iteration_line, join_iteration
 
 KINDS = CHUNK_KINDS  # TP included: every kind crosses the wire
 
@@ -24,7 +23,7 @@ def _report(rank: int, it: int, rng: random.Random, n_chunks: int = 27) -> m.Ran
     seqlens = tuple(tuple(rng.randint(1, 128) for _ in range(rng.randint(1, 5))) for _ in range(8))
     chunks = []
     t = 0.0
-    for i in range(n_chunks):
+    for _i in range(n_chunks):
         d = rng.uniform(0.0, 0.02)
         chunks.append(ChunkTiming(rank, rng.choice(KINDS), rng.randint(-1, 7), rng.randint(0, 1), t, t + d))
         t += d
@@ -129,12 +128,12 @@ def test_writer_iteration_line_equals_the_joined_record() -> None:
 
 def test_apply_at_counts_the_iterations_run_since_the_newest_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Reports arrive up to a flush interval late: apply_at extrapolates where the ranks are now."""
-    from resihp.coordinator.journal import Journal
-    from resihp.coordinator.metrics import Registry
-    from resihp.coordinator.service_config import CoordinatorConfig
-    from resihp.coordinator.service_core import CoordinatorCore
-    from resihp.coordinator.service_engine import build_header, make_engine
-    from resihp.coordinator.spec import preset
+    from resihp.coordinator.model.spec import preset
+    from resihp.coordinator.service.config import CoordinatorConfig
+    from resihp.coordinator.service.core import CoordinatorCore
+    from resihp.coordinator.service.engine import build_header, make_engine
+    from resihp.coordinator.service.journal import Journal
+    from resihp.coordinator.service.metrics import Registry
 
     plan = Plan.uniform(1, 2, 1, 8, 8)
     clock = [5000.0]
@@ -159,7 +158,7 @@ def test_apply_at_counts_the_iterations_run_since_the_newest_report(tmp_path) ->
 
 def test_niceness_settings_are_checked() -> None:
     from resihp.agent.daemon import AgentConfig
-    from resihp.coordinator.service_config import ConfigError, CoordinatorConfig, load_config
+    from resihp.coordinator.service.config import ConfigError, CoordinatorConfig, load_config
 
     assert load_config(None, {"RESIHP_COORDINATOR_NICE": "10"}, {}).nice == 10
     with pytest.raises(ConfigError, match="nice must be 0..19"):

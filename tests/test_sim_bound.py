@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from resihp.coordinator import planner
-from resihp.coordinator.cluster import Cluster, DeviceState
-from resihp.coordinator.spec import preset
+from resihp.coordinator.model.cluster import Cluster, DeviceState
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.planner import planner
 from resihp.sim.engine import Simulation
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies import make

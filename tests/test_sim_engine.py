@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from resihp.coordinator.spec import preset
+from resihp.coordinator.model.spec import preset
 from resihp.sim.engine import Phase, Reaction, Simulation, expand
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings

@@ -9,7 +9,13 @@ import pytest
 
 from resihp.sim import scenarios
 from resihp.sim.failures import (
-    LLAMA3_CAUSES, LLAMA3_RATE_PER_GPU_HOUR, FailureTraceError, dump_trace, fail_slows, fail_stops, parse_trace,
+    LLAMA3_CAUSES,
+    LLAMA3_RATE_PER_GPU_HOUR,
+    FailureTraceError,
+    dump_trace,
+    fail_slows,
+    fail_stops,
+    parse_trace,
 )
 from resihp.sim.runner import compare
 from resihp.sim.world import FailSlow, FailStop

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from resihp.coordinator.spec import preset
+from resihp.coordinator.model.spec import preset
 from resihp.sim.engine import RunResult, Simulation
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies import make

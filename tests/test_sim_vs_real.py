@@ -3,8 +3,8 @@ the simulator's perf model, MAPE, and the errors for bad measurements (no mpirun
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import sim_vs_real as svr  # noqa: E402
 
-from resihp.coordinator.spec import SpecError, preset  # noqa: E402
+from resihp.coordinator.model.spec import SpecError, preset  # noqa: E402
 from resihp.sim.perf import JobSpec, PerfModel  # noqa: E402
 from resihp.sim.world import World  # noqa: E402
 

@@ -6,11 +6,11 @@ import threading
 import pytest
 import torch
 
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import ModelSpec, SpecError
-from resihp.trainer_hooks.groups import place_of, retire
-from resihp.trainer_hooks.runtime import Runtime, TrainConfig, build_stage, build_stage_ahead
-from resihp.trainer_hooks.tp_layers import TPContext, bind_tp, pending_tp
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.runtime.groups import place_of, retire
+from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp
+from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig, build_stage, build_stage_ahead
 
 SPEC = ModelSpec("unit", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 CONFIG = TrainConfig(seed=3, max_seq_len=64, lr=1e-3)

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from resihp.coordinator.plan import Plan
-from resihp.trainer_hooks.layout import tensors_of_rank
-from resihp.trainer_hooks.reshard import STATES, plan_reshard
-from resihp.trainer_hooks.transfer import CHECKSUMS, TransferError, _checksum, execute_reshard, prepare_rank
+from resihp.coordinator.model.plan import Plan
+from resihp.trainer_hooks.reconfig.reshard import STATES, plan_reshard
+from resihp.trainer_hooks.reconfig.transfer import CHECKSUMS, TransferError, _checksum, execute_reshard, prepare_rank
+from resihp.trainer_hooks.runtime.layout import tensors_of_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _reshard_worker as W  # noqa: E402

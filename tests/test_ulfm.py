@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from resihp.trainer_hooks.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
+from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
 
 WORKER = Path(__file__).with_name("_ulfm_worker.py")
 MPIRUN = Path(sys.executable).parent / "mpirun"

@@ -7,11 +7,17 @@ import statistics
 import numpy as np
 import pytest
 
-from resihp.coordinator.plan import Plan, Schedule
-from resihp.coordinator.spec import preset
-from resihp.coordinator.trace import ExitEvent, HeartbeatEvent, IterationRecord, read_trace, write_trace
+from resihp.coordinator.model.plan import Plan, Schedule
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord, read_trace, write_trace
 from resihp.sim.workload import (
-    BatchStream, Fault, Noise, WorkloadConfig, make_header, records_list, stdlib_document_lengths,
+    BatchStream,
+    Fault,
+    Noise,
+    WorkloadConfig,
+    make_header,
+    records_list,
+    stdlib_document_lengths,
 )
 from resihp.sim.workload_truth import GroundTruth
 

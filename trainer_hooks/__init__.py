@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(hooks, name)
     if name == "TrainConfig":
-        from resihp.trainer_hooks.runtime import TrainConfig
+        from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
         return TrainConfig
     raise AttributeError(f"module 'resihp.trainer_hooks' has no attribute {name!r}")

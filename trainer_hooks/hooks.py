@@ -15,7 +15,7 @@ reconfiguration) and otherwise refused with a reason in the acknowledgement.
 
 Under ``resihp launch`` (the store outside the trainers) the job is resilient: loop with
 ``for it in job.iterations(steps): job.step(job.train_step(it))`` and a dead peer, a slow
-rank or a readmission is handled inside those calls (trainer_hooks/resilient.py).
+rank or a readmission is handled inside those calls (trainer_hooks/runtime/resilient.py).
 """
 from __future__ import annotations
 
@@ -23,25 +23,26 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any
 
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import ModelSpec, SpecError, preset
-from resihp.coordinator.trace import ChunkTiming
-from resihp.trainer_hooks.agreement import is_agreed_command
-from resihp.trainer_hooks.agreement import is_due as agreed_due
-from resihp.trainer_hooks.bootstrap import STORE_ENV, Bootstrap
-from resihp.trainer_hooks.groups import wait_retired
-from resihp.trainer_hooks.reporter import Transport, connect
-from resihp.trainer_hooks.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
-from resihp.trainer_hooks.reconfigure import group_timeout
-from resihp.trainer_hooks.runtime import Runtime, StepResult, TrainConfig
-from resihp.trainer_hooks.probe import ComputeProbe
-from resihp.trainer_hooks.throttle import Throttle
-from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.model.trace import ChunkTiming
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
+from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
+from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
+from resihp.trainer_hooks.reconfig.live import group_timeout
+from resihp.trainer_hooks.reporting.reporter import Transport, connect
+from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
+from resihp.trainer_hooks.runtime.groups import wait_retired
+from resihp.trainer_hooks.runtime.probe import ComputeProbe
+from resihp.trainer_hooks.runtime.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
+from resihp.trainer_hooks.runtime.throttle import Throttle
+from resihp.trainer_hooks.runtime.trainer import Runtime, StepResult, TrainConfig
 
 log = logging.getLogger(__name__)
 PROBE_ENV = "RESIHP_PROBE_EVERY_S"  # seconds between an idle spare's compute probes
@@ -305,8 +306,8 @@ def init(
         job_obj.progress.write("start", plan=plan.describe(), world=boot.world_size, model=spec.name,
                                tokens_per_microbatch=cfg.budget)
     if resilient:
-        from resihp.trainer_hooks.reconfigure import LiveReconfigurer
-        from resihp.trainer_hooks.ulfm import ft_world
+        from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
+        from resihp.trainer_hooks.reconfig.ulfm import ft_world
 
         assert runtime is not None
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,

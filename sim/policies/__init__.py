@@ -1,7 +1,7 @@
 """Resilience policies the simulator compares. ``make(name, ...)`` builds one by name."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings

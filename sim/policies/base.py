@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
-from resihp.coordinator.plan import Plan, PipelinePlan, even_split
+from resihp.coordinator.model.plan import PipelinePlan, Plan, even_split
 from resihp.sim.engine import Context, Reaction
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.world import FailStop, World, WorldEvent

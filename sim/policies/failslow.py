@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from resihp.coordinator.plan import Plan
+from resihp.coordinator.model.plan import Plan
 from resihp.sim.detection import oracle_for
 from resihp.sim.engine import Phase, Reaction
 from resihp.sim.perf import JobSpec, PerfModel

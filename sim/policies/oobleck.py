@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from resihp.coordinator.plan import Plan
+from resihp.coordinator.model.plan import Plan
 from resihp.sim.engine import Phase, Reaction
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings, best_shares, node_ranks, pipeline_from_nodes

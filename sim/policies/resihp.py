@@ -3,7 +3,7 @@
 Nothing of resihp's logic lives here; this adapter only does what the coordinator does in
 a real run:
 
-- **Detection.** Delays come from running ``resihp.coordinator.detector`` on realistic
+- **Detection.** Delays come from running ``resihp.coordinator.detector.detector`` on realistic
   simulated timings (sim/detection.py): a process exit is confirmed when it arrives, a
   silent node after the heartbeat timeout, a fail-slow after the iterations the detector
   needs on the slowed job (times the job's slowed iteration time), a recovery likewise.
@@ -13,7 +13,7 @@ a real run:
   1/estimated factor; a communication fail-slow gives a link-slow node's devices that link
   slowdown factor (their compute stays 1.0); a fail-stop marks them failed; a recovery or a
   repair clears them. A recovery is seen by the iterations of ranks the plan uses; ranks it
-  left idle are judged by their compute probes (``coordinator/detector_probe.py``), one every
+  left idle are judged by their compute probes (``coordinator/detector/probe.py``), one every
   ``probe_every_s`` (the hooks' default, 30 s), with the detector's rules: a probe above
   ``1 + probe_threshold`` renews the verdict, ``recover_iters`` probes in a row at or below
   it are a recovery; a compute fail-slow that starts on idle ranks is found by
@@ -21,7 +21,7 @@ a real run:
   lapses ``DetectorConfig.spare_verdict_s`` after it was given, into a recovery (the
   detector's ``tick``); if the fault is still on and the new plan uses the ranks, the
   detector finds them again.
-- **Decision.** ``resihp.coordinator.planner.decide(cluster, model, batch, current,
+- **Decision.** ``resihp.coordinator.planner.planner.decide(cluster, model, batch, current,
   finding, now, config)`` on that view. If it acts, the job pauses for the decision's
   ``move_s`` (state moved / link bandwidth) plus the regroup latency, then runs the new
   plan. Throughput is always the simulator's own truth for that plan on the true world,
@@ -38,10 +38,10 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from resihp.coordinator.detector import Finding
-from resihp.coordinator.detector_config import DetectorConfig
-from resihp.coordinator.detector_probe import ProbeBook, is_slow_probe, judge_probe
-from resihp.coordinator.spec import SpecError
+from resihp.coordinator.detector.config import DetectorConfig
+from resihp.coordinator.detector.detector import Finding
+from resihp.coordinator.detector.probe import ProbeBook, is_slow_probe, judge_probe
+from resihp.coordinator.model.spec import SpecError
 from resihp.sim import detection
 from resihp.sim.detection import DetectionOracle
 from resihp.sim.engine import Phase, Reaction
@@ -61,12 +61,12 @@ def oracle_for(job: JobSpec) -> DetectionOracle:
 
 class ResiHP(Policy):
     name = "resihp"
-    source = "ResiHP (arXiv:2605.06374); real resihp.coordinator.detector + resihp.coordinator.planner"
+    source = "ResiHP (arXiv:2605.06374); real resihp.coordinator.detector.detector + resihp.coordinator.planner.planner"
 
     def __init__(self, job: JobSpec, perf: PerfModel, settings: Settings | None = None,
                  oracle: DetectionOracle | None = None, planner_config: Any = None) -> None:
         super().__init__(job, perf, settings)
-        from resihp.coordinator import planner
+        from resihp.coordinator.planner import planner
 
         self._planner = planner
         self.config = planner_config if planner_config is not None else self._default_config()
@@ -90,7 +90,7 @@ class ResiHP(Policy):
     def _default_config(self) -> Any:
         cfg_cls = getattr(self._planner, "PlannerConfig", None)
         if cfg_cls is None:
-            from resihp.coordinator.planner_cost import PlannerConfig
+            from resihp.coordinator.planner.cost import PlannerConfig
 
             cfg_cls = PlannerConfig
         return cfg_cls()

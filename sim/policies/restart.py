@@ -17,7 +17,7 @@
 """
 from __future__ import annotations
 
-from resihp.coordinator.plan import Plan
+from resihp.coordinator.model.plan import Plan
 from resihp.sim.engine import Phase, Reaction
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings, Spares, shrink_plan

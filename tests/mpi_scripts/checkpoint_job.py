@@ -21,17 +21,22 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, gather_full, set_threads
-from resihp.coordinator.plan import Plan
-from resihp.trainer_hooks.bootstrap import Bootstrap
-from resihp.trainer_hooks.checkpoint import (
-    AsyncCheckpointer, latest_checkpoint, list_checkpoints, load_full, load_into, restore_live,
+
+from resihp.coordinator.model.plan import Plan
+from resihp.trainer_hooks.checkpoint.format import writer_assignment
+from resihp.trainer_hooks.checkpoint.saver import (
+    AsyncCheckpointer,
+    latest_checkpoint,
+    list_checkpoints,
+    load_full,
+    load_into,
+    restore_live,
 )
-from resihp.trainer_hooks.checkpoint_format import writer_assignment
-from resihp.trainer_hooks.groups import destroy_groups
-from resihp.trainer_hooks.layout import gpt_tensor_specs
-from resihp.trainer_hooks.reconfigure import LiveReconfigurer
+from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
+from resihp.trainer_hooks.runtime.groups import destroy_groups
+from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs
 
 L = SPEC.num_layers
 STEPS, EVERY, CRASH_AFTER = 7, 2, 4  # saves after steps 1 and 3; the crash loses step 4

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from resihp.coordinator.plan import Plan, PipelinePlan
-from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.bootstrap import Bootstrap
-from resihp.trainer_hooks.groups import destroy_groups, make_groups
-from resihp.trainer_hooks.runtime import Runtime, TrainConfig
-from resihp.trainer_hooks.throttle import Throttle
-from resihp.trainer_hooks.trace_writer import RankIteration, TraceCollector, make_header
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
+from resihp.trainer_hooks.runtime.groups import destroy_groups, make_groups
+from resihp.trainer_hooks.runtime.throttle import Throttle
+from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
 
 SPEC = ModelSpec("gpt-eq", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 GLOBAL_MB = 8

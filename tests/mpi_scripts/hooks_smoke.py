@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 import resihp.trainer_hooks as hooks
-from resihp.coordinator.plan import Plan
-from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.runtime import TrainConfig
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 SPEC = ModelSpec("gpt-smoke", num_layers=2, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 

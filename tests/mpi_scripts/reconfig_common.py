@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from resihp.coordinator.spec import ModelSpec
-from resihp.trainer_hooks.layout import TensorSpec, tensors_of_rank
-from resihp.trainer_hooks.reconfigure import LiveReconfigurer, optimizer_steps, runtime_shards
-from resihp.trainer_hooks.runtime import TrainConfig
+from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, optimizer_steps, runtime_shards
+from resihp.trainer_hooks.runtime.layout import TensorSpec, tensors_of_rank
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 SPEC = ModelSpec("gpt-reconf", num_layers=8, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 CONFIG = TrainConfig(seed=7, max_seq_len=32, lr=3e-3)
@@ -115,8 +116,8 @@ def report_and_exit(out: str, rank: int, report: dict[str, Any]) -> NoReturn:
 def reference_losses(comm: Any, store: str, plan: Any, steps: int) -> list[float | None]:
     """Every step's global loss of an uninterrupted run of ``plan`` in epoch 0 of this world (the
     reference a resilient run is compared with), known on every rank; its groups are released."""
-    from resihp.trainer_hooks.groups import destroy_groups
-    from resihp.trainer_hooks.reconfigure import init_world
+    from resihp.trainer_hooks.reconfig.live import init_world
+    from resihp.trainer_hooks.runtime.groups import destroy_groups
 
     init_world(store, 0, comm.Get_rank(), comm.Get_size(), 120.0)
     ref = LiveReconfigurer(SPEC, plan, comm.Get_rank(), CONFIG, store, timeout_s=120.0)

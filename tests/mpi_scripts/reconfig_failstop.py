@@ -21,16 +21,15 @@ import sys
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from mpi4py import MPI
-
 from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, gather_full, report_and_exit, set_threads
-from resihp.coordinator.plan import Plan
-from resihp.trainer_hooks.groups import destroy_groups
-from resihp.trainer_hooks.reconfigure import LiveReconfigurer, init_world
-from resihp.trainer_hooks.reconfigure_ft import StepGuard, recover
-from resihp.trainer_hooks.ulfm import STORE_ENV, ft_world, is_peer_failure
+
+from resihp.coordinator.model.plan import Plan
+from resihp.trainer_hooks.reconfig.failstop import StepGuard, recover
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, init_world
+from resihp.trainer_hooks.reconfig.ulfm import STORE_ENV, ft_world, is_peer_failure
+from resihp.trainer_hooks.runtime.groups import destroy_groups
 
 GLOO_TIMEOUT_S = 5.0
 END_TAG = 4242

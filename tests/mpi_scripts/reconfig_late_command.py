@@ -22,12 +22,20 @@ import sys
 from dataclasses import replace
 
 from reconfig_common import (
-    GLOBAL_MB, SPEC, ScriptedAgent, reference_losses, report_and_exit, set_threads, start_resilient, train_records,
+    GLOBAL_MB,
+    SPEC,
+    ScriptedAgent,
+    reference_losses,
+    report_and_exit,
+    set_threads,
+    start_resilient,
+    train_records,
 )
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import Plan
-from resihp.trainer_hooks.bootstrap import STORE_ENV
-from resihp.trainer_hooks.ulfm import ft_world
+
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.launch.bootstrap import STORE_ENV
+from resihp.trainer_hooks.reconfig.ulfm import ft_world
 
 STEPS = 14
 LATE_AT, LATE_ARRIVES = 4, 6

@@ -17,15 +17,14 @@ import json
 import sys
 from pathlib import Path
 
-from mpi4py import MPI
-
 from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, gather_full, set_threads, step_samples
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.trainer_hooks.bootstrap import Bootstrap
-from resihp.trainer_hooks.groups import destroy_groups
+
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.hooks import Job
-from resihp.trainer_hooks.reconfigure import LiveReconfigurer
+from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
+from resihp.trainer_hooks.runtime.groups import destroy_groups
 
 L = SPEC.num_layers
 STEPS = 56  # the issue asks for loss curves over >= 50 steps through the switches

@@ -25,12 +25,13 @@ from dataclasses import replace
 from typing import Any
 
 from reconfig_common import CONFIG, GLOBAL_MB, SPEC, reference_losses, report_and_exit, set_threads
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import PipelinePlan, Plan
+
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks import hooks
-from resihp.trainer_hooks import reconfigure as reconfigure_mod
-from resihp.trainer_hooks.bootstrap import STORE_ENV
-from resihp.trainer_hooks.ulfm import ft_world
+from resihp.trainer_hooks.launch.bootstrap import STORE_ENV
+from resihp.trainer_hooks.reconfig import live as reconfigure_mod
+from resihp.trainer_hooks.reconfig.ulfm import ft_world
 
 STEPS = 12
 KILL_IN_FORWARD = (3, 5)  # step, rank

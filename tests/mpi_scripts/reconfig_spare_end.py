@@ -18,11 +18,18 @@ import sys
 from dataclasses import replace
 
 from reconfig_common import (
-    GLOBAL_MB, SPEC, ScriptedAgent, report_and_exit, set_threads, start_resilient, train_records,
+    GLOBAL_MB,
+    SPEC,
+    ScriptedAgent,
+    report_and_exit,
+    set_threads,
+    start_resilient,
+    train_records,
 )
-from resihp.coordinator import messages as m
-from resihp.coordinator.plan import PipelinePlan, Plan
-from resihp.trainer_hooks.ulfm import ft_world
+
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.reconfig.ulfm import ft_world
 
 STEPS = 12
 EXCLUDE_AT, MEMBERS_GET, READMIT_AT = 3, STEPS - 3, STEPS + 5

@@ -1,0 +1,88 @@
+"""The detector's options (``DetectorConfig``): thresholds, persistence, calibration,
+and the evidence it judges. Every option is validated with a message that names it;
+``docs/detector.md`` has the table. Pure: no torch, grpc or MPI."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """Thresholds are relative excess of observed over predicted time."""
+
+    slow_threshold: float = 0.05  # compute: median op ratio above 1.05 makes a suspect
+    comm_threshold: float = 0.05  # links: smallest P2P ratio over the rank's cross-node directions
+    dp_threshold: float = 0.20  # a DP ring alone (one noisy all-reduce per iteration)
+    step_threshold: float = 0.06  # rank_step_s evidence
+    iteration_threshold: float = 0.10  # iteration-time-only evidence
+    # an idle rank's compute probe against the other ranks' probes (coordinator/detector/probe.py): above
+    # 1 + this is a slow probe, at or below it a normal one
+    probe_threshold: float = 0.10
+    confirm_iters: int = 2  # consecutive suspect iterations that make a finding
+    recover_threshold: float = 0.03  # below this excess an iteration counts as normal again
+    recover_iters: int = 3
+    warmup_iters: int = 8  # healthy iterations the cost model sees before judging any
+    refit_every: int = 100  # iterations between refit rounds of the cost model (one key per iteration)
+    calib_every: int = 4  # after warm-up, learn from every calib_every-th iteration
+    calib_window: int = 192  # samples kept per cost key
+    calib_samples_per_key: int = 4  # TP groups sampled per key from each calibrating post-warm-up iteration
+    # learning iterations of a key whose work changed with a plan change. 8 as warmup_iters: even
+    # at one micro-batch per iteration that is min_samples, and one odd iteration is 1/8 of a robust fit
+    rewarm_iters: int = 8
+    heartbeat_timeout_s: float = 30.0
+    # how long the slow verdict of a rank a re-plan left out stands when nothing observes it (a
+    # rank that does not probe, or one slow because of its links): Greyhound's mean compute
+    # fail-slow lasts 10 minutes. After it the next re-plan may use the rank again and its
+    # timings judge it afresh; a slow probe renews the verdict; `resihp admin readmit` ends it
+    spare_verdict_s: float = 600.0
+    # False: judge compute only. For jobs whose P2P timings include waiting for the sender
+    # (CPU / gloo over loopback): a slow rank's neighbours would otherwise look link-slow
+    link_detection: bool = True
+    # judge compute against the iteration's peers where they all run faster than the model
+    # predicts: on shared CPUs a throttled rank hands its share of the cores to its peers,
+    # so the calibration (made while all competed) flatters everyone else and the sick rank
+    # shows only part of its slowdown (docs/detector.md, "Peer-relative compute")
+    peer_relative: bool = False
+    # with peer_relative, also divide away a slowdown common to the peers: on a shared host
+    # co-tenant load slows every rank at once, which no re-plan can route around
+    peer_common_slowdown: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold",
+                     "probe_threshold"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 10):
+                raise ValueError(f"DetectorConfig.{name} must be a relative excess in (0, 10), e.g. 0.05 for 5 %; got {v!r}")
+        if not (0 <= self.recover_threshold <= self.slow_threshold):
+            raise ValueError(
+                f"DetectorConfig.recover_threshold ({self.recover_threshold}) must be in [0, slow_threshold "
+                f"({self.slow_threshold})]: a rank cannot count as recovered while it still looks slow"
+            )
+        for name in ("confirm_iters", "recover_iters", "warmup_iters", "refit_every", "calib_every",
+                     "calib_samples_per_key", "rewarm_iters"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("link_detection", "peer_relative", "peer_common_slowdown"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DetectorConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.peer_common_slowdown and not self.peer_relative:
+            raise ValueError("DetectorConfig.peer_common_slowdown needs peer_relative: it changes how compute is "
+                             "judged against the peers; turn both on, or both off")
+        if not isinstance(self.calib_window, int) or self.calib_window < 16:
+            raise ValueError(f"DetectorConfig.calib_window must be an integer >= 16, got {self.calib_window!r}")
+        if not (isinstance(self.spare_verdict_s, (int, float)) and self.spare_verdict_s > 0):
+            raise ValueError(f"DetectorConfig.spare_verdict_s must be > 0 seconds, got {self.spare_verdict_s!r}")
+        if not (math.isfinite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0):
+            raise ValueError(f"DetectorConfig.heartbeat_timeout_s must be > 0 seconds, got {self.heartbeat_timeout_s!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DetectorConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"DetectorConfig: unknown option(s) {unknown}; known options are {sorted(known)}")
+        return cls(**dict(data))

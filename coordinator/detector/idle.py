@@ -1,0 +1,135 @@
+"""The detector's verdicts on ranks the plan does not use (spares, excluded ranks).
+
+Nothing the detector normally reads observes an idle rank, so its verdict is kept (a
+still-slow device is not handed back to the next re-plan as healthy), judged afresh by the
+rank's compute probes (``detector_probe``), ended by an operator (``readmit``), or, where no
+probe can judge it, left to lapse after ``DetectorConfig.spare_verdict_s``. ``Detector``
+inherits this; it is split out only to keep modules small. Pure.
+"""
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from resihp.coordinator.detector.config import DetectorConfig
+from resihp.coordinator.detector.evidence import PlanIndex
+from resihp.coordinator.detector.probe import ProbeBook, check_probe, is_slow_probe, judge_probe
+from resihp.coordinator.detector.verdicts import Finding, RankState
+
+
+class IdleRankVerdicts:
+    # the detector's state this part reads and writes (set by Detector.__init__)
+    config: DetectorConfig
+    index: PlanIndex
+    _nodes: dict[int, str]
+    _state: dict[int, RankState]
+    _factor: dict[int, float]
+    _cause: dict[int, str]
+    _slow_at: dict[int, float]
+    _lapsed: list[tuple[int, float]]
+    _now: float
+    _last_iter: int
+    _probes: ProbeBook
+    state: npt.NDArray[np.int64]  # RankState of every rank of the plan, by PlanIndex position
+
+    def observe_probe(self, rank: int, probe_s: float, now: float) -> list[Finding]:
+        """An idle rank's compute probe (``detector_probe``): a fail-slow finding when a healthy
+        idle rank's probes turn slow, a recovered one when a slow idle rank's turn normal; a
+        slow probe renews the rank's verdict. A rank of the plan only refreshes the reference
+        (its iterations judge it). Raises ValueError on an unknown rank or a bad duration."""
+        check_probe(rank, probe_s, self._nodes)
+        if rank in self.index.pos:
+            # a rank of the plan (every rank's start-up probe, thousands at once): recorded for
+            # the reference only, in O(1); its iterations judge it
+            self._probes.record(rank, probe_s)
+            return []
+        self._set_clock(now)
+        # no _sync_out: copying 16K ranks' states per probe was most of its cost
+        state = self._state.get(rank, RankState.HEALTHY)
+        got = self._probes.read(rank, probe_s, self._unreliable())
+        if got.ratio is None or state == RankState.DEAD:
+            self._probes.forget_runs(rank)
+            return []
+        if state == RankState.SLOW and self._cause.get(rank) == "communication":
+            return []  # a compute probe says nothing of links: the lapse decides
+        slow = is_slow_probe(got.ratio, self.config)
+        run = self._probes.count(rank, slow)
+        evidence = {"probe_s": got.probe_s, "reference_s": float(got.reference_s or 0.0), "ratio": got.ratio,
+                    "probes": float(run)}
+        action = judge_probe(state == RankState.SLOW, slow, run, self.config)
+        if action == "renew":  # and its factor
+            self._slow_at[rank], self._factor[rank] = self._now, got.ratio
+        if action == "recovered":
+            self._forget(rank)
+            self._probes.forget_runs(rank)
+            return [Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "compute",
+                            f"idle rank {rank} recovered: its last {run} compute probes ran at x{got.ratio:.2f} of "
+                            f"the other ranks' (threshold x{1 + self.config.probe_threshold:.2f})", evidence, now)]
+        if action != "fail-slow":
+            return []
+        self._state[rank], self._factor[rank], self._cause[rank] = RankState.SLOW, got.ratio, "compute"
+        self._slow_at[rank] = self._now
+        self._probes.forget_runs(rank)
+        return [Finding(self._last_iter, "fail-slow", (rank,), None, None, None, got.ratio, "compute",
+                        f"idle rank {rank} is compute-slow: its last {run} compute probes ran at x{got.ratio:.2f} of "
+                        f"the other ranks' (threshold x{1 + self.config.probe_threshold:.2f})", evidence, now)]
+
+    def probe_ratios(self) -> dict[int, float]:
+        """Every probed rank's latest probe over the median latest probe of the ranks not
+        judged slow or dead (for operators: ``resihp admin status``); one median for all."""
+        return self._probes.ratios(self._unreliable())
+
+    def _unreliable(self) -> set[int]:
+        """Ranks judged slow or dead, whose probes do not say what healthy is. An idle rank's
+        state lives in the dicts, a rank of the plan's in the arrays."""
+        bad = {self.index.ranks[i] for i in np.flatnonzero(self.state >= int(RankState.SLOW))}
+        bad.update(r for r in self._idle() if self._state.get(r, RankState.HEALTHY) >= RankState.SLOW)
+        return bad
+
+    def _left_slow(self) -> dict[int, tuple[float, bool]]:
+        """Ranks confirmed slow that the plan no longer uses (spares, excluded): factor and
+        whether the cause was communication. Nothing observes them any more, so their last
+        verdict stands — forgetting it would hand a still slow device back to the next re-plan
+        as a healthy one — until an operator readmits the rank (``readmit``) or it lapses
+        (``_set_clock``)."""
+        state = self._state
+        return {r: (max(1.0, self._factor.get(r, 1.0)), self._cause.get(r) == "communication")
+                for r in self._idle() if state.get(r) == RankState.SLOW}
+
+    def _idle(self) -> set[int]:
+        """The job's ranks the plan does not use (a set difference: cheap at 16K ranks)."""
+        return self._nodes.keys() - self.index.pos.keys()
+
+    def _set_clock(self, now: float) -> None:
+        """Move the detector's clock: a left-out rank's verdict lapses ``spare_verdict_s``
+        after it was given (a fail-slow's expected duration), queued for ``tick`` to report
+        as a recovery; a plan that uses the rank again lets its own timings judge it."""
+        self._now = max(self._now, now)
+        for r in self._left_slow():
+            age = self._now - self._slow_at.get(r, self._now)
+            if age >= self.config.spare_verdict_s:
+                self._forget(r)
+                self._lapsed.append((r, age))
+
+    def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
+        return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
+                       f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "
+                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle and no "
+                       "compute probe renewed it; a plan that uses it again lets its timings judge it",
+                       {"verdict_age_s": age}, now)
+
+    def _forget(self, rank: int) -> None:
+        self._state[rank] = RankState.HEALTHY
+        self._factor[rank] = 1.0
+        self._cause.pop(rank, None)
+        self._slow_at.pop(rank, None)
+
+    def readmit(self, rank: int) -> bool:
+        """Forget the slow verdict of a rank outside the plan (an operator's readmission: the
+        device was repaired or the fault is over); True if there was one. A rank in the plan
+        recovers through its own timings (the ``recovered`` finding) instead."""
+        if rank not in self._left_slow():
+            return False
+        self._forget(rank)
+        return True
+

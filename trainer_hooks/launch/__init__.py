@@ -1,0 +1,3 @@
+"""Starting a job: ``resihp launch`` (launcher), Open MPI hostfiles (hostfile: pure) and the
+MPI bootstrap into torch.distributed (bootstrap).
+"""

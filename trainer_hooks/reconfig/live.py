@@ -1,0 +1,395 @@
+"""Live reconfiguration: switch a running job to a new Plan at a step boundary.
+
+All ranks of the world call ``LiveReconfigurer.apply(new_plan, epoch)`` at the same
+iteration boundary (the hooks do so when a ``ReconfigCommand`` reaches its ``apply_at``).
+One switch is:
+
+1. **regroup** — the default torch.distributed group is rebuilt for the new epoch under a
+   fresh store prefix ``resihp/epoch{N}/`` (no key of an older epoch is read again);
+2. **reshard** — ``plan_reshard`` + ``start_reshard`` move parameters and AdamW's
+   ``exp_avg`` / ``exp_avg_sq`` to their owners under the new plan on that group; while
+   the pieces are on the wire the new plan's TP/DP/loss groups are created (that waits on
+   peers, not on the CPU); the step count is a scalar every member held, agreed with one
+   all-reduce (MAX), so a readmitted spare gets it too;
+3. **rebuild** — a new ``Runtime`` (stage module built ahead, AdamW) is bound to those
+   groups and loaded with the received shards; the data stream is carried over.
+
+A rank that the new plan leaves out (``plan.spares``, or simply absent) stays in the world
+as a spare: it holds no state, still joins every group creation (torch numbers groups by a
+per-process counter, so every rank must create every group) and can be readmitted by a
+later plan through the same path.
+
+Plans speak *logical* ranks (job-wide identities). ``members`` lists the logical ranks of
+the current world in process-group order; after a fail-stop shrink (reconfigure_ft) the
+world is smaller and a logical rank's group rank changes. The runtime itself is built on
+the plan renumbered into group ranks (``renumber``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.reconfig.reshard import STATES, ReshardPlan, plan_reshard
+from resihp.trainer_hooks.reconfig.transfer import Shards, prepare_rank, start_reshard
+from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
+from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
+from resihp.trainer_hooks.runtime.throttle import Throttle
+from resihp.trainer_hooks.runtime.trainer import Runtime, StageAhead, StepResult, TrainConfig, build_stage_ahead
+
+log = logging.getLogger(__name__)
+
+
+def renumber(plan: Plan, mapping: Mapping[int, int]) -> Plan:
+    """``plan`` with every rank ``r`` replaced by ``mapping[r]`` (logical ↔ group ranks)."""
+    missing = sorted(r for r in (*plan.ranks(), *plan.spares) if r not in mapping)
+    if missing:
+        raise SpecError(f"reconfigure: ranks {missing} of the plan are not in the current world {sorted(mapping)}")
+    reps = tuple(
+        PipelinePlan(tuple(tuple(mapping[r] for r in g) for g in rep.stages), rep.layers, rep.microbatches)
+        for rep in plan.replicas
+    )
+    return replace(plan, replicas=reps, spares=tuple(mapping[r] for r in plan.spares))
+
+
+def _stage_key(place: StagePlace) -> tuple[Any, ...]:
+    """What a stage module's structure depends on."""
+    return (place.layer_range, place.first, place.last, place.tp_index, place.tp_size)
+
+
+def runtime_shards(rt: Runtime, *, clone: bool = False) -> Shards:
+    """state → layout name → this rank's shard (parameters and AdamW moments)."""
+    params = rt.shards()
+    out: Shards = {"param": {n: (p.clone() if clone else p) for n, p in params.items()}}
+    opt = rt.optimizer_state()
+    if all("exp_avg" in opt[n] for n in params):
+        for s in ("exp_avg", "exp_avg_sq"):
+            out[s] = {n: (opt[n][s].clone() if clone else opt[n][s]) for n in params}
+    return out
+
+
+def optimizer_steps(rt: Runtime | None) -> float:
+    """AdamW's step count on this rank (0 before the first step, or on a spare)."""
+    if rt is None:
+        return 0.0
+    for st in rt.optimizer_state().values():
+        if "step" in st:
+            return float(st["step"])
+    return 0.0
+
+
+@torch.no_grad()
+def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
+    """Put received shards into ``rt``'s parameters and AdamW state (``step`` = AdamW's count)."""
+    step_t = torch.tensor(step, dtype=torch.float32)
+    moments = "exp_avg" in shards and step > 0
+    state = rt.optimizer.state
+    for name, p in rt.parameters().items():
+        got = shards["param"][name]
+        if got.shape == p.shape and got.dtype == p.dtype and got.device == p.device and got.is_contiguous():
+            p.data = got  # the received (or kept) tensor becomes the parameter: no copy
+        else:
+            p.copy_(got)
+        if moments:
+            # AdamW keeps the step as a float32 scalar tensor (capturable=False on CPU), one per
+            # parameter (it adds to each); the received shards are fresh tensors this rank owns
+            m, v = shards["exp_avg"][name], shards["exp_avg_sq"][name]
+            state[p] = {"step": step_t.clone(),
+                        "exp_avg": m if m.device == p.device else m.to(p.device),
+                        "exp_avg_sq": v if v.device == p.device else v.to(p.device)}
+
+
+@contextlib.contextmanager
+def group_timeout(timeout_s: float | None) -> Iterator[None]:
+    """Sub-groups made inside get ``timeout_s`` (torch's ``new_group`` default for gloo is 30 min,
+    far too long to notice a dead peer; groups.make_groups has no timeout argument yet)."""
+    if timeout_s is None:
+        yield
+        return
+    saved = c10d.default_pg_timeout
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout = saved
+
+
+def connect_store(store_addr: str, timeout_s: float) -> Any:
+    """A client of the job's TCPStore (hosted outside the trainers) at ``host:port``."""
+    host, _, port = store_addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise SpecError(f"reconfigure: store address {store_addr!r} is not host:port")
+    if "GLOO_SOCKET_IFNAME" not in os.environ and host in ("127.0.0.1", "localhost"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout_s, 30.0))
+    )
+
+
+def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: float, backend: str = "gloo") -> None:
+    """(Re)create the default process group of ``size`` ranks under ``resihp/epoch{epoch}/``.
+
+    ``store``: a TCPStore client, or its ``host:port`` (then a new client is made)."""
+    if dist.is_initialized():
+        # the old group's destructor waits ~20 ms for its threads and peers: hold the last
+        # reference past destroy_process_group and let it go on the retire thread
+        old = c10d._get_default_group()
+        dist.destroy_process_group()
+        retire(old)
+        del old
+    if isinstance(store, str):
+        store = connect_store(store, timeout_s)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"resihp/epoch{epoch}/", store),  # type: ignore[attr-defined]
+        rank=rank, world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+@dataclass
+class ReconfigReport:
+    """What one switch did on this rank (times in seconds, on this rank's clock)."""
+
+    epoch: int
+    role: str  # "member" | "spare"
+    regroup_s: float = 0.0  # new default group
+    reshard_s: float = 0.0  # step agreement + transfers (the new plan's sub-groups are made while they fly)
+    rebuild_s: float = 0.0  # new Runtime on those groups + load
+    bytes_moved: int = 0  # job-wide, over the network
+    bytes_local: int = 0
+    downtime_s: float = 0.0  # apply() entered -> this rank holds its new state and groups
+    reshard: ReshardPlan | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "reshard"}
+
+
+class LiveReconfigurer:
+    """One rank's runtime that can switch plans live. Every rank of the world holds one.
+
+    ``rank``: this process's logical rank; ``members``: logical ranks of the world in group
+    order (default: ``range(world)``, identity numbering); ``store_addr``: ``host:port`` of
+    the job's TCPStore (``Bootstrap.info().store_addr``). The default group of the current
+    world must exist (``Bootstrap.init_epoch`` or ``init_world``). Given ``runtime`` (e.g.
+    ``job.runtime``) it is adopted; otherwise the runtime, or a spare's share of the group
+    creation, is built here — collectively, so every rank constructs its reconfigurer at the
+    same point. ``epoch``: the current plan epoch (default ``plan.epoch``).
+    ``timeout_s``: of the default group (and the reshard's messages); ``group_timeout_s``:
+    of the TP/DP/loss sub-groups (None: torch's default, 30 min for gloo) — keep both short
+    where a rank may die.
+    """
+
+    def __init__(
+        self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, store_addr: str, *,
+        members: Sequence[int] | None = None, runtime: Runtime | None = None, throttle: Throttle | None = None,
+        timeout_s: float = 60.0, group_timeout_s: float | None = None, backend: str = "gloo",
+        epoch: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.rank = rank
+        self.store_addr = store_addr
+        self.members: tuple[int, ...] = tuple(members if members is not None else range(dist.get_world_size()))
+        self.timeout_s = timeout_s
+        self.group_timeout_s = group_timeout_s
+        self.backend = backend
+        self.throttle = throttle or Throttle()
+        self.specs: list[TensorSpec] = gpt_tensor_specs(spec, config.max_seq_len)
+        self.plan = plan
+        self.epoch = plan.epoch if epoch is None else epoch
+        self.history: list[ReconfigReport] = []
+        self._prepared: dict[Any, ReshardPlan] = {}
+        self._store: Any = None  # client of the job's store, kept across epochs
+        self._stage: tuple[tuple[Any, ...], StageAhead] | None = None  # the next plan's module, built ahead
+        self.runtime: Runtime | None = runtime
+        self._data: Any = runtime.data if runtime is not None else None
+        if runtime is None:
+            self._build(plan)
+
+    # --- numbering --------------------------------------------------------------------
+    def pg_rank_of(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.members)}
+
+    @property
+    def pg_rank(self) -> int:
+        return self.pg_rank_of()[self.rank]
+
+    @property
+    def is_member(self) -> bool:
+        return self.plan.has_rank(self.rank)
+
+    # --- training -----------------------------------------------------------------------
+    def train_step(self, step: int) -> StepResult | None:
+        """One iteration of this rank's share (None on a spare, which has nothing to do)."""
+        return self.runtime.train_step(step) if self.runtime is not None else None
+
+    # --- switching ----------------------------------------------------------------------
+    def _make_groups(self, plan: Plan) -> dict[tuple[int, ...], Any]:
+        """The process groups of ``plan`` (collective: every rank of the world creates every group)."""
+        with group_timeout(self.group_timeout_s):
+            return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank)
+
+    def _build(self, plan: Plan, *, init_weights: bool = True, made: dict[tuple[int, ...], Any] | None = None) -> None:
+        """Runtime (member) or bare group creation (spare) for ``plan``; collective unless
+        ``made`` holds the plan's groups (``_make_groups``) already."""
+        local = renumber(plan, self.pg_rank_of())
+        with group_timeout(self.group_timeout_s):
+            if plan.has_rank(self.rank):
+                place = place_of(local, self.pg_rank)
+                stage, self._stage = self._stage, None
+                if stage is not None and stage[0] != _stage_key(place):
+                    stage = None
+                old, self.runtime = self.runtime, None
+                retire(old)  # its groups' teardown waits for peers: not on the switch's path
+                del old
+                rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch,
+                             data=self._data,  # the packed stream goes on: same samples, no re-packing
+                             model=stage[1] if stage is not None else None, init_weights=init_weights,
+                             made_groups=made)
+                self._data = rt.data
+                self.runtime = rt
+            else:
+                old, self.runtime = self.runtime, None
+                retire(old)
+                del old
+                if made is None:
+                    self._make_groups(plan)
+
+    def _build_stage_ahead(self, new_plan: Plan) -> None:
+        """Build this rank's stage module of ``new_plan`` now (undrawn weights, TP group pending,
+        with its parameter table and an empty AdamW), so the switch only binds groups and loads
+        state. Worth it where the command comes ahead of its ``apply_at``; empty parameters cost no memory until written, and the
+        received shards replace them without a copy."""
+        if not new_plan.has_rank(self.rank):
+            self._stage = None
+            return
+        place = place_of(new_plan, self.rank)  # the structure does not depend on the numbering
+        if self._stage is None or self._stage[0] != _stage_key(place):
+            device = self.runtime.device if self.runtime is not None else None
+            self._stage = (_stage_key(place), build_stage_ahead(self.spec, self.config, place, device=device))
+
+    def prepare(self, new_plan: Plan, alive: Sequence[int] | None = None,
+                states: Sequence[str] = STATES, *, stock: bool = True) -> ReshardPlan:
+        """The reshard plan from the current plan to ``new_plan`` (pure, deterministic; cached).
+
+        A command arrives before its ``apply_at``: calling this on receipt takes the planning
+        (tens of ms of Python) and the construction of this rank's new stage module out of
+        the downtime. ``apply`` reuses what was prepared. ``stock``: also allocate this rank's
+        message buffers and new shards now (paging in fresh memory cost the switch more than
+        copying into it); they are held until the switch."""
+        who = tuple(alive if alive is not None else self.members)
+        self._build_stage_ahead(new_plan)
+        key = (self.plan, replace(new_plan, epoch=0, reason=""), who, tuple(states))
+        cached = self._prepared.get(key)
+        if cached is None:
+            cached = plan_reshard(self.plan, new_plan, self.specs, who, states=states)
+            self._prepared = {key: cached}  # only the next switch is worth keeping
+            with contextlib.suppress(SpecError):  # the groups' rank sets (cached), in group numbering
+                rank_sets(renumber(new_plan, self.pg_rank_of()))
+        # this rank's part of it; for a planned switch (no ``alive``: it reshards from the live
+        # runtime) its pieces are cut ahead out of the runtime's tensors
+        live = runtime_shards(self.runtime) if stock and alive is None and self.runtime is not None else None
+        prepare_rank(cached, self.rank, new_plan, self.specs, stock=stock, old_shards=live)
+        return cached
+
+    def store(self) -> Any:
+        """This rank's client of the job's store (made on first use, kept across epochs)."""
+        if self._store is None:
+            self._store = connect_store(self.store_addr, self.timeout_s)
+        return self._store
+
+    def _release(self) -> None:
+        if self.runtime is not None:
+            destroy_groups(self.runtime.groups)
+
+    def apply(self, new_plan: Plan, epoch: int | None = None, *, old_shards: Shards | None = None,
+              alive: Sequence[int] | None = None, members: Sequence[int] | None = None,
+              adam_steps: float | None = None, stats: dict[str, float] | None = None) -> ReconfigReport:
+        """Switch every rank of the world to ``new_plan`` (collective; call at a step boundary).
+
+        ``epoch``: the new plan epoch (default ``new_plan.epoch``; must exceed the current one).
+        ``old_shards`` / ``alive`` / ``members`` are for fail-stop recovery (reconfigure_ft):
+        the state to reshard from (a rolled-back copy) with its AdamW step count
+        (``adam_steps``), the ranks that can send, and the new world's logical ranks; by
+        default the live runtime's state, the whole world. ``stats``: filled by the executor.
+        """
+        epoch = new_plan.epoch if epoch is None else epoch
+        if epoch <= self.epoch:
+            raise SpecError(f"reconfigure: epoch {epoch} is not newer than the current epoch {self.epoch}")
+        new_members = tuple(members) if members is not None else self.members
+        new_plan.validate_for(self.spec.num_layers, self.spec.num_heads)
+        outside = sorted(set(new_plan.ranks()) - set(new_members))
+        if outside:
+            raise SpecError(f"reconfigure: the new plan gives work to ranks {outside}, which are not in the world "
+                            f"{list(new_members)}")
+        new_plan = replace(new_plan, epoch=epoch)
+        t0 = time.perf_counter()
+        shards = old_shards if old_shards is not None else (
+            runtime_shards(self.runtime) if self.runtime is not None else {})
+        step_count = optimizer_steps(self.runtime) if adam_steps is None else adam_steps
+        self._release()
+        # 1. regroup: fresh default group under the new epoch's prefix
+        self.members = new_members
+        init_world(self.store(), epoch, self.pg_rank, len(self.members), self.timeout_s, self.backend)
+        t1 = time.perf_counter()
+        # 2. reshard, on the new default group (pg ranks of logical ranks via members)
+        # one all-reduce: do all old holders have AdamW moments (not before the first step), and
+        # AdamW's step count (MAX, so a readmitted spare learns it too); max(-x) = -min(x)
+        holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
+        vote = torch.tensor([-1.0 if (not holder or "exp_avg" in shards) else 0.0, step_count], dtype=torch.float64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        have_opt = float(vote[0]) == -1.0
+        agreed_step = float(vote[1])
+        states = STATES if have_opt else ("param",)
+        rplan = self.prepare(new_plan, alive if alive is not None else self.members, states, stock=False)
+        inflight = start_reshard(
+            rplan, self.rank, {s: shards.get(s, {}) for s in states}, new_plan, self.specs, dist.group.WORLD,
+            pg_rank_of=self.pg_rank_of(), timeout=timedelta(seconds=self.timeout_s), stats=stats,
+        )
+        # the new plan's groups while the pieces are on the wire: creating a group waits on
+        # peers (store round trips, connections), not on this rank's CPU, and gloo's own
+        # threads move the pieces meanwhile
+        made = self._make_groups(new_plan)
+        new_shards = inflight.finish()
+        t2 = time.perf_counter()
+        # 3. rebuild the runtime for the new plan and load the state
+        self.plan = new_plan
+        self.epoch = epoch
+        self._build(new_plan, init_weights=False, made=made)
+        if self.runtime is not None:
+            load_shards(self.runtime, new_shards, agreed_step if have_opt else 0.0)
+        # no closing barrier: a rank that is ready waits in its first message of the new epoch,
+        # and a peer still resharding has already received all it needs from it (the executor
+        # returns only once its sends completed); reshard and pipeline messages differ by tag
+        t3 = time.perf_counter()
+        report = ReconfigReport(
+            epoch=epoch, role="member" if self.runtime is not None else "spare", regroup_s=t1 - t0,
+            reshard_s=t2 - t1, rebuild_s=t3 - t2, bytes_moved=rplan.bytes_moved, bytes_local=rplan.bytes_local,
+            downtime_s=t3 - t0, reshard=rplan,
+        )
+        self.history.append(report)
+        if log.isEnabledFor(logging.INFO):  # the summary walks every transfer
+            log.info("[rank %d epoch %d] reconfigured (%s): %s; %.3f s", self.rank, epoch, report.role,
+                     rplan.summary(), report.downtime_s)
+        return report
+
+    def on_reconfigure(self) -> Callable[[Any, Any], None]:
+        """A handler for ``Job.on_reconfigure``: applies a ReconfigCommand and updates the job."""
+
+        def handler(job: Any, cmd: Any) -> None:
+            self.apply(cmd.plan, cmd.epoch)
+            job.plan = self.plan
+            job.runtime = self.runtime
+
+        return handler

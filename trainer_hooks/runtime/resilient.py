@@ -1,0 +1,533 @@
+"""The resilient training loop behind ``Job.iterations`` and ``Job.train_step``.
+
+``hooks.init`` installs a ``Resilience`` when the job runs a plan on the runtime and the
+rendezvous store lives outside the trainers (``resihp launch`` hosts it and sets
+``$RESIHP_STORE``). It makes three things work without more calls in the user's loop:
+
+- **planned reconfiguration** — a coordinator ``ReconfigCommand`` is applied at its
+  ``apply_at`` boundary by ``LiveReconfigurer`` (regroup, reshard, rebuild); a rank the
+  new plan leaves out idles as a spare inside ``iterations`` (it joins every later
+  switch once a member announces it in the store, and a plan that readmits it puts it back
+  to work at the members' next step; a switch the job ends before is acknowledged as not
+  applied);
+- **fail-stop recovery** — a step that fails because a peer died (gloo reports a closed
+  connection, MPI a failed or revoked communicator), or the coordinator's notice that a
+  rank died, makes every survivor shrink the MPI world (ULFM), agree on the last step all
+  of them completed, roll back past it, take the coordinator's new plan (the first
+  survivor waits for it and broadcasts it; without one the documented
+  ``survivor_plan`` rule), reshard from surviving replicas, and resume at the agreed step
+  + 1: no sample lost or trained twice;
+- **a second failure during recovery** — a peer lost while shrinking, agreeing or
+  resharding restarts the recovery on the smaller world from the same rolled-back state
+  (at most ``max_recoveries`` times in a row); when no survivor holds a lost shard the
+  job stops with the reason in the progress log;
+- **idle ranks are observed** — a spare times a compute probe every ``probe_every_s`` and
+  reports it, so the detector can tell a slow spare from a recovered one
+  (trainer_hooks/runtime/probe.py).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import SpecError
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, holding_of
+from resihp.trainer_hooks.reconfig.failstop import SPARE_STEP, StepGuard, abandon_groups, survivor_plan
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport, connect_store
+from resihp.trainer_hooks.reconfig.reshard import ReshardError
+from resihp.trainer_hooks.reconfig.transfer import Shards
+from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
+from resihp.trainer_hooks.runtime.groups import retire
+from resihp.trainer_hooks.runtime.probe import ComputeProbe
+from resihp.trainer_hooks.runtime.trainer import StepResult
+
+if TYPE_CHECKING:
+    from resihp.trainer_hooks.hooks import Job
+
+log = logging.getLogger(__name__)
+END_TAG = 4243  # members -> spares: the job reached its last step
+PROGRESS_ENV = "RESIHP_PROGRESS"
+
+
+class JobStopped(RuntimeError):
+    """The job cannot go on (no survivor holds a lost shard, or failures kept coming)."""
+
+
+def _is_failure(exc: BaseException) -> bool:
+    return is_peer_failure(exc) or (exc.__cause__ is not None and is_peer_failure(exc.__cause__))
+
+
+def loss_rank(plan: Plan) -> int:
+    """The rank that writes the progress log: TP rank 0 of replica 0's last stage (it knows the
+    global loss)."""
+    return plan.replicas[0].stages[-1][0]
+
+
+class ProgressLog:
+    """``progress.jsonl``: one JSON object per line (step, reconfig, start, end); see docs/run-dir.md."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record_type: str, /, **fields: Any) -> None:
+        line = json.dumps({"type": record_type, "time": round(time.time(), 6), **fields}, separators=(",", ":"))
+        with open(self.path, "a", encoding="utf-8") as fh:  # O_APPEND: short lines from several ranks interleave whole
+            fh.write(line + "\n")
+
+
+@dataclass
+class Resilience:
+    job: Job
+    rc: LiveReconfigurer
+    world: MpiWorld
+    plan_wait_s: float = 20.0  # how long the first survivor waits for the coordinator's plan
+    max_recoveries: int = 3
+    spare_join_timeout_s: float = 120.0
+    checkpoint_root: str | None = None  # where the job's checkpoints are (the DP = 1 fallback)
+    # an idle spare times a compute probe this often and reports it (trainer_hooks/runtime/probe.py)
+    probe: ComputeProbe | None = None
+    probe_every_s: float = 30.0
+    last_done_before: int = -1
+    progress: ProgressLog | None = None
+    guard: StepGuard = field(default_factory=StepGuard)
+    next_step: int = 0
+    last_done: int = -1
+    failures: int = 0  # recoveries so far
+    history: list[dict[str, Any]] = field(default_factory=list)
+    _last_step_end: float = field(default_factory=time.perf_counter)
+    _notice: m.ReconfigCommand | None = None  # the coordinator said a rank died
+    _deferred: list[m.ReconfigCommand] = field(default_factory=list)
+    # the newest epoch any switch attempt used (a failed attempt's store prefix is never reused)
+    _tried_epoch: int = -1
+    _adopted_seq: int | None = None  # the coordinator command whose plan the last recovery took
+    # members agree at which boundary a command applies (trainer_hooks/reconfig/agreement.py)
+    agreement: BoundaryAgreement | None = None
+    _round_epoch: int | None = None  # the epoch of the round collected at this boundary
+    _stall: BaseException | None = None  # the members went silent at a boundary: recover
+
+    def __post_init__(self) -> None:
+        if self.agreement is None:
+            timeout = max(4.0 * self.rc.timeout_s, 30.0)
+            self.agreement = BoundaryAgreement(lambda: connect_store(self.rc.store_addr, timeout), self.rc.rank,
+                                               timeout)
+
+    # --- the loop ---------------------------------------------------------------------
+    def iterations(self, total: int, start: int = 0) -> Iterator[int]:
+        """The steps this rank runs, in order; rewinds after a rollback; idles while a spare."""
+        self.next_step = max(self.next_step, start)
+        while self.next_step < total:
+            if self.rc.runtime is None:
+                self._idle_as_spare(total)
+                continue
+            yield self.next_step
+        self._unapplied_at_end(self.next_step)
+        self._release_spares(total)
+
+    def train_step(self, step: int) -> StepResult | None:
+        """One step of the runtime; None when a peer died during it (the job has recovered and
+        ``iterations`` resumes at the agreed step)."""
+        if self._notice is not None:  # the coordinator saw a rank die before any collective did
+            self._recover(RuntimeError(f"coordinator notice: {self._notice.reason}"))
+            return None
+        if self._stall is not None:
+            stall, self._stall = self._stall, None
+            self._recover(stall)
+            return None
+        self.guard.before_step(self.rc, step)
+        try:
+            result = self.rc.train_step(step)
+        except Exception as exc:  # noqa: BLE001 - classified by _is_failure
+            if not _is_failure(exc):
+                raise
+            self._recover(exc)
+            return None
+        self.last_done = step
+        self.next_step = step + 1
+        self._last_step_end = time.perf_counter()
+        return result
+
+    # --- commands ---------------------------------------------------------------------
+    def agreed_at(self, iteration: int) -> Holding | None:
+        """What every member held at the previous boundary (None: no round outstanding, e.g. just
+        after a switch, or the coordinator reported a death while we waited)."""
+        assert self.agreement is not None
+        self._round_epoch = self.rc.epoch
+        try:
+            return self.agreement.collect(give_up=self._death_reported)
+        except Exception as exc:  # noqa: BLE001 - silent members: treated as a failed peer
+            log.warning("rank %d: at boundary %d: %s", self.rc.rank, iteration, exc)
+            self._stall = exc
+            return None
+
+    def post_round(self, iteration: int, pending: list[m.Command]) -> None:
+        """Post this member's holding at boundary ``iteration``, unless this boundary switched
+        plans or found a failure (then every member starts over at its next boundary)."""
+        assert self.agreement is not None
+        if self.rc.runtime is None or self.rc.epoch != self._round_epoch or self._notice is not None \
+                or self._stall is not None:
+            self.agreement.reset()
+            return
+        self.agreement.post(self.rc.epoch, iteration, self.rc.plan.ranks(),
+                            holding_of(pending, self.rc.epoch, self.rc.rank))
+
+    def _death_reported(self) -> bool:
+        self.job._pending.extend(self.job.transport.poll_commands())
+        return any(isinstance(c, m.ReconfigCommand) and c.reason.startswith("fail-stop") and c.epoch > self.rc.epoch
+                   for c in self.job._pending)
+
+    def on_command_received(self, job: Job, cmd: m.ReconfigCommand) -> None:
+        """Job.on_command_received: prepare a planned switch while its apply_at is ahead (the
+        reshard plan and the new stage module); the switch itself redoes whatever this could
+        not (a plan the current world cannot take is refused there, with its reason)."""
+        if cmd.reason.startswith("fail-stop"):
+            return  # the recovery plans on the survivors it finds
+        try:
+            self.rc.prepare(cmd.plan)
+        except SpecError as exc:
+            log.info("rank %d: could not prepare epoch %d ahead: %s", self.rc.rank, cmd.epoch, exc)
+    def on_reconfigure(self, job: Job, cmd: m.ReconfigCommand) -> bool:
+        """Job.on_reconfigure: False defers the acknowledgement (a fail-stop plan is applied by
+        the recovery, which acknowledges it)."""
+        if cmd.epoch <= self.rc.epoch:
+            return True  # already in force (the recovery applied it): acknowledge
+        dropped = set(self.rc.members) - set(cmd.plan.ranks()) - set(cmd.plan.spares)
+        if dropped and cmd.reason.startswith("fail-stop"):  # the coordinator's mark: they died
+            log.warning("rank %d: coordinator reports ranks %s gone (epoch %d); recovering", self.rc.rank,
+                        sorted(dropped), cmd.epoch)
+            self._notice = cmd
+            self._deferred.append(cmd)
+            return False
+        refused = batch_change(self.rc.plan, cmd.plan)
+        if refused:
+            raise ValueError(refused)  # every rank refuses alike: the acknowledgement says why
+        was_member = self.rc.runtime is not None
+        if was_member:
+            self._announce_switch(cmd.epoch)
+        elif not self._switch_announced(cmd.epoch):
+            # an idle spare enters the new epoch's rendezvous only once the members do: their
+            # apply_at may lie beyond the job's last step, and a spare blocked in a rendezvous
+            # could not hear that the job ended
+            self.job._pending.append(cmd)
+            return False
+        t0 = time.perf_counter()
+        saved_timeout = self.rc.timeout_s
+        if not was_member:  # the members announced the switch; a slow spare may reach the rendezvous late
+            self.rc.timeout_s = max(saved_timeout, self.spare_join_timeout_s)
+        before = self._snapshot()
+        failure: BaseException | None = None
+        self._tried_epoch = max(self._tried_epoch, cmd.epoch)
+        try:
+            report = self.rc.apply(cmd.plan, cmd.epoch)
+        except Exception as exc:  # noqa: BLE001 - a peer died during the switch: recover instead
+            if not _is_failure(exc):
+                raise
+            failure = exc
+        finally:
+            self.rc.timeout_s = saved_timeout
+        if not self._commit(self.world.comm, failure is None):
+            # someone lost a peer mid-switch: every rank goes back to the old plan's state
+            # (those that finished too) and recovers from there, on the same footing
+            self._revert(before)
+            self._deferred.append(cmd)  # superseded by the recovery's plan; acknowledged there
+            self._recover(failure or RuntimeError("a peer failed during the planned switch"))
+            return False
+        # every rank resumes at the members' next step (a readmitted spare learns it here)
+        nxt = torch.tensor([self.next_step if was_member else -1], dtype=torch.int64)
+        dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
+        self.next_step = int(nxt.item())
+        self._adopt(report, "planned", cmd.reason, time.perf_counter() - t0)
+        retire(before)  # the old runtime's last reference: its groups' teardown runs off this thread
+        del before
+        return True
+
+    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float, attempts: int = 1) -> None:
+        self.job.plan = self.rc.plan
+        self.job.runtime = self.rc.runtime
+        entry = {"kind": kind, "epoch": self.rc.epoch, "step": self.next_step, "downtime_s": round(downtime_s, 4),
+                 "bytes_moved": report.bytes_moved, "plan": self.rc.plan.describe(), "reason": reason,
+                 "role": report.role, "attempts": attempts}
+        self.history.append(entry)
+        if self.progress is not None and self.rc.runtime is not None and self.rc.rank == loss_rank(self.rc.plan):
+            self.progress.write("reconfig", **entry)
+
+    # --- spares -----------------------------------------------------------------------
+    def _announce_switch(self, epoch: int) -> None:
+        """A member is about to enter epoch ``epoch``'s rendezvous (the idle spares wait for this)."""
+        self.rc.store().set(switch_key(epoch), str(self.rc.rank))
+
+    def _switch_announced(self, epoch: int) -> bool:
+        return bool(self.rc.store().check([switch_key(epoch)]))
+
+    def _idle_as_spare(self, total: int) -> None:
+        """Wait, holding no state, for the end of the job, a plan that readmits this rank (applied
+        collectively), or a failure (the communicator is revoked)."""
+        req = self.world.comm.irecv(source=_any_source(), tag=END_TAG)
+        next_probe = time.monotonic() + self.probe_every_s
+        while True:
+            try:
+                done, value = req.test()
+            except Exception as exc:  # noqa: BLE001 - MPI's revoke / proc-failed
+                if not _is_failure(exc):
+                    raise
+                self._recover(exc)
+                return
+            if done:
+                self.next_step = max(int(value), total)
+                self._unapplied_at_end(self.next_step)
+                return
+            try:
+                outcome = self.job._apply_commands(self.next_step - 1, force=True)
+            except Exception as exc:  # noqa: BLE001
+                if not _is_failure(exc):
+                    raise
+                self._recover(exc)
+                return
+            if self._notice is not None:
+                self._recover(RuntimeError(f"coordinator notice: {self._notice.reason}"))
+                return
+            if self.rc.runtime is not None or outcome.stop:
+                _cancel(req)
+                if outcome.stop:
+                    self.next_step = total
+                return
+            if self.probe is not None and time.monotonic() >= next_probe:
+                # nothing else tells the detector whether this device is slow or healthy
+                self.job.transport.probe(self.probe.run())
+                next_probe = time.monotonic() + self.probe_every_s
+            time.sleep(0.05)  # an idle spare polls; it holds up nobody
+
+    def _unapplied_at_end(self, end: int) -> None:
+        """Say why the plans still waiting for the members' switch were never applied."""
+        for cmd in self.job._pending:
+            if isinstance(cmd, m.ReconfigCommand) and cmd.epoch > self.rc.epoch:
+                why = (f"{m.JOB_ENDED}at step {end}, before the members reached iteration {cmd.apply_at}, where "
+                       f"epoch {cmd.epoch} was to apply; not applied")
+                log.info("rank %d: %s", self.rc.rank, why)
+                self.job.transport.ack(cmd, end, ok=False, error=why)
+        self.job._pending = [c for c in self.job._pending
+                             if not (isinstance(c, m.ReconfigCommand) and c.epoch > self.rc.epoch)]
+
+    def _release_spares(self, total: int) -> None:
+        """The first member tells every spare that the job is over (they wait on a message)."""
+        if self.rc.runtime is None:
+            return
+        members = [r for r in self.rc.members if self.rc.plan.has_rank(r)]
+        if self.rc.rank != min(members):
+            return
+        comm_of = {r: i for i, r in enumerate(self.world.ranks)}
+        for r in self.rc.members:
+            if not self.rc.plan.has_rank(r) and r in comm_of:
+                try:
+                    self.world.comm.send(total, dest=comm_of[r], tag=END_TAG)
+                except Exception as exc:  # noqa: BLE001 - a dead spare needs no goodbye
+                    log.warning("rank %d: could not tell spare %d the job ended: %s", self.rc.rank, r, exc)
+
+    # --- fail-stop --------------------------------------------------------------------
+    def _recover(self, cause: BaseException) -> None:
+        t0 = time.perf_counter()
+        log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
+                    str(cause)[:160])
+        abandon_groups(self.rc, cause)  # peers blocked on this rank fail at once instead of at their timeout
+        assert self.agreement is not None
+        self.agreement.reset()
+        member = self.rc.runtime is not None
+        last = self.last_done if member else SPARE_STEP
+        shards: Shards | None = None
+        adam = 0.0
+        world = self.world
+        before = self._snapshot()
+        lost: set[int] = set()  # over every attempt of this recovery
+        for attempt in range(1, self.max_recoveries + 1):
+            shrunk = False
+            try:
+                world = shrink(replace(world, epoch=max(self.rc.epoch, self._tried_epoch)), last)
+                lost |= set(world.failed)
+                shrunk = True
+                if shards is None:
+                    shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)
+                    agreed = world.agreed_step
+                plan = self._agree_plan(world)
+                plan = replace(plan, epoch=max(plan.epoch, world.epoch))  # past every epoch tried
+                self._tried_epoch = max(self._tried_epoch, plan.epoch)
+                restored_from: int | None = None
+                try:
+                    self.rc.prepare(plan, alive=world.ranks)  # the same verdict on every survivor
+                except ReshardError as exc:  # no survivor holds some slice (DP = 1): the checkpoint
+                    report, restored_from = self._restore_checkpoint(plan, world, exc)
+                else:
+                    report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
+                                           members=world.ranks, adam_steps=adam)
+                if not self._commit(world.comm, True):
+                    raise RecoveryError("a survivor lost a peer while resharding; every survivor starts over")
+            except SpecError as exc:  # e.g. the coordinator's plan does not fit the survivors
+                self._stop(f"recovery impossible: {exc}")
+            except Exception as exc:  # noqa: BLE001 - another failure while recovering: go again
+                if not _is_failure(exc) and not isinstance(exc, RecoveryError):
+                    raise
+                log.warning("rank %d: failure during recovery attempt %d: %s", self.rc.rank, attempt, exc)
+                if shrunk and not isinstance(exc, RecoveryError):
+                    self._commit(world.comm, False)  # the peers that finished learn it from this verdict
+                if isinstance(exc, RecoveryError) and attempt == self.max_recoveries:
+                    self._stop(str(exc))
+                self._revert(before)
+                last = agreed if shards is not None else last
+                continue
+            self.world = world
+            self.failures += 1
+            self.next_step = agreed + 1 if agreed < SPARE_STEP else self.next_step
+            if restored_from is not None:
+                self.next_step = restored_from
+                agreed = restored_from - 1
+            self.last_done = min(self.last_done, agreed)
+            self.guard = StepGuard()
+            for cmd in self._deferred:  # the coordinator's plan the recovery took is in force; the rest superseded
+                took = cmd.seq == self._adopted_seq
+                self.job.transport.ack(cmd, self.next_step, ok=took, error="" if took else "superseded by recovery")
+            self._deferred.clear()
+            self._notice = None
+            self.job.trace = None  # the MPI trace collector's communicator is gone; the coordinator keeps the trace
+            why = f"lost ranks {sorted(lost)}; {plan.reason}"
+            if restored_from is not None:
+                again = (f"steps {restored_from}..{self.last_done_before} are trained again"
+                         if self.last_done_before >= restored_from else "no step is lost")
+                why = (f"lost ranks {sorted(lost)}, and no survivor held all of their state: restored from the "
+                       f"checkpoint of step {restored_from - 1} ({again}); {plan.reason}")
+            # the job's downtime: from this rank's last completed step (the failed step, the
+            # detection wait and the recovery) to ready on the new plan
+            self._adopt(report, "fail-stop" if restored_from is None else "fail-stop-checkpoint", why,
+                        time.perf_counter() - min(t0, self._last_step_end), attempts=attempt)
+            log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
+                        time.perf_counter() - t0, sorted(lost), self.next_step, plan.describe())
+            retire(before)
+            del before
+            return
+        self._stop(f"{self.max_recoveries} failures in a row during recovery")
+
+    def _restore_checkpoint(self, plan: Plan, world: MpiWorld, why: Exception) -> tuple[ReconfigReport, int]:
+        from resihp.trainer_hooks.checkpoint.saver import latest_checkpoint, restore_live
+
+        path = latest_checkpoint(self.checkpoint_root) if self.checkpoint_root else None
+        if path is None:
+            self._stop(f"recovery impossible: {why}; and there is no checkpoint to fall back on "
+                       f"(train with checkpoints, e.g. examples/train_gpt.py --checkpoint-dir DIR)")
+        log.warning("rank %d: %s; restoring from %s", self.rc.rank, why, path)
+        self.last_done_before = self.last_done
+        return restore_live(self.rc, plan, plan.epoch, path, members=world.ranks)
+
+    # --- all or nothing ---------------------------------------------------------------
+    def _snapshot(self) -> tuple[Plan, int, tuple[int, ...], Any]:
+        return self.rc.plan, self.rc.epoch, tuple(self.rc.members), self.rc.runtime
+
+    def _revert(self, before: tuple[Plan, int, tuple[int, ...], Any]) -> None:
+        """Back to the plan (and runtime, whose tensors the switch only read) a failed switch started from."""
+        abandon_groups(self.rc)
+        self.rc.plan, self.rc.epoch, members, self.rc.runtime = before
+        self.rc.members = members
+
+    def _commit(self, comm: Any, ok: bool) -> bool:
+        """Whether every survivor finished the switch: ULFM's Agree gives every survivor the same
+        verdict (and fails on all of them alike when a peer died), so no rank goes on with the
+        new plan while another starts over from the old one."""
+        try:
+            return bool(comm.Agree(1 if ok else 0))
+        except Exception as exc:  # noqa: BLE001 - MPI's proc-failed / revoked
+            if not _is_failure(exc):
+                raise
+            log.warning("rank %d: a peer failed before the switch was agreed: %s", self.rc.rank, exc)
+            return False
+
+    def _agree_plan(self, world: MpiWorld) -> Plan:
+        """The survivors' plan: the coordinator's (received by the first survivor, broadcast), else
+        the deterministic survivor rule."""
+        payload: dict[str, Any] | None = None
+        if world.comm.Get_rank() == 0:
+            cmd = self._wait_coordinator_plan(world)
+            if cmd is not None:
+                payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator", "seq": cmd.seq}
+            else:
+                epoch = max(world.epoch, self.rc.epoch + 1)
+                rule = survivor_plan(self.rc.plan, world.ranks, self.rc.spec, epoch)
+                payload = {"plan": rule.to_dict(), "epoch": epoch, "source": "survivor rule"}
+        payload = world.comm.bcast(payload, root=0)
+        assert payload is not None
+        plan = replace(Plan.from_dict(payload["plan"]), epoch=int(payload["epoch"]))
+        self._adopted_seq = payload.get("seq")
+        log.info("rank %d: recovery plan from the %s: %s", self.rc.rank, payload["source"], plan.describe())
+        return plan
+
+    def _wait_coordinator_plan(self, world: MpiWorld) -> m.ReconfigCommand | None:
+        """A ReconfigCommand newer than our epoch whose plan uses only survivors (the coordinator
+        learns of a death from the node agent, usually before the survivors do)."""
+        alive = set(world.ranks)
+        deadline = time.monotonic() + self.plan_wait_s
+        while True:
+            self.job._pending.extend(self.job.transport.poll_commands())
+            fits = [c for c in [*self._deferred, *self.job._pending] if isinstance(c, m.ReconfigCommand)
+                    and c.epoch > self.rc.epoch and set(c.plan.ranks()) <= alive]
+            if fits:
+                best = max(fits, key=lambda c: c.epoch)
+                refused = batch_change(self.rc.plan, best.plan)
+                if refused:  # a coordinator started with another layout: keep the job's batch
+                    log.error("rank %d: the coordinator's recovery plan is refused: %s; using the survivor rule",
+                              self.rc.rank, refused)
+                    self.job._pending = [c for c in self.job._pending if c not in fits]
+                    self._deferred = [c for c in self._deferred if c not in fits]
+                    for c in fits:  # said, not left pending: it must never be acknowledged as applied
+                        self.job.transport.ack(c, self.last_done + 1, ok=False, error=refused)
+                    return None
+                if best not in self._deferred:
+                    self._deferred.append(best)
+                self.job._pending = [c for c in self.job._pending if c not in fits]
+                return best
+            if time.monotonic() > deadline:
+                log.warning("rank %d: no plan from the coordinator within %.0f s; using the survivor rule",
+                            self.rc.rank, self.plan_wait_s)
+                return None
+            time.sleep(0.05)
+
+    def _stop(self, why: str) -> NoReturn:
+        log.error("rank %d: the job stops: %s", self.rc.rank, why)
+        if self.progress is not None:
+            self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)
+        raise JobStopped(why)
+
+
+def batch_change(old: Plan, new: Plan) -> str:
+    """Why ``new`` cannot replace ``old`` in a running job ("" if it can): a re-plan moves
+    work between ranks, it never changes what one step trains — the same global batch, so
+    the loss curve stays the one the job would have had."""
+    if new.global_microbatches != old.global_microbatches:
+        return (f"the plan trains {new.global_microbatches} micro-batches per step and this job "
+                f"{old.global_microbatches}: a re-plan may not change the global batch (was the coordinator started "
+                f"with the training script's --microbatches?)")
+    return ""
+
+
+def switch_key(epoch: int) -> str:
+    """The store key a member sets right before it enters epoch ``epoch``'s rendezvous."""
+    return f"resihp/switch/epoch{epoch}"
+
+
+def _any_source() -> int:
+    from mpi4py import MPI
+
+    return int(MPI.ANY_SOURCE)
+
+
+def _cancel(req: Any) -> None:
+    try:
+        req.Cancel()
+    except Exception:  # noqa: BLE001 - a request that already completed cannot be cancelled
+        pass

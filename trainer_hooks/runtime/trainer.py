@@ -1,0 +1,253 @@
+"""The hybrid-parallel runtime: places the model and AdamW from a plan and trains a step.
+
+Per iteration: this rank's replica takes its share of the global batch, runs it through
+the 1F1B pipeline, sums gradients over the ranks holding the same shards (DP), and steps
+AdamW. Every micro-batch's loss is its summed token cross-entropy divided by the token
+count of the WHOLE global batch, so the summed gradients are the global-batch gradient
+whatever the replicas' shares are (even a share of zero). AdamW is element-wise, so
+sharding it by TP changes nothing. The reported loss is the global batch's mean token
+loss, known on the last-stage ranks.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.runtime.chunk_clock import clock_for
+from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
+from resihp.trainer_hooks.runtime.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
+from resihp.trainer_hooks.runtime.model import GPTStage
+from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
+from resihp.trainer_hooks.runtime.throttle import Throttle
+from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp, tp_modules
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    max_seq_len: int = 64  # position table size; also the packing budget unless tokens_per_microbatch is set
+    tokens_per_microbatch: int = 0  # 0 = max_seq_len
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    data_seed: int = -1  # -1 = seed
+    data_root: str = ""  # "" = the Python standard library
+    # "wall" (default): chunk timings in wall time. "cpu": compute chunks (F, B) timed in the
+    # thread's CPU time — for CPU runs on machines shared with other jobs; see pipeline.py
+    compute_clock: str = "wall"
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise SpecError(f"train: max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.tokens_per_microbatch > self.max_seq_len:
+            raise SpecError(
+                f"train: tokens_per_microbatch ({self.tokens_per_microbatch}) exceeds max_seq_len "
+                f"({self.max_seq_len}); a packed document could not be given positions"
+            )
+        if self.lr <= 0:
+            raise SpecError(f"train: lr must be > 0, got {self.lr}")
+        if self.compute_clock not in ("wall", "cpu"):
+            raise SpecError(f"train: compute_clock must be 'wall' or 'cpu', got {self.compute_clock!r}")
+
+    @property
+    def budget(self) -> int:
+        return self.tokens_per_microbatch or self.max_seq_len
+
+
+@dataclass
+class StepResult:
+    """What one iteration did on this rank (what the step hook reports)."""
+
+    iteration: int
+    replica: int
+    loss: float | None  # global mean token loss (last-stage ranks), else None
+    tokens: int  # tokens this rank's replica trained on
+    global_tokens: int
+    seqlens: tuple[tuple[int, ...], ...]  # this replica's micro-batches
+    sample_ids: tuple[int, ...]
+    wall_start_s: float  # time.time() when the iteration started on this rank
+    time_s: float  # this rank's step time
+    chunks: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+
+
+def _default_device() -> torch.device:
+    """CUDA under NCCL (one device per local rank, set by the bootstrap), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_stage(spec: ModelSpec, max_seq_len: int, place: StagePlace, tp: TPContext | None = None,
+                device: torch.device | None = None) -> GPTStage:
+    """The stage module of ``place`` with undrawn weights. Without ``tp`` its TP group is
+    pending (``bind_tp`` gives it the real one once the groups exist)."""
+    with torch.device(device or torch.device("cpu")):
+        return GPTStage(spec, max_seq_len, place.layer_range, place.first, place.last,
+                        tp or pending_tp(place.tp_index, place.tp_size))
+
+
+@dataclass
+class StageAhead:
+    """A stage module built ahead of a switch, with what a Runtime derives from it: walking
+    a module tree costs ~1 ms per walk in Python, and a switch walked it five times (device
+    check, AdamW, parameter table, TP binding, loading) with several ranks sharing a core."""
+
+    model: GPTStage
+    params: dict[str, torch.nn.Parameter]
+    tp_modules: list[torch.nn.Module]  # the sub-modules that hold a TP place
+    optimizer: torch.optim.Optimizer
+
+
+def new_adamw(params: Any, config: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                             weight_decay=config.weight_decay)
+
+
+def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
+                      device: torch.device | None = None) -> StageAhead:
+    """``build_stage`` (TP group pending) with its parameter table, TP layers and an empty AdamW."""
+    model = build_stage(spec, config.max_seq_len, place, device=device)
+    params = dict(model.named_parameters())
+    return StageAhead(model, params, tp_modules(model), new_adamw(list(params.values()), config))
+
+
+class Runtime:
+    """One rank's share of the model under the current plan, and its optimizer."""
+
+    def __init__(
+        self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
+        throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
+        data: GlobalBatches | None = None, model: GPTStage | StageAhead | None = None, init_weights: bool = True,
+        made_groups: dict[tuple[int, ...], Any] | None = None,
+    ) -> None:
+        """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
+        the same samples, no re-packing); by default a fresh one from the config's seed.
+        ``model``: this rank's stage module built ahead (``build_stage`` with a pending TP
+        place, e.g. while a reconfiguration command waits for its ``apply_at``), or a
+        ``StageAhead`` (the module with its parameter table and AdamW); it gets the new groups
+        here. ``init_weights=False`` leaves the weights undrawn (the caller loads
+        every one, as a reshard does). ``made_groups``: the plan's process groups, if the caller
+        created them already (``groups.make_groups``); else they are created here, collectively."""
+        plan.validate_for(spec.num_layers, spec.num_heads)
+        self.spec = spec
+        self.config = config
+        self.rank = rank
+        self.device = device or _default_device()
+        self.throttle = throttle or Throttle()
+        if data is not None and data.global_microbatches == plan.global_microbatches:
+            self.data = data
+        else:
+            stream = PackedStream(
+                config.budget, seed=config.seed if config.data_seed < 0 else config.data_seed,
+                root=Path(config.data_root) if config.data_root else None,
+            )
+            self.data = GlobalBatches(stream, plan.global_microbatches)
+        self.plan = plan
+        self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants, made=made_groups)
+        place = self.groups.place
+        ahead = model if isinstance(model, StageAhead) else None
+        if model is None:
+            model = build_stage(spec, config.max_seq_len, place, self.groups.tp, self.device)
+        else:
+            model = ahead.model if ahead is not None else model
+            want = (place.layer_range, place.first, place.last)
+            if (model.layer_range, model.first, model.last) != want:
+                raise SpecError(f"runtime: the module built ahead holds layers {model.layer_range} "
+                                f"(first={model.first}, last={model.last}); this place needs {want}")
+            bind_tp(model, self.groups.tp, ahead.tp_modules if ahead is not None else None)
+        self.model = model
+        if init_weights:
+            self.model.init_from_seed(config.seed)
+        params = ahead.params if ahead is not None else dict(self.model.named_parameters())
+        if any(p.device != self.device for p in params.values()):
+            self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
+        self.optimizer = ahead.optimizer if ahead is not None else new_adamw(list(params.values()), config)
+        self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, self.groups.peer_groups,
+                                     config.compute_clock)
+        self._params = params
+
+    @property
+    def epoch(self) -> int:
+        return self.groups.epoch
+
+    def _sync_gradients(self, log: ChunkLog) -> None:
+        start = log.clock.mark()
+        for _, group, names in self.groups.grad_buckets:
+            params = [self._params[n] for n in names]
+            for p in params:
+                if p.grad is None:  # a replica with no micro-batches still joins the sum
+                    p.grad = torch.zeros_like(p)
+            if group is None:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+        log.add_marks("DP", -1, start, log.clock.mark())
+
+    def _global_loss(self, local: torch.Tensor | None) -> float | None:
+        if local is None:
+            return None
+        # only TP rank 0 of each last stage contributes, so the sum is exact (x + 0 = x)
+        value = local.clone() if self.groups.place.tp_index == 0 else torch.zeros_like(local)
+        if self.groups.loss_group is not None:
+            dist.all_reduce(value, group=self.groups.loss_group)
+        return float(value)
+
+    def train_step(self, step: int) -> StepResult:
+        wall = time.time()
+        log = ChunkLog(clock_for(self.device))  # on a GPU: CUDA events (chunk_clock.py)
+        place = self.groups.place
+        batch = self.data.for_replica(step, self.plan, place.replica)
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = self.pipeline.run(batch, log)
+        self.pipeline.finish_sends(log)
+        self._sync_gradients(log)
+        loss = self._global_loss(local_loss)
+        start = log.clock.mark()
+        self.optimizer.step()
+        log.add_marks("OPT", -1, start, log.clock.mark())
+        time_s = log.finish()
+        return StepResult(
+            iteration=step, replica=place.replica, loss=loss,
+            tokens=sum(mb.num_tokens for mb in batch.microbatches), global_tokens=batch.global_tokens,
+            seqlens=batch.seqlens, sample_ids=batch.sample_ids, wall_start_s=wall,
+            time_s=time_s, chunks=log.chunks,
+        )
+
+    def let_go_of_groups(self) -> list[Any]:
+        """After a peer failure: destroy this epoch's groups and take out of this runtime
+        everything that keeps their connections open (the groups themselves, the TP layers'
+        bindings, the pipeline's unfinished sends), returned for ``groups.retire``. Once the
+        caller lets go of them too, peers blocked on this rank fail at once instead of at
+        their timeout. The runtime keeps its tensors (a recovery reshards from them)."""
+        destroy_groups(self.groups)
+        held = sever(self.groups, self.model)
+        held += self.pipeline.abandon()
+        return held
+
+    def parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters by layout name (the table itself: do not modify it)."""
+        return self._params
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards by layout name (the reshard planner's names)."""
+        return {n: p.detach() for n, p in self._params.items()}
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """AdamW state (exp_avg, exp_avg_sq, step) by parameter name: AdamW's own dicts, not
+        copies (a switch reads them twice; do not modify them)."""
+        state = self.optimizer.state
+        return {n: state.get(p, {}) for n, p in self._params.items()}

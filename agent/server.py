@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import _async as aio_health
+from grpc_health.v1 import _async as aio_health  # pyright: ignore[reportAttributeAccessIssue]  # typeshed's grpcio-health-checking stubs lack the asyncio servicer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 

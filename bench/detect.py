@@ -26,7 +26,7 @@ from resihp.coordinator.detector.detector import Detector, DetectorConfig, Findi
 from resihp.coordinator.detector.evidence import IterationTimings, batch_features, timings_from_record
 from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import DeviceInfo, IterationRecord, Record, TraceHeader
+from resihp.coordinator.model.trace import DeviceInfo, ExitEvent, HeartbeatEvent, IterationRecord, TraceHeader
 from resihp.sim.detect_baselines import BocdBaseline, ThresholdBaseline
 from resihp.sim.workload import Fault, WorkloadConfig, generate, make_header
 
@@ -57,7 +57,7 @@ def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
     th, bo = ThresholdBaseline(), BocdBaseline()
     res = RunResult(name, cfg.faults, [], [], [], 0, cfg.evidence)
     if any(f.kind == "stop" for f in cfg.faults) or cfg.heartbeats:
-        source: Iterator[Record | IterationTimings] = generate(cfg)
+        source: Iterator[IterationRecord | HeartbeatEvent | ExitEvent | IterationTimings] = generate(cfg)
     else:
         # the same iterations without the round trip through trace records (the coordinator's
         # aggregator hands the detector these arrays; tests cover the record path)
@@ -286,6 +286,7 @@ def time_probes(ranks_target: int, spares: int = 32) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    assert __doc__ is not None
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer runs (a smoke test, not the reported numbers)")
     args = ap.parse_args(argv)

@@ -25,7 +25,7 @@ def _child(rank: int, port: int) -> int:
 
     try:
         torch.cuda.set_device(0)
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=(rank == 0), timeout=_dt.timedelta(seconds=30))
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=(rank == 0), timeout=_dt.timedelta(seconds=30))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
         dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=_dt.timedelta(seconds=30))
         x = torch.full((4,), float(rank + 1), device="cuda")
         dist.all_reduce(x)

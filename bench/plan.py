@@ -12,7 +12,7 @@ Prints readable tables, then ONE final JSON line:
   retained_vs_bound_single_slow_256   mean over slowdowns 1.5–4× of joint throughput /
                             (failure-free throughput × healthy compute / total compute)
   ablation_{tp,pp,dp,joint} mean of the same ratio per policy; joint_ge_all: joint ≥ each on every scenario
-Every throughput is scored by the same function, planner_cost.evaluate (closed form).
+Every throughput is scored by the same function, planner.cost.evaluate (closed form).
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ def kinds(layers: int) -> dict[str, tuple[Any, Any, list[int]]]:
 def worker(rank: int, port: int, hidden: int, layers: int) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore
 
     from resihp.coordinator.model.spec import ModelSpec
     from resihp.trainer_hooks.reconfig.reshard import STATES, plan_reshard
@@ -54,23 +55,23 @@ def worker(rank: int, port: int, hidden: int, layers: int) -> None:
 
     torch.set_num_threads(1)
     specs = gpt_tensor_specs(ModelSpec("bench", layers, hidden, 8, 4 * hidden, 8 * hidden), 256)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
     out: dict[str, Any] = {}
 
     t0 = time.perf_counter()
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("bw", store), rank, WORLD, timedelta(seconds=120))
-    pg.barrier().wait()
+    pg = dist.ProcessGroupGloo(PrefixStore("bw", store), rank, WORLD, timedelta(seconds=120))
+    pg.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's barrier
     out["regroup_s"] = time.perf_counter() - t0
     buf = torch.ones(64 << 18)  # 64 MiB of float32
     best = float("inf")
     for _ in range(3):
-        pg.barrier().wait()
+        pg.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's barrier
         t0 = time.perf_counter()
         if rank == 0:
-            pg.send([buf], 1, 0).wait()
+            pg.send([buf], 1, 0).wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's send
         elif rank == 1:
-            pg.recv([buf], 0, 0).wait()
-        pg.barrier().wait()
+            pg.recv([buf], 0, 0).wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's recv
+        pg.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's barrier
         best = min(best, time.perf_counter() - t0)
     out["bandwidth_Bps"] = buf.numel() * 4 / best
 
@@ -78,21 +79,22 @@ def worker(rank: int, port: int, hidden: int, layers: int) -> None:
         if rank not in alive:
             continue
         pg_rank_of = {r: i for i, r in enumerate(alive)}
-        sub = dist.ProcessGroupGloo(dist.PrefixStore(name, store), pg_rank_of[rank], len(alive), timedelta(seconds=120))
+        sub = dist.ProcessGroupGloo(PrefixStore(name, store), pg_rank_of[rank], len(alive), timedelta(seconds=120))
         plan = plan_reshard(old, new, specs, alive)
         old_shards = {s: {spec.name: torch.randn(shard_shape(idx)) for spec, idx in tensors_of_rank(old, rank, specs)}
                       for s in STATES}
-        sub.barrier().wait()
+        sub.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's barrier
         t0 = time.perf_counter()
         parts: dict[str, float] = {}
         execute_reshard(plan, rank, old_shards, new, specs, sub, pg_rank_of=pg_rank_of, stats=parts)
-        sub.barrier().wait()
+        sub.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's barrier
         out[name] = {"time_s": time.perf_counter() - t0, "bytes_moved": plan.bytes_moved, **parts,
                      "max_send_bytes": plan.max_send_bytes, "transfers": len(plan.transfers)}
     print(json.dumps(out), flush=True)
 
 
 def main(argv: list[str]) -> int:
+    assert __doc__ is not None
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
     cmd = [sys.executable, str(Path(__file__).resolve()), "--hidden", str(args.hidden), "--layers", str(args.layers),
            "--port", str(store.port)]
     procs = [subprocess.Popen(cmd + ["--worker", str(r)], stdout=subprocess.PIPE, text=True) for r in range(WORLD)]

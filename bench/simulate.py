@@ -46,6 +46,7 @@ MODELS = ("llama2-70b", "llama2-13b", "llama2-7b", "qwen2.5-72b")
 
 
 def main(argv: list[str] | None = None) -> int:
+    assert __doc__ is not None
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hours", type=float, default=3.0, help="simulated hours per paper scenario")
     ap.add_argument("--harsh-models", default="llama2-70b",
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "static", "ckpt", "ckpt+spare", "oobleck", "recycle", "greyhound", "adaptra", "resihp")) + f" {'speedup':>8} {'vs bound':>8} {'best baseline':>14}")
     for name in PAPER:
         sc = scenarios.get(name)
-        per_model: dict[str, dict[str, float]] = {}
+        per_model: dict[str, dict[str, float | str]] = {}
         for model in (harsh_models if name == "paper-mixed-harsh" else models):
             job = scenarios.job_for(model, 256)
             cmp = compare(sc, job, args.hours, args.seed)

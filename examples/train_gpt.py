@@ -22,7 +22,8 @@ import resihp.trainer_hooks as hooks
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
 from resihp.trainer_hooks.checkpoint.saver import AsyncCheckpointer, latest_checkpoint, load_into
-from resihp.trainer_hooks.runtime.resilient import JobStopped, loss_rank
+from resihp.trainer_hooks.runtime.progress_log import loss_rank
+from resihp.trainer_hooks.runtime.recovery import JobStopped
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 

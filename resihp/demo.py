@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from resihp.coordinator.model.plan import Plan
+from resihp.progress import DEFAULT_EVERY_STEPS, MODES, Progress
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 DEFAULT_KILL_RANK = 5  # the fail-stop target unless the plan then leaves it idle (see _kill_target)
@@ -79,7 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="save an asynchronous checkpoint every K steps (RUN/checkpoints); 0 = none")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar (logs and benchmarks)")
+    ap.add_argument("--progress", choices=MODES, default="auto",
+                    help="auto (default): a live bar on a terminal, plain lines otherwise; bar; plain: one "
+                         "line every --progress-every steps and one per event, no control characters; off")
+    ap.add_argument("--progress-every", type=int, default=DEFAULT_EVERY_STEPS, metavar="N",
+                    help=f"plain progress: a line every N steps (default {DEFAULT_EVERY_STEPS})")
+    ap.add_argument("--quiet", action="store_true", help="no progress output: the same as --progress off")
     ap.add_argument("--timeout-s", type=float, default=900.0)
     return ap
 
@@ -113,26 +119,38 @@ class Follower:
         return out
 
 
-def _bar(step: int, total: int, loss: float, rate: float, epoch: int, plan: str) -> str:
-    width = 24
-    done = int(width * min(step + 1, total) / total)
-    return (f"\r[{'#' * done}{'.' * (width - done)}] step {step + 1:3d}/{total}  loss {loss:6.3f}  "
-            f"{rate:6.0f} tok/s  epoch {epoch}  {plan[:40]:<40}")
-
-
-def _event_line(ev: dict[str, Any], t0: float) -> str | None:
+def _event_text(ev: dict[str, Any]) -> str | None:
+    """An events.jsonl record as the demo shows it, or None for one it does not show."""
     kind = ev.get("event")
-    t = float(ev.get("time", t0)) - t0
     if kind == "finding":
-        return f"{t:7.1f}s  DETECTED {ev.get('kind')} on ranks {ev.get('ranks')} ({ev.get('cause')}, x{ev.get('factor', 0):.2f})"
+        return f"DETECTED {ev.get('kind')} on ranks {ev.get('ranks')} ({ev.get('cause')}, x{ev.get('factor', 0):.2f})"
     if kind == "command" and ev.get("kind") == "reconfigure":
-        return f"{t:7.1f}s  RE-PLAN  epoch {ev.get('epoch')} at step {ev.get('apply_at')}: {str(ev.get('reason', ''))[:90]}"
+        return f"RE-PLAN  epoch {ev.get('epoch')} at step {ev.get('apply_at')}: {str(ev.get('reason', ''))[:90]}"
     if kind == "inject":
-        return f"{t:7.1f}s  INJECT   {ev.get('kind')} rank {ev.get('rank')}" + (
+        return f"INJECT   {ev.get('kind')} rank {ev.get('rank')}" + (
             f" x{ev.get('factor')}" if ev.get("kind") == "slow" else "")
     if kind == "state" and ev.get("to") == "ABORTED":
-        return f"{t:7.1f}s  ABORTED  {ev.get('reason')}"
+        return f"ABORTED  {ev.get('reason')}"
     return None
+
+
+def _show_event(shown: Progress, ev: dict[str, Any], t0: float) -> None:
+    text = _event_text(ev)
+    if text is not None:
+        shown.event(text, elapsed_s=float(ev.get("time", t0)) - t0)
+
+
+def _reconfig_text(rec: dict[str, Any]) -> str:
+    """A progress.jsonl ``reconfig`` record: the switch the ranks made."""
+    return (f"RECONFIGURED ({rec['kind']}) epoch {rec['epoch']} in {rec['downtime_s']:.2f} s, "
+            f"{rec['bytes_moved'] / 1e6:.2f} MB moved: {rec['plan']}; resuming at step {rec['step']}")
+
+
+def _tokens_per_s(window: list[tuple[float, int]]) -> float:
+    """Tokens per second over the last steps' (time, tokens) records."""
+    if len(window) < 2 or window[-1][0] <= window[0][0]:
+        return 0.0
+    return sum(t for _, t in window[1:]) / (window[-1][0] - window[0][0])
 
 
 def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
@@ -158,6 +176,7 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     progress, events = Follower(run / "progress.jsonl"), Follower(run / "events.jsonl")
+    shown = Progress(args.steps, mode="off" if args.quiet else args.progress, every_steps=args.progress_every)
     todo = []
     if not args.no_slow:
         todo.append({"kind": "slow", "rank": args.slow_rank, "factor": args.slow_factor, "step": args.slow_at})
@@ -175,25 +194,19 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
             if time.time() - t0 > args.timeout_s:
                 raise TimeoutError(f"the job did not finish within {args.timeout_s:.0f} s; see {run}/launch.log")
             for ev in events.new():
-                line = _event_line(ev, t0)
-                if line and not args.quiet:
-                    print("\r" + " " * 120 + "\r" + line, flush=True)
+                _show_event(shown, ev, t0)
                 if ev.get("event") == "command" and ev.get("kind") == "reconfigure":
                     members = list(Plan.from_dict(ev["plan"]).ranks())
             for rec in progress.new():
                 if rec.get("type") == "step":
                     last = rec
                     window = (window + [(float(rec["time"]), int(rec["tokens"]))])[-6:]
-                elif rec.get("type") == "reconfig" and not args.quiet:
-                    print(f"\r{' ' * 120}\r{float(rec['time']) - t0:7.1f}s  RECONFIGURED ({rec['kind']}) epoch "
-                          f"{rec['epoch']} in {rec['downtime_s']:.2f} s, {rec['bytes_moved'] / 1e6:.2f} MB moved: "
-                          f"{rec['plan']}; resuming at step {rec['step']}", flush=True)
+                    shown.step(int(rec["step"]), float(rec["loss"]), _tokens_per_s(window), epoch=int(rec["epoch"]),
+                               plan=str(rec["plan"]), elapsed_s=float(rec["time"]) - t0)
+                elif rec.get("type") == "reconfig":
+                    shown.event(_reconfig_text(rec), elapsed_s=float(rec["time"]) - t0)
             if last:
                 step = int(last["step"])
-                rate = (sum(t for _, t in window[1:]) / (window[-1][0] - window[0][0])) if len(window) > 1 else 0.0
-                if not args.quiet:
-                    print(_bar(step, args.steps, float(last["loss"]), rate, int(last["epoch"]), str(last["plan"])),
-                          end="", flush=True)
                 while todo and step + 1 >= todo[0]["step"]:
                     inj = todo.pop(0)
                     if inj.get("auto"):
@@ -213,12 +226,9 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
             proc.terminate()
             proc.wait(30)
         log.close()
-    for ev in events.new():
-        line = _event_line(ev, t0)
-        if line and not args.quiet:
-            print("\r" + " " * 120 + "\r" + line, flush=True)
-    if not args.quiet:
-        print(flush=True)
+        for ev in events.new():
+            _show_event(shown, ev, t0)
+        shown.close()
     return {"scenario": {"layout": f"TP{args.tp}xPP{args.pp}xDP{args.dp}", "ranks": args.tp * args.pp * args.dp, "steps": args.steps, "model": "gpt-tiny",
                          "seq": args.seq, "microbatches": args.microbatches, "seed": args.seed,
                          "adapt": not args.no_adapt, "launch_rc": proc.returncode,
@@ -276,7 +286,10 @@ def main(argv: list[str]) -> int:
         from resihp import demo_replay
 
         return demo_replay.main([a for a in argv if a != "--replay"])
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.progress_every < 1:
+        ap.error(f"--progress-every wants a step count >= 1, got {args.progress_every}")
     run = Path(args.run_dir or Path("resihp-runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.mkdir(parents=True, exist_ok=True)
     n = args.tp * args.pp * args.dp

@@ -18,7 +18,7 @@ import tempfile
 from resihp.coordinator.detector.detector import Detector, DetectorConfig
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import IterationRecord, load_trace
+from resihp.coordinator.model.trace import IterationRecord, PlanChange, load_trace
 
 
 def main(argv: list[str]) -> int:
@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
     findings = []
     times = []
     for rec in records:
+        assert not isinstance(rec, PlanChange)  # write_workload's trace keeps its plan
         now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
         found = det.observe(rec, now) + det.tick(now)
         if isinstance(rec, IterationRecord):

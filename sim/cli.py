@@ -23,6 +23,7 @@ from resihp.sim.runner import compare, plot, table
 
 
 def build_parser() -> argparse.ArgumentParser:
+    assert __doc__ is not None
     p = argparse.ArgumentParser(prog="resihp simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", required=True,
                    help=f"a scenario name ({', '.join(scenarios.SCENARIOS)}) or a failure-trace file")

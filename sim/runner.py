@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from resihp.sim import policies as policy_registry
 from resihp.sim.engine import RunResult, Simulation
@@ -148,7 +149,7 @@ def plot(cmp: Comparison, path: str) -> None:
         for s in r.segments:
             xs += [s.start_s / HOUR, s.end_s / HOUR]
             ys += [s.tokens_per_s, s.tokens_per_s]
-        style = {"color": "black", "linewidth": 2.0} if r.policy == "resihp" else {"linewidth": 1.0}
+        style: dict[str, Any] = {"color": "black", "linewidth": 2.0} if r.policy == "resihp" else {"linewidth": 1.0}
         ax.plot(xs, ys, label=f"{r.policy} ({r.goodput:.2f})", **style)
     for f in cmp.faults:
         ax.axvline(f.time_s / HOUR, color="red" if f.kind == "fail-stop" else "orange", alpha=0.15, linewidth=0.8)

@@ -11,8 +11,8 @@ detector's ``α·tokens + β·Σl² + γ`` model: FLOP counts at GEMM and flash-
 efficiencies with 128-token attention tiles, per-document and per-layer launch overheads,
 per-device efficiency spread and slow thermal drift, per-op jitter, OS-noise spikes, GC
 pauses, data-loader stalls, periodic checkpoint stalls, communication jitter and congestion
-spikes. Ops are placed by the pipeline schedule's own op order (``detector_program``, built
-from ``schedule_orders``) with the ground-truth durations and per-device speeds.
+spikes. Ops are placed by the pipeline schedule's own op order (``detector.program``, built
+from ``schedule.orders``) with the ground-truth durations and per-device speeds.
 
 Faults: compute fail-slows (a device runs ``factor``× slower), link fail-slows (a rank's NIC:
 its P2P transfers and its DP ring run ``factor``× slower), persistent or transient, and
@@ -224,8 +224,8 @@ def make_header(cfg: WorkloadConfig, job: str = "sim") -> TraceHeader:
     )
 
 
-def generate(cfg: WorkloadConfig) -> Iterator[Record]:
-    """Every record of the run in time order."""
+def generate(cfg: WorkloadConfig) -> Iterator[IterationRecord | HeartbeatEvent | ExitEvent]:
+    """Every record of the run in time order (no ``PlanChange``: the plan stays as configured)."""
     from resihp.sim.workload_truth import GroundTruth
 
     truth = GroundTruth(cfg)

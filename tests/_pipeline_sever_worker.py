@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec
@@ -52,8 +53,8 @@ def die_in_all_reduce(n: int) -> None:
 def main() -> int:
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("sever/", store), rank=rank, world_size=WORLD,
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=120))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
+    dist.init_process_group("gloo", store=PrefixStore("sever/", store), rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     rt = Runtime(SPEC, PLAN, rank, TrainConfig(seed=1, max_seq_len=16))
     store.set(f"ready{rank}", "1")

@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.reconfig.pieces import TransferError
 from resihp.trainer_hooks.reconfig.reshard import STATES, Transfer, plan_reshard
-from resihp.trainer_hooks.reconfig.transfer import TransferError, execute_reshard
+from resihp.trainer_hooks.reconfig.transfer import execute_reshard
 from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
 from resihp.trainer_hooks.runtime.layout import gpt_tensor_specs, tensors_of_rank
 
@@ -57,7 +59,7 @@ def corrupted_first_piece(name: str) -> Transfer | None:
 
 
 def run(rank: int, world: int, port: int, out: str) -> dict[str, Any]:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=90))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=90))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
     full = full_tensors(seed=1234)
     results: dict[str, Any] = {}
     for name, (old, new, alive) in SCENARIOS.items():
@@ -67,7 +69,7 @@ def run(rank: int, world: int, port: int, out: str) -> dict[str, Any]:
         pg_rank_of = {r: i for i, r in enumerate(alive)}
         # ranks may reach a scenario far apart on a loaded machine: a long group timeout,
         # and a short one on the reshard's own messages where a peer dies
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), pg_rank_of[rank], len(alive), timedelta(seconds=90))
+        pg = dist.ProcessGroupGloo(PrefixStore(name, store), pg_rank_of[rank], len(alive), timedelta(seconds=90))
         plan = plan_reshard(old, new, SPECS, alive, NODES)
         old_shards = {s: {spec.name: full[s][spec.name][idx].clone() for spec, idx in tensors_of_rank(old, rank, SPECS)} for s in STATES}
         bad = corrupted_first_piece(name) if name.startswith("corrupt") else None
@@ -99,7 +101,7 @@ def run(rank: int, world: int, port: int, out: str) -> dict[str, Any]:
             results[name] = {"equal": equal, "tensors": len(expected), "sent": plan.send_bytes.get(rank, 0)}
         if name != "peer_dies":
             # a barrier so no rank tears its group down while a peer still reads from it
-            pg.barrier().wait()
+            pg.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]  # torch's Backend stub omits the binding's barrier
     return results
 
 

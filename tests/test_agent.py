@@ -73,7 +73,12 @@ def test_a_hung_nvml_call_degrades_within_its_deadline() -> None:
 def test_pidwatch_reports_a_sigkilled_process_at_once() -> None:
     got: list[tuple[int, int, int]] = []
     done = threading.Event()
-    watch = PidWatch(lambda r, p, c: (got.append((r, p, c)), done.set()))
+
+    def on_exit(rank: int, pid: int, code: int) -> None:
+        got.append((rank, pid, code))
+        done.set()
+
+    watch = PidWatch(on_exit)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         watch.watch(7, proc.pid)

@@ -85,6 +85,7 @@ def test_round_trip_full_state_bitwise_and_each_element_written_once(tmp_path: P
     close_all(save_all(tmp_path, PLAN8, 5, full))
     path = latest_checkpoint(tmp_path)
     assert path == tmp_path / "step-00000005"
+    assert path is not None
     meta, got = load_full(path)
     assert meta["step"] == 5 and meta["resume_step"] == 6 and meta["adam_step"] == 6.0
     assert meta["data"]["next_sample_id"] == 6 * GLOBAL_MB

@@ -56,10 +56,10 @@ def test_wrong_or_missing_token_is_unauthenticated(servers: tuple[CoordinatorSer
         assert code is grpc.StatusCode.UNAUTHENTICATED
     assert admin.Status(pb.StatusRequest(), metadata=metadata(TOKEN), timeout=5).epoch == 0  # no plan changed
     # health and reflection are open and standard
-    h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="resihp.v1.Admin"), timeout=5)
+    h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="resihp.v1.Admin"), timeout=5)  # pyright: ignore[reportAttributeAccessIssue]  # typeshed's HealthStub declares no methods
     assert h.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-    [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    [resp] = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))  # pyright: ignore[reportCallIssue]  # typeshed types this method as a bare "Incomplete"
     names = {s.name for s in resp.list_services_response.service}
     assert {"resihp.v1.Coordinator", "resihp.v1.Admin", "grpc.health.v1.Health"} <= names
 

@@ -17,6 +17,7 @@ from resihp.coordinator.service.engine import RuleEngine, build_header, make_eng
 from resihp.coordinator.service.joiner import Joiner
 from resihp.coordinator.service.journal import Journal
 from resihp.coordinator.service.metrics import Registry, describe_standard
+from resihp.coordinator.service.records import AgentConn
 from resihp.coordinator.service.statemachine import IllegalTransition, State, Trigger, step
 
 
@@ -102,6 +103,15 @@ def test_config_precedence_and_validation(tmp_path: Path) -> None:
         load_config(str(f), {}, {})
 
 
+def _command(conn: AgentConn) -> m.ReconfigCommand:
+    """The first command of the next batch on ``conn``'s outbox (each test's is a reconfiguration)."""
+    batch = conn.outbox.get_nowait()
+    assert batch is not None, "the stream was ended"
+    cmd = batch.commands[0]
+    assert isinstance(cmd, m.ReconfigCommand), cmd
+    return cmd
+
+
 def _core(tmp_path: Path, world: int = 4) -> CoordinatorCore:
     cfg = CoordinatorConfig(world_size=world, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
     plan = Plan.uniform(1, 2, world // 2, 8, world)
@@ -118,7 +128,7 @@ def test_core_fail_stop_plans_commands_and_waits_for_every_live_ack(tmp_path: Pa
     assert welcome.world_size == 4 and welcome.epoch == 0
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
     assert core.state is State.RECONFIGURING and core.epoch == 1
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     assert isinstance(cmd, m.ReconfigCommand) and not cmd.plan.has_rank(3) and cmd.plan.epoch == 1
     for r in (0, 1):
         core.on_batch(conn, m.AgentBatch(acks=(m.Ack(r, cmd.seq, 1, cmd.apply_at),)))
@@ -169,7 +179,7 @@ def test_records_of_a_recovery_that_resumed_before_apply_at_are_judged_by_the_ne
     for it in range(3):
         core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, old) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     assert isinstance(cmd, m.ReconfigCommand) and len(cmd.plan.replicas) < len(old.replicas)
     resumed = 3  # the survivors rolled back and resumed here, before apply_at
     assert resumed < cmd.apply_at
@@ -205,7 +215,7 @@ def test_a_command_not_acknowledged_in_time_is_adopted_with_the_reason(tmp_path:
                            Registry(), lambda: t[0])
     conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     core.on_batch(conn, m.AgentBatch(acks=(m.Ack(0, cmd.seq, 1, cmd.apply_at),)))
     t[0] += 4.0
     core.tick()
@@ -221,7 +231,7 @@ def test_a_command_the_job_ended_before_is_dropped_without_a_replan(tmp_path: Pa
     conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
     before = core.plan
     assert core.admin.exclude(1, "operator") == "operator excluded rank 1 (operator): epoch 1 commanded (command 1)"
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     assert core.state is State.RECONFIGURING
     why = f"{m.JOB_ENDED}at step 70, before the members reached iteration {cmd.apply_at}, where epoch 1 was to apply"
     core.on_batch(conn, m.AgentBatch(acks=(m.Ack(3, cmd.seq, 1, 70, ok=False, error=why),)))
@@ -230,7 +240,7 @@ def test_a_command_the_job_ended_before_is_dropped_without_a_replan(tmp_path: Pa
     assert conn.outbox.empty()  # nothing planned again for a job that is over
     # an ordinary refusal still plans again
     assert core.admin.exclude(2, "operator").endswith("epoch 2 commanded (command 2)")
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     core.on_batch(conn, m.AgentBatch(acks=(m.Ack(3, cmd.seq, 2, cmd.apply_at, ok=False, error="a bad plan"),)))
     assert "rank 3 could not apply epoch 2: a bad plan" in [e.get("reason") for e in core.events.since(0, 100)]
 
@@ -241,14 +251,14 @@ def test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout
     core = _core(tmp_path)
     conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
-    first = conn.outbox.get_nowait().commands[0]
+    first = _command(conn)
     spares = first.plan.spares
     assert isinstance(first, m.ReconfigCommand) and spares, first.plan
     core.on_batch(conn, m.AgentBatch(acks=tuple(m.Ack(r, first.seq, 1, first.apply_at) for r in range(3))))
     assert core.state is State.RUNNING
     spare = spares[0]
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(spare, 100 + spare, 2.0, -9),)))
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     assert isinstance(cmd, m.ReconfigCommand) and cmd.epoch == 2
     assert cmd.plan.replicas == first.plan.replicas and spare not in cmd.plan.spares
     assert cmd.reason.startswith(f"fail-stop of ranks [{spare}]")
@@ -259,13 +269,13 @@ def test_core_with_replanning_off_still_shrinks_past_a_dead_idle_rank_and_nothin
     core = _core(tmp_path)
     conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
-    first = conn.outbox.get_nowait().commands[0]
+    first = _command(conn)
     core.on_batch(conn, m.AgentBatch(acks=tuple(m.Ack(r, first.seq, 1, first.apply_at) for r in range(3))))
     core.policy["auto_reconfigure"] = "off"
     spare = first.plan.spares[0]
     member = first.plan.ranks()[0]
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(spare, 100 + spare, 2.0, -9),)))
-    cmd = conn.outbox.get_nowait().commands[0]
+    cmd = _command(conn)
     assert cmd.plan.replicas == first.plan.replicas and cmd.plan.spares == ()
     assert cmd.reason == (f"fail-stop of ranks [{spare}]; re-planning is off (policy auto_reconfigure=off); every "
                           "trainer shrinks MPI past them and goes on with the same layout")

@@ -40,3 +40,28 @@ def test_the_demo_kills_rank_5_or_a_rank_that_holds_state() -> None:
     assert _kill_target([0, 1, 2], 2) == 1  # never the throttled rank while another holds state
     assert _kill_target([2], 2) == 2
     assert _kill_target([0, 3, 4, 6], None) == 6
+
+
+def test_the_demo_shows_events_and_reconfigurations_as_one_line_each() -> None:
+    from resihp.demo import _event_text, _reconfig_text, _tokens_per_s
+
+    assert _event_text({"event": "inject", "kind": "slow", "rank": 2, "factor": 2.0}) == "INJECT   slow rank 2 x2.0"
+    assert _event_text({"event": "finding", "kind": "fail-slow", "ranks": [2], "cause": "compute",
+                        "factor": 1.93}) == "DETECTED fail-slow on ranks [2] (compute, x1.93)"
+    assert _event_text({"event": "heartbeat"}) is None
+    assert _reconfig_text({"kind": "planned", "epoch": 1, "downtime_s": 0.2, "bytes_moved": 29e6,
+                           "plan": "TP1xPP2xDP2", "step": 18}) == (
+        "RECONFIGURED (planned) epoch 1 in 0.20 s, 29.00 MB moved: TP1xPP2xDP2; resuming at step 18")
+    assert _tokens_per_s([(10.0, 1024), (11.0, 1024), (12.0, 1024)]) == 1024.0
+    assert _tokens_per_s([(10.0, 1024)]) == 0.0
+
+
+def test_the_demo_progress_options() -> None:
+    from resihp.demo import _parser
+
+    args = _parser().parse_args([])
+    assert (args.progress, args.progress_every, args.quiet) == ("auto", 10, False)
+    args = _parser().parse_args(["--progress", "plain", "--progress-every", "5"])
+    assert (args.progress, args.progress_every) == ("plain", 5)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--progress", "fancy"])

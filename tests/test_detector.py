@@ -3,18 +3,31 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Hashable
+from typing import Any
 
 import pytest
 
 from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord, Record
+from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord, PlanChange, Record
 from resihp.sim.detect_baselines import ThresholdBaseline
 from resihp.sim.workload import Fault, Hardware, Noise, WorkloadConfig, make_header, records_list
 
 MODEL = preset("llama2-7b")
 PLAN = Plan.uniform(2, 2, 2, 32, 8)  # 8 ranks, one node
+
+
+def _now(rec: Record) -> float:
+    """When ``rec`` happened (the generated traces change no plan)."""
+    assert not isinstance(rec, PlanChange), rec
+    return rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+
+
+def _fields(key: Hashable) -> tuple[Any, ...]:
+    assert isinstance(key, tuple), key  # the predictor's cost keys are tuples
+    return key
 
 
 def _cfg(faults: tuple[Fault, ...] = (), iterations: int = 24, plan: Plan = PLAN, **kw: object) -> WorkloadConfig:
@@ -28,7 +41,7 @@ def _replay(cfg: WorkloadConfig, det: Detector | None = None) -> tuple[Detector,
     found: list[Finding] = []
     states: list[dict[int, str]] = []
     for rec in records_list(cfg):
-        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        now = _now(rec)
         found += det.observe(rec, now) + det.tick(now)
         if isinstance(rec, IterationRecord):
             states.append(det.suspects())
@@ -185,7 +198,6 @@ def test_observe_rejects_non_records() -> None:
 def test_detection_continues_across_a_plan_change_record() -> None:
     from dataclasses import replace as dc_replace
 
-    from resihp.coordinator.model.trace import PlanChange
 
     cfg = _cfg((Fault("compute", 3, 16, 2.0),), iterations=22)
     det = Detector(make_header(cfg))
@@ -193,7 +205,7 @@ def test_detection_continues_across_a_plan_change_record() -> None:
     for rec in records_list(cfg):
         if isinstance(rec, IterationRecord) and rec.iteration == 12:
             found += det.observe(PlanChange(12, dc_replace(PLAN, epoch=1, reason="test")), rec.start_s)
-        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        now = _now(rec)
         found += det.observe(rec, now)
     assert det.index.plan.epoch == 1
     assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (3,), 17)]
@@ -224,7 +236,7 @@ def test_peer_relative_compute_sees_a_throttle_whose_cpu_went_to_its_peers(
                                                     peer_relative=peer_relative))
     found: list[Finding] = []
     for rec in _shared_cpu_records(cfg, 2, 12, 0.72):
-        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        now = _now(rec)
         found += det.observe(rec, now)
     assert [(f.kind, f.ranks, f.iteration) for f in found] == expected
     if peer_relative:
@@ -320,7 +332,7 @@ def _observe_all(det: Detector, records: list[Record]) -> tuple[list[Finding], l
     found: list[Finding] = []
     states: list[dict[int, str]] = []
     for rec in records:
-        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        now = _now(rec)
         found += det.observe(rec, now) + det.tick(now)
         if isinstance(rec, IterationRecord):
             states.append(det.suspects())
@@ -397,13 +409,13 @@ def test_a_tp_partner_that_waited_teaches_the_cost_model_nothing() -> None:
     det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
     cal = det.predictor.cal
     _observe_all(det, records[:13])
-    first_stage = [k for k in cal.keys() if k[0] == "compute" and k[4] == "first"]
+    first_stage = [k for k in cal.keys() if _fields(k)[0] == "compute" and _fields(k)[4] == "first"]
     assert len(first_stage) == 2  # F and B of stage 0
     before = {k: cal.samples(k) for k in cal.keys()}
     found, states = _observe_all(det, records[13:])
     assert [(f.kind, f.ranks) for f in found] == [("fail-slow", (1,))] and states[-1][0] == "healthy"
     assert {k: cal.samples(k) for k in first_stage} == {k: before[k] for k in first_stage}
-    assert all(cal.samples(k) > before[k] for k in cal.keys() if k[0] == "compute" and k[4] == "last")
+    assert all(cal.samples(k) > before[k] for k in cal.keys() if _fields(k)[0] == "compute" and _fields(k)[4] == "last")
 
 
 def test_tp_chunks_are_read_as_time_inside_collectives_not_as_compute() -> None:
@@ -421,7 +433,9 @@ def test_tp_chunks_are_read_as_time_inside_collectives_not_as_compute() -> None:
         [0, "F", 0, 0, 0.0, 0.01], [0, "TP", 0, 0, 0.006, 0.01], [0, "B", 0, 0, 0.01, 0.03],
         [0, "TP", 0, 0, 0.02, 0.03], [1, "F", 0, 0, 0.0, 0.01], [1, "B", 0, 0, 0.01, 0.03]]}
     hdr, recs = read_trace([json.dumps(header), json.dumps(it)])
-    t = timings_from_record(list(recs)[0], PlanIndex(hdr.plan))
+    rec = list(recs)[0]
+    assert isinstance(rec, IterationRecord)
+    t = timings_from_record(rec, PlanIndex(hdr.plan))
     assert t.compute is not None and t.tp_wait is not None
     assert t.compute[0, 0, :, 0].tolist()[:2] == pytest.approx([0.01, 0.02]) and np.isnan(t.compute[0, 0, 2, 0])
     assert t.tp_wait[0] == pytest.approx(0.014) and np.isnan(t.tp_wait[1])

@@ -111,4 +111,5 @@ def test_a_runtime_step_on_the_gpu_places_every_chunk_inside_the_step(nccl1: tor
         assert all(0.0 <= s <= e <= r.time_s + 1e-6 for _, _, _, s, e in r.chunks), r.chunks
         compute = sum(e - s for k, _, _, s, e in r.chunks if k in ("F", "B"))
         assert 0.0 < compute <= r.time_s
+    assert results[0].loss is not None
     assert results[-1].loss is not None and results[-1].loss < results[0].loss

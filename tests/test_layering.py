@@ -1,32 +1,35 @@
 """The layering promises: decisions import neither torch, grpc nor MPI; the agent never
-imports torch; the pure modules stay clean under ``mypy --strict``."""
+imports torch. (``make check`` holds the pure core to ``mypy --strict``.)"""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 
-PURE = [
-    "resihp.coordinator.model.spec", "resihp.coordinator.model.plan", "resihp.coordinator.model.trace",
-    "resihp.coordinator.model.costmodel", "resihp.coordinator.schedule.simulator", "resihp.coordinator.schedule.orders",
-    "resihp.coordinator.detector.detector", "resihp.coordinator.detector.config", "resihp.coordinator.detector.verdicts",
-    "resihp.coordinator.detector.idle", "resihp.coordinator.detector.probe",
-    "resihp.coordinator.detector.evidence",
-    "resihp.coordinator.detector.predictor",
-    "resihp.coordinator.detector.program", "resihp.coordinator.model.cluster", "resihp.coordinator.model.memory",
-    "resihp.coordinator.planner.planner", "resihp.coordinator.service.statemachine", "resihp.coordinator.service.joiner",
-    "resihp.coordinator.planner.audit", "resihp.coordinator.service.audit", "resihp.coordinator.planner.profile",
-    "resihp.coordinator.cli.profile",
-    "resihp.trainer_hooks.runtime.layout", "resihp.trainer_hooks.reconfig.reshard", "resihp.trainer_hooks.checkpoint.format",
-    "resihp.trainer_hooks.launch.hostfile",
+# The pure core: whole sub-packages (a module added to one is covered without a list to edit)
+# and the pure helpers that live beside impure code.
+PURE_PACKAGES = ["coordinator/model", "coordinator/schedule", "coordinator/detector", "coordinator/planner"]
+PURE_HELPERS = [
+    "resihp.coordinator.cli.detect", "resihp.coordinator.cli.plan", "resihp.coordinator.cli.profile",
+    "resihp.coordinator.service.statemachine", "resihp.coordinator.service.joiner", "resihp.coordinator.service.audit",
+    "resihp.trainer_hooks.runtime.layout", "resihp.trainer_hooks.reconfig.reshard",
+    "resihp.trainer_hooks.checkpoint.format", "resihp.trainer_hooks.launch.hostfile",
     "resihp.report.data", "resihp.report.summary",
     "resihp.sim.engine", "resihp.sim.runner", "resihp.sim.workload",
 ]
+
+
+def pure_modules() -> list[str]:
+    found = []
+    for folder in PURE_PACKAGES:
+        package = "resihp." + folder.replace("/", ".")
+        found += [package] + [f"{package}.{p.stem}" for p in sorted((REPO / folder).glob("*.py")) if p.stem != "__init__"]
+    return found + PURE_HELPERS
+
+
+PURE = pure_modules()
 
 # Makes any import of the named top-level packages fail, as on a machine without them.
 BLOCKER = """
@@ -66,10 +69,3 @@ def test_agent_never_imports_torch() -> None:
 def test_blocker_really_blocks() -> None:
     done = _import_without("torch", ["resihp.trainer_hooks.runtime.model"])
     assert done.returncode != 0 and "layering: torch imported" in done.stderr
-
-
-@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_pure_modules_pass_mypy_strict() -> None:
-    done = subprocess.run(["make", "-s", "typecheck"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "Success: no issues found" in done.stdout

@@ -26,7 +26,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import torch.distributed as dist
 
     out = tmp_path_factory.mktemp("sever") / "result.json"
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(store.port), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
     logs = []

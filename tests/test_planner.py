@@ -13,6 +13,7 @@ from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
 from resihp.coordinator.planner.cost import Costs, PipeSig
 from resihp.coordinator.planner.decision import LEVELS
 from resihp.coordinator.planner.exhaustive import Exhaustive
+from resihp.coordinator.planner.groups import node_ranges
 from resihp.coordinator.planner.planner import (
     PlannerConfig,
     decide,
@@ -22,7 +23,6 @@ from resihp.coordinator.planner.planner import (
     search_plan,
     simulate_plan,
 )
-from resihp.coordinator.planner.search import node_ranges
 from resihp.coordinator.planner.shares import Monotone, allocate_shares
 from resihp.coordinator.planner.split import profile
 

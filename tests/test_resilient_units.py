@@ -15,7 +15,7 @@ import pytest
 from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import load_trace
+from resihp.coordinator.model.trace import IterationRecord, PlanChange, Record, load_trace
 from resihp.coordinator.planner.cost import PlannerConfig
 from resihp.coordinator.planner.decision import decide, tp_uniform_per_layer
 from resihp.coordinator.protocol import messages as m
@@ -123,7 +123,7 @@ def replace_epoch(plan: Plan, epoch: int) -> Plan:
 
 
 def test_progress_log_lines_are_json_with_type_and_time(tmp_path: Path) -> None:
-    from resihp.trainer_hooks.runtime.resilient import ProgressLog, loss_rank
+    from resihp.trainer_hooks.runtime.progress_log import ProgressLog, loss_rank
 
     log = ProgressLog(tmp_path / "run" / "progress.jsonl")
     log.write("step", step=3, loss=4.5, tokens=1024, kind="not-the-type")
@@ -164,13 +164,18 @@ def test_coordinator_trace_marks_the_fail_stop_command_and_records_the_exit(tmp_
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))  # fail-stop → a new plan
     header, records = load_trace(str(tmp_path / "trace.jsonl"))
     assert header.model.name == "gpt-tiny" and [type(r).__name__ for r in records] == ["ExitEvent"]
-    cmd = conn.outbox.get_nowait().commands[0]
+    batch = conn.outbox.get_nowait()
+    assert batch is not None
+    cmd = batch.commands[0]
     assert isinstance(cmd, m.ReconfigCommand) and cmd.reason.startswith("fail-stop of ranks [3]")
 
 
-def test_trace_sink_writes_a_plan_change_just_before_the_first_record_on_the_new_plan(tmp_path: Path) -> None:
-    from resihp.coordinator.model.trace import IterationRecord, PlanChange
+def _iteration(r: Record) -> int:
+    assert isinstance(r, (IterationRecord, PlanChange)), r  # the sink's traces hold no events here
+    return r.iteration
 
+
+def test_trace_sink_writes_a_plan_change_just_before_the_first_record_on_the_new_plan(tmp_path: Path) -> None:
     old = Plan.uniform(1, 2, 2, 8, 4)
     new = Plan.uniform(1, 2, 1, 8, 4, )
     header = build_header(preset("gpt-tiny"), old, 4, "job")
@@ -183,7 +188,7 @@ def test_trace_sink_writes_a_plan_change_just_before_the_first_record_on_the_new
     sink.write(IterationRecord(7, 0.2, 0.1, (two, two)))  # a recovery resumed early: shaped like the new plan
     sink.close()
     _, records = load_trace(str(tmp_path / "t.jsonl"))
-    got = [(type(r).__name__, r.iteration) for r in records]
+    got = [(type(r).__name__, _iteration(r)) for r in records]
     assert got == [("IterationRecord", 4), ("PlanChange", 5), ("IterationRecord", 5), ("PlanChange", 7),
                    ("IterationRecord", 7)]
 
@@ -192,8 +197,6 @@ def test_trace_sink_places_a_plan_change_where_the_ranks_switched_by_the_records
     """With each record's plan epoch (the joiner's), a switch that came after its apply_at
     (a late command: same replica count, so no shape tells) and a superseded plan that never
     ran are written as they happened."""
-    from resihp.coordinator.model.trace import IterationRecord, PlanChange
-
     start = Plan.uniform(2, 1, 2, 8, 4)
     tp4 = replace(Plan.uniform(4, 1, 1, 8, 4), epoch=1)
     unrun, pp2 = replace(Plan.uniform(1, 2, 2, 8, 4), epoch=2), replace(Plan.uniform(2, 2, 1, 8, 4), epoch=3)
@@ -209,7 +212,7 @@ def test_trace_sink_places_a_plan_change_where_the_ranks_switched_by_the_records
     sink.write(IterationRecord(9, 0.9, 0.1, one), 3)  # the recovery resumed at 9
     sink.close()
     _, records = load_trace(str(tmp_path / "t.jsonl"))
-    got = [(type(r).__name__, r.iteration, getattr(getattr(r, "plan", None), "epoch", None)) for r in records]
+    got = [(type(r).__name__, _iteration(r), getattr(getattr(r, "plan", None), "epoch", None)) for r in records]
     assert got == [("IterationRecord", 5, None), ("IterationRecord", 6, None), ("PlanChange", 7, 1),
                    ("IterationRecord", 7, None), ("PlanChange", 9, 3), ("IterationRecord", 9, None)]
 
@@ -245,7 +248,7 @@ def _resilience(plan: Plan, transport: Any) -> Any:
 def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_recovery() -> None:
     """A coordinator started with another --microbatches than the script would otherwise halve
     (or double) what each step trains after its first re-plan: the loss curve would change."""
-    from resihp.trainer_hooks.runtime.resilient import batch_change
+    from resihp.trainer_hooks.runtime.recovery import batch_change
 
     job_plan = Plan.uniform(1, 2, 2, 8, 8)  # the script's: 8 micro-batches per step
     same = Plan.uniform(1, 1, 2, 8, 8)

@@ -14,7 +14,7 @@ from resihp.trainer_hooks.hooks import Job, parse_throttle_env
 from resihp.trainer_hooks.reporting.reporter import MemoryTransport
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream, split_documents
 from resihp.trainer_hooks.runtime.groups import param_names, pipeline_peers, place_of, rank_sets, shard_holders
-from resihp.trainer_hooks.runtime.model import GPTStage, PackedMeta, init_full_tensor, loss_sum
+from resihp.trainer_hooks.runtime.model import Block, GPTStage, PackedMeta, init_full_tensor, loss_sum
 from resihp.trainer_hooks.runtime.pipeline import schedule_1f1b
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
@@ -92,7 +92,9 @@ def test_initial_weights_do_not_depend_on_the_layout() -> None:
     assert not torch.equal(full, init_full_tensor(SPEC, 16, "layers.3.attn.qkv.weight", seed=5))
     model = GPTStage(SPEC, 16, (2, 3), False, True)
     model.init_from_seed(5)
-    assert torch.equal(model.layers["2"].attn.qkv.weight.detach(), full)
+    block = model.layers["2"]
+    assert isinstance(block, Block)
+    assert torch.equal(block.attn.qkv.weight.detach(), full)
     assert float(loss_sum(torch.zeros(3, 256), torch.tensor([0, 1, 2]))) == pytest.approx(3 * torch.log(torch.tensor(256.0)).item())
 
 

@@ -78,6 +78,7 @@ def test_trace_round_trip() -> None:
     back = parse_trace(io.StringIO(buf.getvalue()), 16, 8)
     assert back == faults
     node = parse_trace(io.StringIO(HEADER + '{"type": "fail-stop", "time_s": 5, "node": 1}\n'), 16, 8)
+    assert isinstance(node[0], FailStop)
     assert node[0].ranks == tuple(range(8, 16)) and node[0].scope == "node" and math.isinf(node[0].repair_s)
 
 

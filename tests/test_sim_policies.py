@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -25,7 +26,7 @@ ONE = JobSpec(preset("llama2-7b"), tp=1, pp=1, dp=1, microbatches=8, **FAST)  # 
 TWO = JobSpec(preset("llama2-7b"), tp=1, pp=1, dp=2, microbatches=8, **FAST)  # type: ignore[arg-type]
 
 
-def run(name: str, job: JobSpec, faults: list[Fault], horizon: float, settings: Settings = SETTINGS) -> tuple[RunResult, float]:
+def run(name: str, job: JobSpec, faults: Sequence[Fault], horizon: float, settings: Settings = SETTINGS) -> tuple[RunResult, float]:
     perf = PerfModel(job)
     r0 = failure_free_tps(job, perf)
     pol = make(name, job, perf, settings)
@@ -181,7 +182,7 @@ def test_resihp_takes_an_idle_slow_rank_back_when_its_verdict_lapses() -> None:
     assert res.segments[-1].tokens_per_s >= 0.99 * r0  # after the fault: full speed (or the planner's better layout)
 
 
-def run_without_probes(job: JobSpec, faults: list[Fault], horizon: float) -> tuple[RunResult, float]:
+def run_without_probes(job: JobSpec, faults: Sequence[Fault], horizon: float) -> tuple[RunResult, float]:
     perf = PerfModel(job)
     r0 = failure_free_tps(job, perf)
     pol = make("resihp", job, perf, SETTINGS)

@@ -9,6 +9,7 @@ import torch
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.runtime.groups import place_of, retire
+from resihp.trainer_hooks.runtime.model import Block
 from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp
 from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig, build_stage, build_stage_ahead
 
@@ -28,8 +29,10 @@ def test_a_stage_built_ahead_has_the_places_shapes_and_takes_its_group_later() -
     place = place_of(plan, 3)  # stage 1, TP index 1 of 2
     stage = build_stage(SPEC, CONFIG.max_seq_len, place)
     assert stage.layer_range == (2, 4) and stage.last and not stage.first
-    assert stage.layers["2"].attn.qkv.weight.shape == (3 * 32 // 2, 32)  # column-parallel half
-    assert stage.layers["2"].mlp.fc2.weight.shape == (32, 64 // 2)  # row-parallel half
+    block = stage.layers["2"]
+    assert isinstance(block, Block)
+    assert block.attn.qkv.weight.shape == (3 * 32 // 2, 32)  # column-parallel half
+    assert block.mlp.fc2.weight.shape == (32, 64 // 2)  # row-parallel half
     real = TPContext(group=object(), index=1, size=2)
     bind_tp(stage, real)
     assert all(m.tp is real for m in stage.modules() if hasattr(m, "tp"))

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from resihp.coordinator.model.plan import Plan
+from resihp.trainer_hooks.reconfig.pieces import CHECKSUMS, TransferError, _checksum
+from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import STATES, plan_reshard
-from resihp.trainer_hooks.reconfig.transfer import CHECKSUMS, TransferError, _checksum, execute_reshard, prepare_rank
+from resihp.trainer_hooks.reconfig.transfer import execute_reshard
 from resihp.trainer_hooks.runtime.layout import tensors_of_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,7 +39,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any
 
     out = tmp_path_factory.mktemp("transfer")
     # the store lives here, outside the ranks, as it would in the agent
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(r), str(WORLD), str(store.port), str(out / f"{r}.json")],

@@ -65,13 +65,19 @@ def test_chunk_timings_follow_the_pipeline_schedule() -> None:
     assert rec.time_s == pytest.approx(opt_end)
 
 
+def _first_op(truth: GroundTruth, iteration: int) -> float:
+    compute = truth.timings(iteration, 0.0).compute
+    assert compute is not None
+    return float(compute[0, 0, 0, 0])
+
+
 def test_healthy_ops_repeat_to_about_a_percent() -> None:
     plan = Plan.uniform(1, 1, 1, 32, 1)
     docs = (4096, 4096)  # every micro-batch is the same: one 8K budget of two 4K documents
     cfg = WorkloadConfig(MODEL, plan, budget=8192, seed=2, iterations=40, documents=docs,
                          noise=Noise(os_noise_prob=0.0), heartbeats=False)
     truth = GroundTruth(cfg)
-    f = np.array([truth.timings(i, 0.0).compute[0, 0, 0, 0] for i in range(40)])
+    f = np.array([_first_op(truth, i) for i in range(40)])
     cv = f.std() / f.mean()
     assert 0.003 < cv < 0.03
 

@@ -3,11 +3,19 @@
     job = resihp.trainer_hooks.init("gpt-tiny", plan)   # once, at start-up
     job.step(result)                                    # once per iteration
 
-See docs/runtime.md. Heavy imports (torch, mpi4py, grpc) happen on first use.
+Sub-packages: ``runtime`` (the hybrid-parallel runtime and resilient loop), ``reconfig``
+(live reconfiguration and fail-stop recovery), ``checkpoint``, ``reporting`` (reports to the
+agent, traces) and ``launch`` (``resihp launch`` and the MPI bootstrap). See docs/runtime.md.
+Heavy imports (torch, mpi4py, grpc) happen on first use.
 """
+
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what tools and editors resolve; at run time the names load on first use
+    from resihp.trainer_hooks.hooks import Job, StepOutcome, init, step
+    from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 __all__ = ["init", "step", "Job", "StepOutcome", "TrainConfig"]
 

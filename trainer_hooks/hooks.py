@@ -40,7 +40,8 @@ from resihp.trainer_hooks.reporting.reporter import Transport, connect
 from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
 from resihp.trainer_hooks.runtime.groups import wait_retired
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
-from resihp.trainer_hooks.runtime.resilient import PROGRESS_ENV, ProgressLog, Resilience, loss_rank
+from resihp.trainer_hooks.runtime.progress_log import PROGRESS_ENV, ProgressLog, loss_rank
+from resihp.trainer_hooks.runtime.resilient import Resilience
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import Runtime, StepResult, TrainConfig
 

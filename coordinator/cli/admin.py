@@ -36,7 +36,8 @@ def _common(top: bool) -> argparse.ArgumentParser:
     common.add_argument("--token", help="job token (prefer RESIHP_TOKEN)", **d)
     common.add_argument("--token-file", **d)
     common.add_argument("--tls-ca", help="CA certificate: connect with TLS", **d)
-    common.add_argument("--timeout", type=float, help="seconds per call", **({"default": 5.0} if top else d))
+    timeout: dict[str, Any] = {"default": 5.0} if top else d
+    common.add_argument("--timeout", type=float, help="seconds per call", **timeout)
     common.add_argument("--json", action="store_true", help="machine-readable output", **d)
     return common
 

@@ -13,10 +13,10 @@ timings it falls back to per-rank step times (``rank_step_s``: rank-level, cause
 and then to the iteration time alone (job-level).
 
 Each rank moves through healthy → suspect → slow → (recovered →) healthy (an explicit
-state machine, one transition table below): a ratio above the threshold makes a rank a
-suspect, ``confirm_iters`` consecutive suspect iterations confirm it (persistence: a single
-noisy iteration is never a finding), ``recover_iters`` consecutive normal iterations
-recover it. Fail-stop: an exit event confirms at once; a rank whose heartbeats stop for
+state machine: its transition table in ``verdicts``, run over all ranks at once in
+``judge``): a ratio above the threshold makes a rank a suspect, ``confirm_iters``
+consecutive suspect iterations confirm it (persistence: a single noisy iteration is never a
+finding), ``recover_iters`` consecutive normal iterations recover it. Fail-stop: an exit event confirms at once; a rank whose heartbeats stop for
 ``heartbeat_timeout_s`` is declared dead at the next ``tick(now)``.
 
 After a plan change (``set_plan``) a layout's op times need not scale as the cost model's
@@ -37,25 +37,21 @@ Pure: numpy only, deterministic, time comes in as ``now``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig as DetectorConfig  # re-exported: its home for callers
 from resihp.coordinator.detector.evidence import (
-    BWD,
-    FWD,
     IterationTimings,
     PlanIndex,
     batch_features,
-    group_all,
     rank_work,
     timings_from_record,
-    tp_wait_share,
 )
 from resihp.coordinator.detector.idle import IdleRankVerdicts
-from resihp.coordinator.detector.predictor import Predictor, fill_nan, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.judge import IterationJudge, JobTrack
+from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.probe import ProbeBook
 from resihp.coordinator.detector.verdicts import TRANSITIONS as TRANSITIONS  # re-exported: callers import them here
 from resihp.coordinator.detector.verdicts import Finding as Finding
@@ -76,7 +72,7 @@ log = logging.getLogger(__name__)
 FloatArray = npt.NDArray[np.float64]
 
 
-class Detector(IdleRankVerdicts):
+class Detector(IterationJudge, IdleRankVerdicts):
     def __init__(self, header: TraceHeader, config: DetectorConfig | None = None) -> None:
         self.header = header
         self.config = config or DetectorConfig()
@@ -96,7 +92,7 @@ class Detector(IdleRankVerdicts):
         self._last_beat: dict[int, float] = {}
         self._beats_on = False
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
-        self._job = _Track()  # iteration-level (job-wide) evidence
+        self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1
         self._pending: tuple[FloatArray, FloatArray] | None = None
         self.last: dict[str, float] = {}  # the latest iteration's predictions (for tools and benchmarks)
@@ -152,7 +148,7 @@ class Detector(IdleRankVerdicts):
         if changed:
             self.predictor.start_rewarm(self.config.rewarm_iters)
         self._alloc()
-        self._job = _Track()
+        self._job = JobTrack()
 
     # --- inputs ---------------------------------------------------------------------------
     def observe(self, record: Record, now: float) -> list[Finding]:
@@ -258,271 +254,6 @@ class Detector(IdleRankVerdicts):
             return self._judge_steps(t, tok, ssq, now)
         return self._judge_iteration(t, tok, ssq, now)
 
-    def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
-        assert t.compute is not None and t.p2p is not None
-        ix, pred, c = self.index, self.predictor, self.config
-        p_comp = pred.compute(tok, ssq)
-        p_p2p = pred.p2p(tok, ssq)
-        k = 3 if ix.split_backward else 2  # without split backward there are no W ops
-        comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
-        if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
-            comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
-        if c.peer_relative:
-            comp = comp / self._common_factor(comp)
-        in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
-        in_b = trimmed_ratio(t.p2p[:, :, BWD, :], p_p2p[:, :, BWD, :])
-        dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
-        hold = None
-        if pred.rewarming:  # evidence on a re-warming key says nothing yet
-            rw_c, rw_m, _ = pred.rank_rewarm()
-            comp = np.where(rw_c, np.nan, comp)
-            in_f, in_b, dp_ratio = (np.where(rw_m, np.nan, x) for x in (in_f, in_b, dp_ratio))
-            hold = np.where(self.cause_code > 0, rw_m, rw_c)
-        out_f = np.where(ix.fwd_recv >= 0, in_f[ix.fwd_recv], np.nan)
-        out_b = np.where(ix.bwd_recv >= 0, in_b[ix.bwd_recv], np.nan)
-        # a slow NIC slows every cross-node transfer of its rank: P2P in and out, and its DP
-        # ring. Both ends of a slow P2P link see it; the culprit is slow in every direction,
-        # a neighbour only in those that touch the culprit: take the smallest ratio.
-        dirs = np.stack([
-            np.where(ix.cross_bwd, in_f, np.nan), np.where(ix.cross_fwd, in_b, np.nan),
-            np.where(ix.cross_fwd, out_f, np.nan), np.where(ix.cross_bwd, out_b, np.nan),
-        ])
-        has = np.isfinite(dirs)
-        self._dp_only = ~has.any(axis=0)
-        link = np.where(self._dp_only, np.nan, np.min(np.where(has, dirs, np.inf), axis=0))
-        comm = np.where(self._dp_only, dp_ratio, link)
-        # a pipeline end talks to one neighbour only, so the two ends of a slow link look
-        # alike; the culprit's DP ring is slow too, the neighbour's is not
-        thr = 1.0 + c.comm_threshold
-        for nbr, cross in ((ix.fwd_recv, ix.cross_fwd), (ix.bwd_recv, ix.cross_bwd)):
-            q = np.where(nbr >= 0, nbr, 0)
-            both = cross & (nbr >= 0) & (fill_nan(link, 0.0) > thr) & (fill_nan(link[q], 0.0) > thr)
-            lose = both & (fill_nan(dp_ratio, 1.0) < fill_nan(dp_ratio[q], 1.0))
-            comm = np.where(lose, 1.0, comm)
-        # the schedule simulation of the whole iteration is not needed to judge ranks; it
-        # runs when a finding quotes it or a caller asks (predicted_iteration_s)
-        self._pending = (p_comp, p_p2p)
-        self.last = {"observed_iteration_s": t.time_s}
-        ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
-        comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
-        ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
-        if not c.link_detection:
-            comm = np.ones_like(comm)
-            ex_m = np.full_like(ex_m, -1.0)
-        is_comm = ex_m > ex_c
-        # the slowdown estimate of a link: the middle of its directions (the min, used to
-        # decide, is biased low by the noise of the others), or its DP ring's when that is
-        # slow too and slower: activations are small messages, where latency and a shaper's
-        # burst hide much of a bandwidth loss, the ring's all-reduce is bulk — and the
-        # planner prices links by bandwidth (a 100× slower NIC read 3.7× from P2P alone).
-        # Only needed where it is used.
-        score = np.where(is_comm, comm, comp)
-        need = np.nonzero(is_comm & ~self._dp_only & ((ex_m > 0) | (self.state == RankState.SLOW)))[0]
-        if len(need):
-            ring = dp_ratio[need]
-            bulk = np.where(np.isfinite(ring) & (ring > 1.0 + c.dp_threshold), ring, np.nan)
-            score[need] = np.fmax(nanmedian(dirs[:, need], axis=0), bulk)
-        suspect = (ex_c > 0) | (ex_m > 0)
-        # a rank found link-slow recovers on its links — its P2P and its DP ring's bulk transfer,
-        # which a shaper's burst cannot hide — and its compute need only be no fault of its own
-        # (on shared cores a link-slow rank's compute ratio swings by ±20 %: three consecutive
-        # iterations within recover_threshold took up to 250 iterations after the link was back)
-        # Where its DP ring is measured, that bulk transfer is the hysteresis (a slow NIC keeps it
-        # far above dp_threshold), and its P2P need only be no longer suspect: small P2P messages
-        # on shared cores read above comm_threshold / 2 in one iteration of three when healthy.
-        link_slow = (self.state == RankState.SLOW) & (self.cause_code > 0)
-        ring = link_slow & np.isfinite(dp_ratio)
-        normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
-            fill_nan(comm, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
-            ~ring | (dp_ratio < 1 + c.dp_threshold))
-        ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
-              "p2p_in_ratio": np.fmax(in_f, in_b)}
-        found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold)
-        rw = pred.rewarming
-        if t.iteration % c.calib_every == 0:
-            healthy = (self.state == RankState.HEALTHY) & ~suspect
-            if t.tp_wait is not None:  # a member's spans are as slow as its group's slowest
-                healthy = group_all(healthy, ix)
-            pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
-        if rw:
-            self._rewarm_learn(t, tok, ssq)
-        return found
-
-    def _common_factor(self, comp: FloatArray) -> float:
-        """The median compute ratio of the ranks that may serve as peers (alive, not
-        confirmed slow, with evidence), capped at 1 unless ``peer_common_slowdown``: a
-        common speed-up is the model's error, not a device's; a common slowdown stays
-        visible by default (every device may really be slow). 1 where fewer than three
-        peers have evidence: a median of two is one of them."""
-        peers = (self.state != RankState.DEAD) & (self.state != RankState.SLOW) & np.isfinite(comp)
-        if int(peers.sum()) < 3:
-            return 1.0
-        common = float(np.median(comp[peers]))
-        return common if self.config.peer_common_slowdown else min(1.0, common)
-
-    def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
-        if t.iteration >= self._rw_from:  # not the switch iteration, nor records of the old plan
-            st = self.state
-            self.predictor.rewarm_calibrate(t, tok, ssq, st != RankState.DEAD, st == RankState.SLOW,
-                                            self.cause_code > 0, self.score, coupled=t.tp_wait is not None)
-
-    def _judge_steps(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
-        assert t.rank_step is not None
-        c = self.config
-        pred = self.predictor
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = t.rank_step / pred.rank_step(tok, ssq)
-        rw = pred.rewarming
-        hold = None
-        if rw:
-            hold = pred.rank_rewarm()[2]
-            ratio = np.where(hold, np.nan, ratio)
-        suspect = fill_nan(ratio, 0.0) > 1 + c.step_threshold
-        normal = fill_nan(ratio, 1.0) < 1 + c.recover_threshold
-        found = self._advance(t, suspect, normal, fill_nan(ratio, 1.0), None, {"step_ratio": ratio}, now, hold)
-        healthy = (self.state == RankState.HEALTHY) & ~suspect
-        pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
-        if rw:
-            self._rewarm_learn(t, tok, ssq)
-        return found
-
-    def _judge_iteration(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
-        c = self.config
-        p = self.predictor.iteration_only(tok, ssq)
-        ratio = t.time_s / p if p > 0 else 1.0
-        self.last = {"predicted_iteration_s": p, "observed_iteration_s": t.time_s}
-        job = self._job
-        ev = {"iteration_ratio": ratio, "predicted_iteration_s": p, "observed_iteration_s": t.time_s}
-        out: list[Finding] = []
-        if ratio > 1 + c.iteration_threshold:
-            job.run += 1
-            job.ok = 0
-            if not job.slow and job.run >= c.confirm_iters:
-                job.slow, job.factor = True, ratio
-                out.append(Finding(t.iteration, "fail-slow", (), None, None, None, ratio, "unknown",
-                                   f"iterations took {ratio:.2f}x the time the cost model predicts for their batches "
-                                   f"for {job.run} consecutive iterations ({t.time_s:.2f} s vs {p:.2f} s); the trace has "
-                                   f"no per-rank timings, so the slow device cannot be localised", ev, now))
-        else:
-            job.run = 0
-            if job.slow and ratio < 1 + c.recover_threshold * 2:
-                job.ok += 1
-                if job.ok >= c.recover_iters:
-                    job.slow = False
-                    out.append(Finding(t.iteration, "recovered", (), None, None, None, 1.0, "unknown",
-                                       f"iteration time is back to the predicted cost ({ratio:.2f}x) for "
-                                       f"{job.ok} iterations", ev, now))
-            if not job.slow:
-                self.predictor.calibrate(t, tok, ssq, self.state != RankState.DEAD, warm=False)
-        return out
-
-    # --- the state machine, vectorised over ranks --------------------------------------------
-    def _advance(self, t: IterationTimings, suspect: npt.NDArray[np.bool_], normal: npt.NDArray[np.bool_],
-                 score: FloatArray, is_comm: npt.NDArray[np.bool_] | None,
-                 ev: dict[str, FloatArray], now: float, hold: npt.NDArray[np.bool_] | None = None) -> list[Finding]:
-        """``hold``: ranks whose evidence is re-warming; a slow one among them neither
-        recovers nor updates its factor (a healthy or suspect one has suspect False)."""
-        c = self.config
-        st = self.state
-        live = st != RankState.DEAD
-        watching = live & ((st == RankState.HEALTHY) | (st == RankState.SUSPECT))
-        # persistence per cause: a compute blip and a later link blip are two unrelated
-        # noises, not two iterations of one slowdown
-        sus_c = suspect & ~is_comm if is_comm is not None else suspect
-        sus_m = suspect & is_comm if is_comm is not None else np.zeros_like(suspect)
-        self.run = np.where(watching & sus_c, self.run + 1, np.where(watching, 0, self.run))
-        self.run_m = np.where(watching & sus_m, self.run_m + 1, np.where(watching, 0, self.run_m))
-        st[watching & suspect & (st == RankState.HEALTHY)] = RankState.SUSPECT
-        st[watching & ~suspect] = RankState.HEALTHY
-        confirm = watching & ((self.run >= c.confirm_iters) | (self.run_m >= c.confirm_iters))
-        slow = live & (st == RankState.SLOW)
-        if hold is not None:
-            slow &= ~hold
-        self.ok_run = np.where(slow & normal, self.ok_run + 1, np.where(slow, 0, self.ok_run))
-        recover = slow & (self.ok_run >= c.recover_iters)
-        # a slow rank's factor follows its latest ratios
-        self.score = np.where(slow & ~normal, 0.5 * self.score + 0.5 * score, self.score)
-        out: list[Finding] = []
-        if confirm.any():
-            st[confirm] = RankState.SLOW
-            for i in np.nonzero(confirm)[0]:
-                self._slow_at[self.index.ranks[int(i)]] = now
-            self.score = np.where(confirm, score, self.score)
-            if is_comm is not None:
-                self.cause_code = np.where(confirm, is_comm.astype(np.int64), self.cause_code)
-            out += self._group(t, np.nonzero(confirm)[0], "fail-slow", is_comm is None, ev, now)
-        if recover.any():
-            st[recover] = RankState.HEALTHY
-            out += self._group(t, np.nonzero(recover)[0], "recovered", is_comm is None, ev, now)
-            self.ok_run[recover] = 0
-            self.run[recover] = 0
-            self.run_m[recover] = 0
-            self.score = np.where(recover, 1.0, self.score)
-        return out
-
-    def _group(self, t: IterationTimings, idx: npt.NDArray[np.int64], kind: FindingKind, coarse: bool,
-               ev: dict[str, FloatArray], now: float) -> list[Finding]:
-        """One finding per (replica, stage, cause) among the ranks that changed state."""
-        ix = self.index
-        buckets: dict[tuple[int, int, int, int], list[int]] = {}
-        for i in idx.tolist():
-            cc = int(self.cause_code[i])
-            if cc and not coarse and self._dp_only[i]:
-                # only the DP ring saw it: every member looks alike, report the ring
-                key = (-1, int(ix.stage[i]), cc, int(ix.tp_idx[i]))
-            else:
-                key = (int(ix.rep[i]), int(ix.stage[i]), cc, -1)
-            buckets.setdefault(key, []).append(i)
-        out = []
-        for (rep_key, stage, cc, _), members in sorted(buckets.items()):
-            ranks = tuple(sorted(ix.ranks[i] for i in members))
-            rep_opt: int | None = rep_key if rep_key >= 0 else None
-            rep = rep_key if rep_key >= 0 else int(ix.rep[members[0]])
-            group = ix.plan.replicas[rep].stages[stage]
-            cause = "unknown" if coarse else ("communication" if cc else "compute")
-            factor = float(np.median(self.score[members]))
-            evidence = {name: float(np.nanmedian(arr[members])) for name, arr in ev.items()
-                        if np.isfinite(arr[members]).any()}
-            self.predicted_iteration_s()
-            evidence.update(self.last)
-            evidence["observed_iteration_s"] = t.time_s
-            evidence["suspect_iterations"] = float(np.max(np.maximum(self.run, self.run_m)[members]))
-            if rep_opt is None:
-                who = f"the DP ring of stage {stage} (ranks {', '.join(map(str, ranks))}; its P2P stays inside nodes, so the slow member cannot be told apart)"
-                group_opt: tuple[int, ...] | None = None
-            else:
-                who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (replica {rep}, stage {stage}, TP group {list(group)})"
-                group_opt = group
-            if kind == "recovered":
-                reason = (f"{who} back to the predicted speed for {self.config.recover_iters} consecutive iterations "
-                          f"(was {self._cause_text(cause)} {self._factor_text(members)})")
-                f = Finding(t.iteration, kind, ranks, stage, rep_opt, group_opt, 1.0, cause, reason, evidence, now)
-            else:
-                what = {"compute": "F/B/W compute ran", "communication": "P2P transfers (in and out) ran",
-                        "unknown": "step took"}[cause]
-                reason = (f"{who}: {what} {factor:.2f}x the time the calibrated cost model predicts for the "
-                          f"batches it ran, for {int(evidence['suspect_iterations'])} consecutive iterations")
-                if "predicted_iteration_s" in self.last:
-                    reason += (f"; iteration {t.time_s:.2f} s vs {self.last['predicted_iteration_s']:.2f} s predicted "
-                               f"with every device healthy")
-                f = Finding(t.iteration, kind, ranks, stage, rep_opt, group_opt, factor, cause, reason, evidence, now)
-            log.info("%s -> %s: %s", ranks, "SLOW" if kind == "fail-slow" else "HEALTHY", f.reason)
-            out.append(f)
-        return out
-
-    def _cause_text(self, cause: str) -> str:
-        return {"compute": "compute-slow", "communication": "link-slow"}.get(cause, "slow")
-
-    def _factor_text(self, members: list[int]) -> str:
-        return f"{float(np.max(self.score[members])):.2f}x"
-
-    def predicted_iteration_s(self) -> float | None:
-        """Predicted time of the latest judged iteration with every device healthy (the
-        compiled schedule over predicted op and transfer times, then DP and optimizer)."""
-        if "predicted_iteration_s" not in self.last and self._pending is not None:
-            self.last["predicted_iteration_s"] = self.predictor.iteration(*self._pending)[0]
-        return self.last.get("predicted_iteration_s")
-
     # --- queries --------------------------------------------------------------------------
     def suspects(self) -> dict[int, str]:
         """Current state of every rank of the plan (and of dead or slow ranks outside it)."""
@@ -566,10 +297,3 @@ class Detector(IdleRankVerdicts):
                if self.state[i] == RankState.SLOW and int(self.cause_code[i])}
         out.update({r: factor for r, (factor, comm) in self._left_slow().items() if comm})
         return out
-
-@dataclass
-class _Track:
-    run: int = 0
-    ok: int = 0
-    slow: bool = False
-    factor: float = 1.0

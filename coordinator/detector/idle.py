@@ -2,7 +2,7 @@
 
 Nothing the detector normally reads observes an idle rank, so its verdict is kept (a
 still-slow device is not handed back to the next re-plan as healthy), judged afresh by the
-rank's compute probes (``detector_probe``), ended by an operator (``readmit``), or, where no
+rank's compute probes (``detector.probe``), ended by an operator (``readmit``), or, where no
 probe can judge it, left to lapse after ``DetectorConfig.spare_verdict_s``. ``Detector``
 inherits this; it is split out only to keep modules small. Pure.
 """
@@ -33,7 +33,7 @@ class IdleRankVerdicts:
     state: npt.NDArray[np.int64]  # RankState of every rank of the plan, by PlanIndex position
 
     def observe_probe(self, rank: int, probe_s: float, now: float) -> list[Finding]:
-        """An idle rank's compute probe (``detector_probe``): a fail-slow finding when a healthy
+        """An idle rank's compute probe (``detector.probe``): a fail-slow finding when a healthy
         idle rank's probes turn slow, a recovered one when a slow idle rank's turn normal; a
         slow probe renews the rank's verdict. A rank of the plan only refreshes the reference
         (its iterations judge it). Raises ValueError on an unknown rank or a bad duration."""

@@ -6,7 +6,7 @@ Per cost key (a layer range on a TP size and a chunk kind; a P2P hop; a DP ring)
 teach the model its own slowness). Coefficients are cached in arrays and refitted every
 ``refit_every`` iterations, so a prediction for every op of every rank is three fused
 multiply-adds over a [ranks, chunks, kinds, micro-batches] array. The predicted iteration
-runs the compiled schedule (``detector_program``) over all replicas at once.
+runs the compiled schedule (``detector.program``) over all replicas at once.
 
 Re-warming: after a plan change the detector tags the ranks whose work changed, so their
 keys are new, and ``start_rewarm`` marks every key of the new plan that has no calibration

@@ -1,7 +1,7 @@
 """A pipeline schedule compiled once, evaluated for many replicas at once with numpy.
 
 The schedule simulator (``resihp.coordinator.schedule.simulator`` with its per-device op orders in
-``schedule_orders``) decides the order in which each device runs its F / B / W ops; that order is a property of the schedule, the pipeline depth,
+``schedule.orders``) decides the order in which each device runs its F / B / W ops; that order is a property of the schedule, the pipeline depth,
 the number of virtual chunks and of micro-batches — not of the durations. We take it from one
 simulator run and turn it into a straight-line program (ops in a topological order with the
 index of their same-device predecessor and of their cross-stage dependency). Evaluating that
@@ -162,7 +162,7 @@ def compile_from_orders(
 
 @lru_cache(maxsize=64)
 def compile_schedule(schedule: Schedule, pp: int, virtual_chunks: int, microbatches: int) -> ScheduleProgram:
-    """Compile from the schedule simulator's per-device op orders (``schedule_orders``)."""
+    """Compile from the schedule simulator's per-device op orders (``schedule.orders``)."""
     from resihp.coordinator.schedule.orders import orders_for
 
     if microbatches < 1:

@@ -141,7 +141,7 @@ class Costs:
         self._inflight = memos.inflight
         self._bytes = memos.bytes
         self._pipe_t = memos.pipe_t
-        self.profiles = memos.profiles  # planner_split.PipeProfile per pipeline
+        self.profiles = memos.profiles  # planner.split.PipeProfile per pipeline
 
     # --- stage pieces ---------------------------------------------------------------------
     def tp_comm_s(self, k: int) -> float:

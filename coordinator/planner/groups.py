@@ -1,6 +1,6 @@
 """TP groups and the search's value types: how a node's devices are cut into TP groups
 (power-of-two prefixes, ResiHP's TP exclusion variants), per-cluster node tables cached for
-16K-device clusters, and the pools / shapes / results the joint search (planner_search)
+16K-device clusters, and the pools / shapes / results the joint search (planner.search)
 passes around. Pure and deterministic.
 """
 from __future__ import annotations

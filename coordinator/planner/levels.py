@@ -7,7 +7,7 @@
 - ``regroup``: every TP group holding a failed or slow device is cut to the power-of-two
   subset of its members maximising ``k · min pᵢ`` (ResiHP's TP exclusion); replicas that
   lose every member of a stage are dropped; then resplit.
-The full re-plan lives in planner_search. Each function returns a Plan or None when the
+The full re-plan lives in planner.search. Each function returns a Plan or None when the
 repair cannot run (a failed rank stays in it, or memory does not fit). Pure.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The planner's public face: joint TP / PP / DP re-planning around failed and slow devices.
 
-    search_plan(cluster, model, batch, current, config) -> Plan        best layout (planner_search)
+    search_plan(cluster, model, batch, current, config) -> Plan        best layout (planner.search)
     search(cluster, model, batch, current, config) -> SearchResult     the same with its numbers
-    decide(cluster, model, batch, current, finding, now, config) -> Decision   ski rental (planner_decision)
-    evaluate(plan, cluster, model, batch, config) -> Evaluation        closed-form score (planner_cost)
+    decide(cluster, model, batch, current, finding, now, config) -> Decision   ski rental (planner.decision)
+    evaluate(plan, cluster, model, batch, config) -> Evaluation        closed-form score (planner.cost)
     simulate_plan(plan, cluster, model, batch, config) -> IterationResult  schedule-simulator check
 
 The closed form drives the search (microseconds per candidate); the chosen plan is then
@@ -45,10 +45,11 @@ def clear_memos() -> None:
     from resihp.coordinator.planner import cost as planner_cost
     from resihp.coordinator.planner import groups as planner_groups
     from resihp.coordinator.planner import move as planner_move
+    from resihp.coordinator.planner import placement as planner_placement
     from resihp.coordinator.planner import search as planner_search
     from resihp.coordinator.planner import tables as planner_tables
 
-    for memo in (planner_search._SHAPES, planner_search._NODE_GROUPS, planner_groups._NODES, planner_groups._LAYOUT,
+    for memo in (planner_search._SHAPES, planner_placement._NODE_GROUPS, planner_groups._NODES, planner_groups._LAYOUT,
                  planner_groups._NODE_ORDER, planner_groups._SIG_OBJECTS, planner_groups._LAST_ORDER,
                  planner_groups._UNIFORM, planner_tables._TABLES, planner_cost._MEMOS, planner_move._HOLDINGS,
                  planner_move._SAME, planner_move._GROUPS):

@@ -2,7 +2,7 @@
 
 ``simulate_pipeline`` runs one replica's schedule as a dependency graph:
 
-* ops on a device run in the schedule's fixed order (``schedule_orders``), one at a time;
+* ops on a device run in the schedule's fixed order (``schedule.orders``), one at a time;
 * F(v, i) waits for F(v-1, i) of the previous virtual stage (+ ``p2p_s`` when that stage
   is on another device);
 * B(v, i) waits for B(v+1, i) (+ ``p2p_s``); the last virtual stage's B waits for its own F;

@@ -6,7 +6,7 @@ the ranks the coordinator knows (node of each rank, the detector's speed estimat
 and excluded ranks marked failed) when that module is importable; until it is, the rule
 planner of ``coordinator/service/engine.py`` plans, and ``name`` says which pair is running.
 The planner's device FLOP/s and link speeds are measured from the job's healthy iterations
-(``planner_profile.ProfileFitter``, policy ``profile=measured``, the default) once
+(``planner.profile.ProfileFitter``, policy ``profile=measured``, the default) once
 ``MIN_PROFILE_ITERATIONS`` were seen; until then, or with ``profile=configured``, they are
 the configured ``links`` (``--cluster`` / ``--device-flops``).
 Pure: no grpc, time passed in.

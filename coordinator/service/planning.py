@@ -7,17 +7,26 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import PlanChange
 from resihp.coordinator.planner.audit import AuditVerdict
 from resihp.coordinator.protocol import messages as m
-from resihp.coordinator.service.audit import AUDITED
+from resihp.coordinator.service.audit import AUDITED, Audits
 from resihp.coordinator.service.engine import EngineDecision, shrink_past_the_dead
-from resihp.coordinator.service.records import Pending
+from resihp.coordinator.service.records import Pending, RankInfo
 from resihp.coordinator.service.statemachine import State, Trigger
+
+if TYPE_CHECKING:
+    from resihp.coordinator.service.config import CoordinatorConfig
+    from resihp.coordinator.service.engine import Engine
+    from resihp.coordinator.service.joiner import Joiner
+    from resihp.coordinator.service.journal import EventLog, Journal
+    from resihp.coordinator.service.metrics import Registry
+    from resihp.coordinator.service.trace_sink import TraceSink
 
 log = logging.getLogger(__name__)
 # _apply_at: a report's end time says how far the ranks got since, for up to REPORT_LAG_S (the
@@ -30,6 +39,34 @@ MAX_EXTRAPOLATE_S = 10.0
 class PlanFlow:
     """Mixed into ``CoordinatorCore``: the methods below use its state (plan, epoch, pending,
     policy, audits, journal, events, metrics)."""
+
+    # the core's state, set in ``CoordinatorCore.__init__``
+    config: CoordinatorConfig
+    clock: Callable[[], float]
+    engine: Engine
+    journal: Journal
+    events: EventLog
+    metrics: Registry
+    joiner: Joiner
+    trace: TraceSink | None
+    plan: Plan
+    epoch: int
+    seq: int
+    state: State
+    excluded: set[int]
+    ranks: dict[int, RankInfo]
+    pending: Pending | None
+    queued_findings: list[m.FindingInfo]
+    audits: Audits
+    policy: dict[str, str]
+    last_iteration: int
+
+    if TYPE_CHECKING:  # the core's methods these use (coordinator/service/core.py)
+        def _transition(self, trigger: Trigger, reason: str) -> bool: ...
+        def _live_ranks(self) -> list[int]: ...
+        def _send_all(self, batch: m.CoordinatorBatch) -> None: ...
+        def _notify(self, kind: str, payload: Any) -> None: ...
+        def _adopt(self, plan: Plan, first: int, now: float) -> None: ...
 
     def _unavailable(self) -> frozenset[int]:
         return frozenset(self.excluded | {r for r, i in self.ranks.items() if i.dead})

@@ -1,6 +1,6 @@
 """The job's trace file as the coordinator writes it (``TraceSink``).
 
-Pure of gRPC and torch: records in, JSON lines out (``service_tracefmt.record_line``).
+Pure of gRPC and torch: records in, JSON lines out (``service.tracefmt.record_line``).
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def _bytes(n: int) -> str:
 def _steps(steps: tuple[int, ...]) -> str:
     if not steps:
         return "-"
-    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:

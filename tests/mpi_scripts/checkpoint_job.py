@@ -79,7 +79,8 @@ def save_phase(boot: Bootstrap, out: Path) -> dict:
         return {}
     assert saved is not None
     saved.pop("_step")
-    np.savez(out / "saved.npz", **flat(saved))
+    # allow_pickle: numpy's default, named so that every keyword left is an array
+    np.savez(out / "saved.npz", allow_pickle=True, **flat(saved))
     last = latest_checkpoint(out / "ckpt")
     assert last is not None
     numel = sum(t.numel for t in gpt_tensor_specs(SPEC, CONFIG.max_seq_len))

@@ -8,7 +8,7 @@ after every collective of the step). The store lives in its own process (the tes
 
 Epoch 0: an uninterrupted TP2×PP2×DP2 reference run up to the first kill's step (its losses
 and full state there; with "full_reference": true in SPEC, all N steps). Epoch 1 on: the same job from the same seed, with the kills;
-survivors detect, shrink, roll back, replan (reconfigure_ft.survivor_plan), reshard, resume.
+survivors detect, shrink, roll back, replan (reconfig.failstop.survivor_plan), reshard, resume.
 Every survivor writes OUT/RANK.json (its committed steps: loss, replica, sample ids), then
 leaves without MPI finalisation (which can hang after a failure); the test ends mpirun.
 """

@@ -1,7 +1,7 @@
 """Asynchronous full-state checkpoints that load into any plan (docs/checkpoint.md).
 
 Saving (``AsyncCheckpointer``, one per rank, no communication): at a save step every rank
-that writes (``checkpoint_format.writer_assignment``) clones its slices of the parameters
+that writes (``checkpoint.format.writer_assignment``) clones its slices of the parameters
 and AdamW moments — the only synchronous cost — and a background thread writes them to
 ``ROOT/step-N.tmp-RUN/``. The committing rank's thread then waits (polling, with a
 deadline) for every writer's index, writes ``meta.json`` and ``COMPLETE``, renames the

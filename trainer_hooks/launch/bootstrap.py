@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def default_backend() -> str:
 
 def host_store(host: str = "0.0.0.0", port: int = 0, world_size: int = 1) -> Any:
     """A TCPStore server; the caller keeps the returned object alive for the job."""
-    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, use_libuv=True)
+    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, use_libuv=True)  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
 
 
 def _parse_addr(text: str) -> tuple[str, int]:
@@ -116,7 +117,7 @@ class Bootstrap:
         self._hosted_store: Any = None
         self._store_addr = self._agree_store()
         host, port = _parse_addr(self._store_addr)
-        self._store = self._hosted_store or dist.TCPStore(
+        self._store = self._hosted_store or dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
             host, port, self.world_size, is_master=False, timeout=_dt.timedelta(seconds=timeout_s), use_libuv=True
         )
         self.job_start_s: float = float(self.comm.bcast(time.time() if self.rank == 0 else None, root=0))
@@ -153,7 +154,7 @@ class Bootstrap:
             torch.cuda.set_device(self.device)
         if self.backend == "gloo" and len(set(self.nodes)) == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
-        store = dist.PrefixStore(f"resihp/epoch{epoch}/", self._store)
+        store = PrefixStore(f"resihp/epoch{epoch}/", self._store)
         dist.init_process_group(
             self.backend, store=store, rank=self.rank, world_size=self.world_size,
             timeout=_dt.timedelta(seconds=self.timeout_s),

@@ -20,7 +20,7 @@ per-process counter, so every rank must create every group) and can be readmitte
 later plan through the same path.
 
 Plans speak *logical* ranks (job-wide identities). ``members`` lists the logical ranks of
-the current world in process-group order; after a fail-stop shrink (reconfigure_ft) the
+the current world in process-group order; after a fail-stop shrink (reconfig.failstop) the
 world is smaller and a logical rank's group rank changes. The runtime itself is built on
 the plan renumbered into group ranks (``renumber``).
 """
@@ -41,8 +41,9 @@ import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import STATES, ReshardPlan, plan_reshard
-from resihp.trainer_hooks.reconfig.transfer import Shards, prepare_rank, start_reshard
+from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.runtime.throttle import Throttle
@@ -319,7 +320,7 @@ class LiveReconfigurer:
         """Switch every rank of the world to ``new_plan`` (collective; call at a step boundary).
 
         ``epoch``: the new plan epoch (default ``new_plan.epoch``; must exceed the current one).
-        ``old_shards`` / ``alive`` / ``members`` are for fail-stop recovery (reconfigure_ft):
+        ``old_shards`` / ``alive`` / ``members`` are for fail-stop recovery (reconfig.failstop):
         the state to reshard from (a rolled-back copy) with its AdamW step count
         (``adam_steps``), the ranks that can send, and the new world's logical ranks; by
         default the live runtime's state, the whole world. ``stats``: filled by the executor.

@@ -8,25 +8,35 @@ dtype mismatch or corruption in transit is an error that names the tensor, never
 
 Plans speak *logical* ranks (a rank's identity for the whole job); after a shrink the
 process group numbers survivors 0..n-1, so ``pg_rank_of`` maps one to the other.
+
+The pieces' word layout, checksums and header checks are in ``reconfig.pieces``; the work
+done per rank ahead of the switch (``prepare_rank``) in ``reconfig.rank_view``.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-import zlib
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 
 from resihp.coordinator.model.plan import Plan
+from resihp.trainer_hooks.reconfig.pieces import (
+    CHECKSUMS,
+    TransferError,
+    _check_message,
+    _padded,
+    _piece_checksums,
+    _source_piece,
+    _where,
+)
+from resihp.trainer_hooks.reconfig.rank_view import _rank_view, _RankView, _Stock
 from resihp.trainer_hooks.reconfig.reshard import STATES, ReshardPlan, Transfer, plan_reshard
-from resihp.trainer_hooks.runtime.layout import TensorSpec, shard_shape, tensors_of_rank
+from resihp.trainer_hooks.runtime.layout import TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,279 +45,6 @@ FaultHook = Callable[[Transfer, torch.Tensor], None]
 
 _TAG_HEADER = 7301
 _TAG_DATA = 7302
-
-
-class TransferError(RuntimeError):
-    """A piece was missing, of the wrong size, or failed its checksum. The new shards are
-    unusable: redo the reshard (a transient fault) or recover from a checkpoint."""
-
-
-def _where(t: Transfer) -> str:
-    return f"{t.state} of {t.name}[{', '.join(f'{s.start}:{s.stop}' for s in t.index)}]"
-
-
-CHECKSUMS = ("sum64", "crc32")
-
-
-def _checksum(buf: torch.Tensor, kind: str) -> int:
-    """Checksum of a byte tensor. ``sum64``: the wrapping sum of its 8-byte words (any one
-    flipped bit changes it; ~10x faster than zlib's crc32, which runs below loopback
-    bandwidth); bytes outside the aligned words are summed apart with their own weight."""
-    if kind == "crc32":
-        return zlib.crc32(buf.numpy().data) & 0xFFFFFFFF
-    n, off = buf.numel(), buf.storage_offset()
-    head = min(n, -off % 8)
-    body = (n - head) // 8 * 8
-    total = int(buf[head:head + body].view(torch.int64).sum()) if body else 0
-    if body != n:  # the executor pads pieces to aligned words, so it never pays for this part
-        rest = torch.cat([buf[:head], buf[head + body:]]).to(torch.int64)
-        total += int((rest * torch.arange(1, rest.numel() + 1)).sum()) * 0x9E3779B1
-    return (total + (1 << 63)) % (1 << 64) - (1 << 63)  # back into int64 range for the header
-
-
-def _piece_checksums(data: torch.Tensor, items: Sequence[Transfer], kind: str,
-                     segments: _Segments | None = None) -> list[int]:
-    """The checksum of every piece of a packed buffer (pieces padded to whole words): for
-    ``sum64`` one segmented sum over the buffer's words, not one call per piece (a reshard has
-    hundreds of pieces; per-piece Python overhead was most of the checksum's time).
-    ``segments``: the message's word layout, if worked out ahead."""
-    if kind != "sum64" or not items:
-        out, offset = [], 0
-        for t in items:
-            out.append(_checksum(data[offset:offset + _padded(t.nbytes)], kind))
-            offset += _padded(t.nbytes)
-        return out
-    seg = segments or _Segments.of([t.nbytes for t in items])
-    words = data.numpy().view(np.int64)  # the buffer is whole words; numpy sums wrap, as int64 should
-    sums = np.add.reduceat(words, seg.starts) if words.size else np.zeros(len(items), dtype=np.int64)
-    if seg.empty:  # reduceat gives a one-word "sum" for an empty piece: empty pieces sum to 0
-        sums[seg.empty] = 0
-    return sums.tolist()  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class _Segments:
-    """Where each piece of a message starts, in 8-byte words, and which pieces are empty."""
-
-    starts: Any  # np.ndarray of int64
-    empty: list[int]
-
-    @staticmethod
-    def of(sizes: Sequence[int]) -> _Segments:
-        starts = np.cumsum([0] + [_padded(n) // 8 for n in sizes[:-1]])
-        return _Segments(starts, [i for i, n in enumerate(sizes) if n == 0])
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + 7) // 8 * 8
-
-
-def _source_piece(t: Transfer, old: Mapping[str, Mapping[str, torch.Tensor]], rank: int) -> torch.Tensor:
-    try:
-        shard = old[t.state][t.name]
-    except KeyError:
-        raise TransferError(
-            f"rank {rank}: the plan has it send {_where(t)} but it holds no {t.state} of {t.name}; "
-            "old_shards must hold every tensor the old plan gave this rank"
-        ) from None
-    # the whole shard is the common case (layers moving whole, replicas copying): no slicing;
-    # slicing clamps, so a shard too small gives a piece of the wrong shape
-    piece = shard if shard.shape == t.shape else shard[t.src_index]
-    if piece.shape != t.shape:
-        raise TransferError(
-            f"rank {rank}: its {t.state} of {t.name} has shape {tuple(shard.shape)}, too small for the piece "
-            f"{_where(t)}; the old plan given to the planner is not the layout this rank holds"
-        )
-    if t.numel * piece.element_size() != t.nbytes:
-        raise TransferError(
-            f"rank {rank}: {_where(t)} is {t.numel * piece.element_size()} bytes as {piece.dtype}, the plan "
-            f"says {t.nbytes}; plan with the itemsize of the tensors actually held"
-        )
-    return piece
-
-
-class _RankView:
-    """One rank's part of a reshard plan, worked out once per (plan, rank) and cached on the
-    plan: ``prepare`` runs ahead of the switch, so at the switch the executor only moves
-    bytes. Per piece it avoids Python work (a switch moves hundreds of pieces, and with
-    several ranks per core that work, not the wire, was most of the downtime)."""
-
-    def __init__(self, transfers: Sequence[Transfer], rank: int, new_plan: Plan, specs: Sequence[TensorSpec]) -> None:
-        self.sends: dict[int, list[Transfer]] = defaultdict(list)
-        self.recvs: dict[int, list[Transfer]] = defaultdict(list)
-        self.local: list[Transfer] = []
-        for t in transfers:
-            if t.dst == rank and t.src == rank:
-                self.local.append(t)
-            elif t.src == rank:
-                self.sends[t.dst].append(t)
-            elif t.dst == rank:
-                self.recvs[t.src].append(t)
-        for t in self.sends.values():
-            for piece in t:
-                piece.numel  # noqa: B018  (cached on the transfer: computed here, ahead of the switch)
-        self.states = sorted({t.state for t in transfers})
-        self.new_shapes = [(spec.name, shard_shape(idx)) for spec, idx in tensors_of_rank(new_plan, rank, specs)]
-        shape_of = dict(self.new_shapes)
-        arriving = [*self.local, *(t for v in self.recvs.values() for t in v)]
-        # pieces that are a whole new shard need no allocation: the piece becomes the shard
-        self.whole: set[tuple[str, str]] = {(t.state, t.name) for t in arriving if shape_of.get(t.name) == t.shape}
-        # elements each new shard receives (checked against its size after the transfer)
-        self.filled: dict[tuple[str, str], int] = defaultdict(int)
-        for t in arriving:
-            self.filled[(t.state, t.name)] += t.numel
-        # per message (to a peer, from a peer): its pieces' byte sizes and its padded length
-        self.send_sizes = {dst: [t.nbytes for t in items] for dst, items in self.sends.items()}
-        self.recv_sizes = {src: [t.nbytes for t in items] for src, items in self.recvs.items()}
-        self.send_length = {dst: sum(_padded(n) for n in sizes) for dst, sizes in self.send_sizes.items()}
-        self.recv_length = {src: sum(_padded(n) for n in sizes) for src, sizes in self.recv_sizes.items()}
-        self.send_segments = {dst: _Segments.of(sizes) for dst, sizes in self.send_sizes.items()}
-        self.recv_segments = {src: _Segments.of(sizes) for src, sizes in self.recv_sizes.items()}
-        # messages whose pieces are all whole words: packed and unpacked without padding
-        self.send_aligned = {dst: all(t.nbytes % 8 == 0 for t in items) for dst, items in self.sends.items()}
-        self.recv_aligned = {src: all(t.nbytes % 8 == 0 for t in items) for src, items in self.recvs.items()}
-        self._stock: _Stock | None = None
-
-    def stock(self, dtype: torch.dtype = torch.float32, touch: bool = True) -> None:
-        """Allocate the buffers and new shards of one execution now, and the views every piece
-        lands through. ``touch``: write them too (fresh memory is paged in on first write,
-        which cost the switch more than the copies themselves). Held until ``take_stock``;
-        the execution owns them after (received pieces become shards)."""
-        if self._stock is not None:
-            return
-        alloc = (lambda n, dt=torch.uint8: torch.empty(n, dtype=dt).zero_()) if touch else (  # noqa: E731
-            lambda n, dt=torch.uint8: torch.empty(n, dtype=dt))
-        stock = _Stock(
-            dtype=dtype,
-            send={dst: alloc(self.send_length[dst]) for dst in self.sends},
-            recv={src: alloc(self.recv_length[src]) for src in self.recvs},
-            shards={(s, name): alloc(shape, dtype) for name, shape in self.new_shapes for s in self.states
-                    if (s, name) not in self.whole})
-        itemsize = torch.empty((), dtype=dtype).element_size()
-
-        def target(t: Transfer) -> torch.Tensor | None:  # where a piece lands in its new shard
-            return None if (t.state, t.name) in self.whole else stock.shards[(t.state, t.name)][t.dst_index]
-
-        # every piece of an aligned message as a view of the receive buffer, with its target:
-        # at the switch a piece costs one copy_ (or one dict entry when it is a whole shard)
-        for src, items in self.recvs.items():
-            if self.recv_aligned[src] and all(t.nbytes == t.numel * itemsize for t in items):
-                views = torch.split(stock.recv[src].view(dtype), [t.numel for t in items])
-                stock.landing[src] = [(t.state, t.name, v.view(t.shape), target(t)) for t, v in zip(items, views)]
-        stock.local_targets = [target(t) for t in self.local]
-        self._stock = stock
-
-    def stock_sources(self, old_shards: Mapping[str, Mapping[str, torch.Tensor]], rank: int) -> None:
-        """Cut, now, the pieces this rank sends or copies out of ``old_shards`` (the live
-        runtime's tensors, while the command waits for its apply_at): slicing a tensor costs
-        ~5-10 µs of Python per piece, and a switch has hundreds. The views see later in-place
-        updates (optimizer steps); the execution uses them only if it is given the same
-        tensors (same storage, shape and strides), else it cuts the pieces itself."""
-        if self._stock is None:
-            return
-        try:
-            send = {dst: [_source_piece(t, old_shards, rank) for t in items] for dst, items in self.sends.items()}
-            local = [_source_piece(t, old_shards, rank) for t in self.local]
-        except TransferError:
-            return  # the execution raises it, with the tensors it is given
-        used = sorted({(t.state, t.name) for t in [*self.local, *(t for v in self.sends.values() for t in v)]})
-        held = [(s, n, _fingerprint(old_shards[s][n])) for s, n in used]
-        keep = [piece.numel() == old_shards[t.state][t.name].numel() for t, piece in zip(self.local, local)]
-        whole_targets = [
-            torch.empty(piece.shape, dtype=piece.dtype).zero_()
-            if (t.state, t.name) in self.whole and not whole_old else None
-            for t, piece, whole_old in zip(self.local, local, keep)]
-        self._stock.sources = _Sources(send, local, keep, held, [old_shards[s][n] for s, n in used], whole_targets)
-
-    def take_stock(self, dtype: torch.dtype | None) -> _Stock:
-        """The stock made ahead (allocated now if none was). ``dtype``: that of every shard, old
-        and new; None where they differ, and then the stock's views are dropped."""
-        if self._stock is None:
-            self.stock(dtype or torch.float32, touch=False)
-        stock, self._stock = self._stock, None
-        assert stock is not None
-        if stock.dtype != dtype:
-            stock.landing.clear()
-            stock.local_targets = []
-        return stock
-
-
-@dataclass
-class _Stock:
-    dtype: torch.dtype
-    send: dict[int, torch.Tensor]
-    recv: dict[int, torch.Tensor]
-    shards: dict[tuple[str, str], torch.Tensor]
-    # src -> per piece (state, name, its view of the receive buffer, its view of its new shard
-    # or None where the piece is the whole shard)
-    landing: dict[int, list[tuple[str, str, torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
-    local_targets: list[torch.Tensor | None] = field(default_factory=list)  # per local piece, as above
-    sources: _Sources | None = None  # the pieces cut ahead out of the old shards
-
-    def buffer(self, pool: dict[int, torch.Tensor], peer: int, nbytes: int) -> torch.Tensor:
-        got = pool.pop(peer, None)
-        return got if got is not None and got.numel() == nbytes else torch.empty(nbytes, dtype=torch.uint8)
-
-    def shard(self, key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        got = self.shards.pop(key, None)
-        return got if got is not None and got.shape == shape and got.dtype == dtype else torch.empty(shape, dtype=dtype)
-
-
-def _fingerprint(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
-
-
-@dataclass
-class _Sources:
-    """Pieces cut ahead out of the old shards (``_RankView.stock_sources``)."""
-
-    send: dict[int, list[torch.Tensor]]  # per destination, in plan order
-    local: list[torch.Tensor]  # per local piece
-    local_whole_old: list[bool]  # the local piece is its whole old tensor
-    held: list[tuple[str, str, tuple[Any, ...]]]  # (state, name, fingerprint) of every old shard cut
-    held_objects: list[torch.Tensor]  # those shards themselves, in the same order
-    # per local piece that is a whole new shard but not its whole old tensor: a shard made
-    # (and paged in) ahead to copy it into, so the piece does not pin its old tensor
-    local_whole_targets: list[torch.Tensor | None]
-
-    def still_cut_from(self, old_shards: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
-        """Whether ``old_shards`` are the tensors these pieces were cut from. A cached view keeps
-        its storage alive, so no other tensor can sit at the same address. The same tensor
-        objects (AdamW's moments) pass at once; parameters come as fresh detached views."""
-        for (state, name, fp), was in zip(self.held, self.held_objects):
-            x = old_shards.get(state, {}).get(name)
-            if x is None:
-                return False
-            if x is was:  # the same object: only a storage swap (``.data =``) could have moved it
-                if x.data_ptr() != fp[0] or x.shape != fp[1]:
-                    return False
-            elif _fingerprint(x) != fp:
-                return False
-        return True
-
-
-def _rank_view(plan: ReshardPlan | Sequence[Transfer], rank: int, new_plan: Plan,
-               specs: Sequence[TensorSpec]) -> _RankView:
-    if not isinstance(plan, ReshardPlan):
-        return _RankView(tuple(plan), rank, new_plan, specs)
-    cache: dict[Any, _RankView] = plan.__dict__.setdefault("_rank_views", {})  # frozen: its own memo
-    key = (rank, replace(new_plan, epoch=0, reason=""), id(specs), len(specs))  # the layout, not its epoch
-    view = cache.get(key)
-    if view is None:
-        view = cache[key] = _RankView(plan.transfers, rank, new_plan, specs)
-    return view
-
-
-def prepare_rank(plan: ReshardPlan, rank: int, new_plan: Plan, specs: Sequence[TensorSpec], *,
-                 stock: bool = True, old_shards: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
-    """Work out ``rank``'s part of ``plan`` ahead of the switch, and with ``stock`` allocate its
-    buffers and new shards (``execute_reshard`` uses both); given ``old_shards`` (the tensors
-    the switch will reshard from, updated in place until then), also cut its pieces out of them."""
-    view = _rank_view(plan, rank, new_plan, specs)
-    if stock:
-        view.stock()
-        if old_shards is not None:
-            view.stock_sources(old_shards, rank)
 
 
 def execute_reshard(
@@ -531,31 +268,6 @@ def _check_filled(rank: int, rv: _RankView, new: Shards, dtype_of: Callable[[str
                     f"rank {rank}: the plan filled {rv.filled[(s, name)] * size} of the {numel * size} bytes of its "
                     f"new {s} of {name}; the reshard plan does not match the new plan"
                 )
-
-
-def _check_message(rank: int, src: int, items: Sequence[Transfer], header: torch.Tensor, sizes: Sequence[int],
-                   sums: Sequence[int], checksum: str) -> None:
-    """The sender's header against the plan (piece count and sizes) and against the checksums
-    of what arrived; names the first piece that disagrees."""
-    count = int(header[0])
-    if count != len(items):
-        raise TransferError(
-            f"rank {rank}: rank {src} sent {count} pieces, the plan says {len(items)}; all ranks must execute "
-            "the same reshard plan"
-        )
-    got_sizes, crcs = header[1:1 + count].tolist(), header[1 + count:].tolist()
-    if got_sizes != list(sizes):
-        i = next(i for i, (a, b) in enumerate(zip(got_sizes, sizes)) if a != b)
-        raise TransferError(
-            f"rank {rank}: piece {i} from rank {src} ({_where(items[i])}) is {got_sizes[i]} bytes, expected {sizes[i]}"
-        )
-    if crcs != list(sums):
-        i = next(i for i, (a, b) in enumerate(zip(sums, crcs)) if a != b)
-        raise TransferError(
-            f"rank {rank}: piece {i} from rank {src} ({_where(items[i])}) fails its checksum: {checksum} "
-            f"{sums[i]:#x}, sender computed {int(crcs[i]):#x}; it was corrupted in transit — redo the "
-            "reshard or recover from a checkpoint"
-        )
 
 
 def _land(new: Shards, t: Transfer, piece: torch.Tensor, rank: int, keep: bool = False, whole: bool = False) -> None:

@@ -64,7 +64,7 @@ class AgentClient:
         self.queue_size = queue_size
         self.heartbeat_s = heartbeat_s
         # Reports leave in batches on a wall-clock grid of flush_s (0.25 s: about one iteration
-        # of a 0.235 s CPU step; one stream message per batch, packed by service_wire). A longer
+        # of a 0.235 s CPU step; one stream message per batch, packed by protocol.wire). A longer
         # flush cuts the rank's and the agent's CPU (measured: 1 s took their share from ~1.8 to
         # ~0.45 ms per iteration) but a slowdown that does not show in step_s then reaches the
         # detector up to flush_s later; a slow step (> urgent_factor × typical) and acks go at once.
@@ -251,7 +251,7 @@ class AgentClient:
                 probes.append(self._probes.popleft())
             now = self.clock()
             if batch or probes or now - last_sent >= self.heartbeat_s:
-                # packed reports: a few array copies instead of a message per chunk (service_wire)
+                # packed reports: a few array copies instead of a message per chunk (protocol.wire)
                 yield wire.report_batch(batch, [pb.RankHeartbeat(rank=self.rank, time_s=now, iteration=self.iteration)],
                                         probes)
                 self.sent += len(batch)

@@ -34,9 +34,11 @@ class SpanClock(Protocol):
 
     def settle(self) -> float:
         """Block until every mark is done; the host's seconds since ``t0`` (the step's time)."""
+        ...
 
     def seconds(self, mark: Any) -> float:
         """Seconds from ``t0`` to ``mark`` (a done mark: after ``wait`` or ``settle``)."""
+        ...
 
 
 class HostClock:

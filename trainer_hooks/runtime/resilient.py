@@ -24,32 +24,31 @@ rendezvous store lives outside the trainers (``resihp launch`` hosts it and sets
 - **idle ranks are observed** — a spare times a compute probe every ``probe_every_s`` and
   reports it, so the detector can tell a slow spare from a recovered one
   (trainer_hooks/runtime/probe.py).
+
+The recovery and the all-or-nothing steps of a switch are in ``runtime.recovery``, the
+progress log in ``runtime.progress_log``.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, holding_of
-from resihp.trainer_hooks.reconfig.failstop import SPARE_STEP, StepGuard, abandon_groups, survivor_plan
-from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport, connect_store
-from resihp.trainer_hooks.reconfig.reshard import ReshardError
-from resihp.trainer_hooks.reconfig.transfer import Shards
-from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
+from resihp.trainer_hooks.reconfig.failstop import StepGuard
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, connect_store
+from resihp.trainer_hooks.reconfig.ulfm import MpiWorld
 from resihp.trainer_hooks.runtime.groups import retire
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
+from resihp.trainer_hooks.runtime.progress_log import ProgressLog
+from resihp.trainer_hooks.runtime.recovery import FailStopRecovery, batch_change, is_failure
 from resihp.trainer_hooks.runtime.trainer import StepResult
 
 if TYPE_CHECKING:
@@ -57,38 +56,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 END_TAG = 4243  # members -> spares: the job reached its last step
-PROGRESS_ENV = "RESIHP_PROGRESS"
-
-
-class JobStopped(RuntimeError):
-    """The job cannot go on (no survivor holds a lost shard, or failures kept coming)."""
-
-
-def _is_failure(exc: BaseException) -> bool:
-    return is_peer_failure(exc) or (exc.__cause__ is not None and is_peer_failure(exc.__cause__))
-
-
-def loss_rank(plan: Plan) -> int:
-    """The rank that writes the progress log: TP rank 0 of replica 0's last stage (it knows the
-    global loss)."""
-    return plan.replicas[0].stages[-1][0]
-
-
-class ProgressLog:
-    """``progress.jsonl``: one JSON object per line (step, reconfig, start, end); see docs/run-dir.md."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record_type: str, /, **fields: Any) -> None:
-        line = json.dumps({"type": record_type, "time": round(time.time(), 6), **fields}, separators=(",", ":"))
-        with open(self.path, "a", encoding="utf-8") as fh:  # O_APPEND: short lines from several ranks interleave whole
-            fh.write(line + "\n")
 
 
 @dataclass
-class Resilience:
+class Resilience(FailStopRecovery):
     job: Job
     rc: LiveReconfigurer
     world: MpiWorld
@@ -148,8 +119,8 @@ class Resilience:
         self.guard.before_step(self.rc, step)
         try:
             result = self.rc.train_step(step)
-        except Exception as exc:  # noqa: BLE001 - classified by _is_failure
-            if not _is_failure(exc):
+        except Exception as exc:  # noqa: BLE001 - classified by is_failure
+            if not is_failure(exc):
                 raise
             self._recover(exc)
             return None
@@ -231,7 +202,7 @@ class Resilience:
         try:
             report = self.rc.apply(cmd.plan, cmd.epoch)
         except Exception as exc:  # noqa: BLE001 - a peer died during the switch: recover instead
-            if not _is_failure(exc):
+            if not is_failure(exc):
                 raise
             failure = exc
         finally:
@@ -252,16 +223,6 @@ class Resilience:
         del before
         return True
 
-    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float, attempts: int = 1) -> None:
-        self.job.plan = self.rc.plan
-        self.job.runtime = self.rc.runtime
-        entry = {"kind": kind, "epoch": self.rc.epoch, "step": self.next_step, "downtime_s": round(downtime_s, 4),
-                 "bytes_moved": report.bytes_moved, "plan": self.rc.plan.describe(), "reason": reason,
-                 "role": report.role, "attempts": attempts}
-        self.history.append(entry)
-        if self.progress is not None and self.rc.runtime is not None and self.rc.rank == loss_rank(self.rc.plan):
-            self.progress.write("reconfig", **entry)
-
     # --- spares -----------------------------------------------------------------------
     def _announce_switch(self, epoch: int) -> None:
         """A member is about to enter epoch ``epoch``'s rendezvous (the idle spares wait for this)."""
@@ -279,7 +240,7 @@ class Resilience:
             try:
                 done, value = req.test()
             except Exception as exc:  # noqa: BLE001 - MPI's revoke / proc-failed
-                if not _is_failure(exc):
+                if not is_failure(exc):
                     raise
                 self._recover(exc)
                 return
@@ -290,7 +251,7 @@ class Resilience:
             try:
                 outcome = self.job._apply_commands(self.next_step - 1, force=True)
             except Exception as exc:  # noqa: BLE001
-                if not _is_failure(exc):
+                if not is_failure(exc):
                     raise
                 self._recover(exc)
                 return
@@ -333,186 +294,6 @@ class Resilience:
                     self.world.comm.send(total, dest=comm_of[r], tag=END_TAG)
                 except Exception as exc:  # noqa: BLE001 - a dead spare needs no goodbye
                     log.warning("rank %d: could not tell spare %d the job ended: %s", self.rc.rank, r, exc)
-
-    # --- fail-stop --------------------------------------------------------------------
-    def _recover(self, cause: BaseException) -> None:
-        t0 = time.perf_counter()
-        log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
-                    str(cause)[:160])
-        abandon_groups(self.rc, cause)  # peers blocked on this rank fail at once instead of at their timeout
-        assert self.agreement is not None
-        self.agreement.reset()
-        member = self.rc.runtime is not None
-        last = self.last_done if member else SPARE_STEP
-        shards: Shards | None = None
-        adam = 0.0
-        world = self.world
-        before = self._snapshot()
-        lost: set[int] = set()  # over every attempt of this recovery
-        for attempt in range(1, self.max_recoveries + 1):
-            shrunk = False
-            try:
-                world = shrink(replace(world, epoch=max(self.rc.epoch, self._tried_epoch)), last)
-                lost |= set(world.failed)
-                shrunk = True
-                if shards is None:
-                    shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)
-                    agreed = world.agreed_step
-                plan = self._agree_plan(world)
-                plan = replace(plan, epoch=max(plan.epoch, world.epoch))  # past every epoch tried
-                self._tried_epoch = max(self._tried_epoch, plan.epoch)
-                restored_from: int | None = None
-                try:
-                    self.rc.prepare(plan, alive=world.ranks)  # the same verdict on every survivor
-                except ReshardError as exc:  # no survivor holds some slice (DP = 1): the checkpoint
-                    report, restored_from = self._restore_checkpoint(plan, world, exc)
-                else:
-                    report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
-                                           members=world.ranks, adam_steps=adam)
-                if not self._commit(world.comm, True):
-                    raise RecoveryError("a survivor lost a peer while resharding; every survivor starts over")
-            except SpecError as exc:  # e.g. the coordinator's plan does not fit the survivors
-                self._stop(f"recovery impossible: {exc}")
-            except Exception as exc:  # noqa: BLE001 - another failure while recovering: go again
-                if not _is_failure(exc) and not isinstance(exc, RecoveryError):
-                    raise
-                log.warning("rank %d: failure during recovery attempt %d: %s", self.rc.rank, attempt, exc)
-                if shrunk and not isinstance(exc, RecoveryError):
-                    self._commit(world.comm, False)  # the peers that finished learn it from this verdict
-                if isinstance(exc, RecoveryError) and attempt == self.max_recoveries:
-                    self._stop(str(exc))
-                self._revert(before)
-                last = agreed if shards is not None else last
-                continue
-            self.world = world
-            self.failures += 1
-            self.next_step = agreed + 1 if agreed < SPARE_STEP else self.next_step
-            if restored_from is not None:
-                self.next_step = restored_from
-                agreed = restored_from - 1
-            self.last_done = min(self.last_done, agreed)
-            self.guard = StepGuard()
-            for cmd in self._deferred:  # the coordinator's plan the recovery took is in force; the rest superseded
-                took = cmd.seq == self._adopted_seq
-                self.job.transport.ack(cmd, self.next_step, ok=took, error="" if took else "superseded by recovery")
-            self._deferred.clear()
-            self._notice = None
-            self.job.trace = None  # the MPI trace collector's communicator is gone; the coordinator keeps the trace
-            why = f"lost ranks {sorted(lost)}; {plan.reason}"
-            if restored_from is not None:
-                again = (f"steps {restored_from}..{self.last_done_before} are trained again"
-                         if self.last_done_before >= restored_from else "no step is lost")
-                why = (f"lost ranks {sorted(lost)}, and no survivor held all of their state: restored from the "
-                       f"checkpoint of step {restored_from - 1} ({again}); {plan.reason}")
-            # the job's downtime: from this rank's last completed step (the failed step, the
-            # detection wait and the recovery) to ready on the new plan
-            self._adopt(report, "fail-stop" if restored_from is None else "fail-stop-checkpoint", why,
-                        time.perf_counter() - min(t0, self._last_step_end), attempts=attempt)
-            log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
-                        time.perf_counter() - t0, sorted(lost), self.next_step, plan.describe())
-            retire(before)
-            del before
-            return
-        self._stop(f"{self.max_recoveries} failures in a row during recovery")
-
-    def _restore_checkpoint(self, plan: Plan, world: MpiWorld, why: Exception) -> tuple[ReconfigReport, int]:
-        from resihp.trainer_hooks.checkpoint.saver import latest_checkpoint, restore_live
-
-        path = latest_checkpoint(self.checkpoint_root) if self.checkpoint_root else None
-        if path is None:
-            self._stop(f"recovery impossible: {why}; and there is no checkpoint to fall back on "
-                       f"(train with checkpoints, e.g. examples/train_gpt.py --checkpoint-dir DIR)")
-        log.warning("rank %d: %s; restoring from %s", self.rc.rank, why, path)
-        self.last_done_before = self.last_done
-        return restore_live(self.rc, plan, plan.epoch, path, members=world.ranks)
-
-    # --- all or nothing ---------------------------------------------------------------
-    def _snapshot(self) -> tuple[Plan, int, tuple[int, ...], Any]:
-        return self.rc.plan, self.rc.epoch, tuple(self.rc.members), self.rc.runtime
-
-    def _revert(self, before: tuple[Plan, int, tuple[int, ...], Any]) -> None:
-        """Back to the plan (and runtime, whose tensors the switch only read) a failed switch started from."""
-        abandon_groups(self.rc)
-        self.rc.plan, self.rc.epoch, members, self.rc.runtime = before
-        self.rc.members = members
-
-    def _commit(self, comm: Any, ok: bool) -> bool:
-        """Whether every survivor finished the switch: ULFM's Agree gives every survivor the same
-        verdict (and fails on all of them alike when a peer died), so no rank goes on with the
-        new plan while another starts over from the old one."""
-        try:
-            return bool(comm.Agree(1 if ok else 0))
-        except Exception as exc:  # noqa: BLE001 - MPI's proc-failed / revoked
-            if not _is_failure(exc):
-                raise
-            log.warning("rank %d: a peer failed before the switch was agreed: %s", self.rc.rank, exc)
-            return False
-
-    def _agree_plan(self, world: MpiWorld) -> Plan:
-        """The survivors' plan: the coordinator's (received by the first survivor, broadcast), else
-        the deterministic survivor rule."""
-        payload: dict[str, Any] | None = None
-        if world.comm.Get_rank() == 0:
-            cmd = self._wait_coordinator_plan(world)
-            if cmd is not None:
-                payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator", "seq": cmd.seq}
-            else:
-                epoch = max(world.epoch, self.rc.epoch + 1)
-                rule = survivor_plan(self.rc.plan, world.ranks, self.rc.spec, epoch)
-                payload = {"plan": rule.to_dict(), "epoch": epoch, "source": "survivor rule"}
-        payload = world.comm.bcast(payload, root=0)
-        assert payload is not None
-        plan = replace(Plan.from_dict(payload["plan"]), epoch=int(payload["epoch"]))
-        self._adopted_seq = payload.get("seq")
-        log.info("rank %d: recovery plan from the %s: %s", self.rc.rank, payload["source"], plan.describe())
-        return plan
-
-    def _wait_coordinator_plan(self, world: MpiWorld) -> m.ReconfigCommand | None:
-        """A ReconfigCommand newer than our epoch whose plan uses only survivors (the coordinator
-        learns of a death from the node agent, usually before the survivors do)."""
-        alive = set(world.ranks)
-        deadline = time.monotonic() + self.plan_wait_s
-        while True:
-            self.job._pending.extend(self.job.transport.poll_commands())
-            fits = [c for c in [*self._deferred, *self.job._pending] if isinstance(c, m.ReconfigCommand)
-                    and c.epoch > self.rc.epoch and set(c.plan.ranks()) <= alive]
-            if fits:
-                best = max(fits, key=lambda c: c.epoch)
-                refused = batch_change(self.rc.plan, best.plan)
-                if refused:  # a coordinator started with another layout: keep the job's batch
-                    log.error("rank %d: the coordinator's recovery plan is refused: %s; using the survivor rule",
-                              self.rc.rank, refused)
-                    self.job._pending = [c for c in self.job._pending if c not in fits]
-                    self._deferred = [c for c in self._deferred if c not in fits]
-                    for c in fits:  # said, not left pending: it must never be acknowledged as applied
-                        self.job.transport.ack(c, self.last_done + 1, ok=False, error=refused)
-                    return None
-                if best not in self._deferred:
-                    self._deferred.append(best)
-                self.job._pending = [c for c in self.job._pending if c not in fits]
-                return best
-            if time.monotonic() > deadline:
-                log.warning("rank %d: no plan from the coordinator within %.0f s; using the survivor rule",
-                            self.rc.rank, self.plan_wait_s)
-                return None
-            time.sleep(0.05)
-
-    def _stop(self, why: str) -> NoReturn:
-        log.error("rank %d: the job stops: %s", self.rc.rank, why)
-        if self.progress is not None:
-            self.progress.write("stopped", rank=self.rc.rank, reason=why, step=self.last_done)
-        raise JobStopped(why)
-
-
-def batch_change(old: Plan, new: Plan) -> str:
-    """Why ``new`` cannot replace ``old`` in a running job ("" if it can): a re-plan moves
-    work between ranks, it never changes what one step trains — the same global batch, so
-    the loss curve stays the one the job would have had."""
-    if new.global_microbatches != old.global_microbatches:
-        return (f"the plan trains {new.global_microbatches} micro-batches per step and this job "
-                f"{old.global_microbatches}: a re-plan may not change the global batch (was the coordinator started "
-                f"with the training script's --microbatches?)")
-    return ""
 
 
 def switch_key(epoch: int) -> str:

@@ -158,7 +158,7 @@ class Runtime:
         if model is None:
             model = build_stage(spec, config.max_seq_len, place, self.groups.tp, self.device)
         else:
-            model = ahead.model if ahead is not None else model
+            model = model.model if isinstance(model, StageAhead) else model
             want = (place.layer_range, place.first, place.last)
             if (model.layer_range, model.first, model.last) != want:
                 raise SpecError(f"runtime: the module built ahead holds layers {model.layer_range} "
@@ -183,17 +183,19 @@ class Runtime:
         start = log.clock.mark()
         for _, group, names in self.groups.grad_buckets:
             params = [self._params[n] for n in names]
+            grads: list[torch.Tensor] = []
             for p in params:
                 if p.grad is None:  # a replica with no micro-batches still joins the sum
                     p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
             if group is None:
                 continue
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             offset = 0
-            for p in params:
+            for p, g in zip(params, grads):
                 n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                g.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
         log.add_marks("DP", -1, start, log.clock.mark())
 

@@ -69,6 +69,11 @@ class _Local:
     iteration: int = -1
     said_goodbye: bool = False
     exited: bool = False
+    reshapes: bool = False  # its hello: the runtime applies a ReconfigCommand
+    model_json: str = ""  # its hello: the ModelSpec it trains
+
+    def joined(self) -> m.LocalRank:
+        return m.LocalRank(self.rank, self.local_rank, self.pid, self.reshapes, self.model_json)
 
 
 class AgentDaemon:
@@ -128,16 +133,19 @@ class AgentDaemon:
     def coordinator_connected(self) -> bool:
         return self.uplink.connected.is_set()
 
-    def hook_hello(self, rank: int, local_rank: int, pid: int) -> None:
+    def hook_hello(self, rank: int, local_rank: int, pid: int, reshapes: bool = False, model_json: str = "") -> None:
         with self._lock:
             old = self.locals.get(rank)
-            if old is not None and old.pid == pid and not old.exited:
+            if old is not None and old.pid == pid and not old.exited and (old.reshapes, old.model_json) == (
+                    reshapes, model_json):
                 old.last_seen = self.clock()
                 return
-            self.locals[rank] = _Local(rank, local_rank, pid, self.clock())
+            loc = self.locals[rank] = _Local(rank, local_rank, pid, self.clock(), reshapes=reshapes,
+                                             model_json=model_json)
         self.pidwatch.watch(rank, pid)
-        log.info("rank %d (pid %d) joined on %s", rank, pid, self.node)
-        self.uplink.send(m.AgentBatch(joined=(m.LocalRank(rank, local_rank, pid),)), urgent=True)
+        log.info("rank %d (pid %d) joined on %s (%s)", rank, pid, self.node,
+                 "reshapes" if reshapes else "observe-only: no live reconfiguration")
+        self.uplink.send(m.AgentBatch(joined=(loc.joined(),)), urgent=True)
 
     def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
                      raw: Sequence[object]) -> None:
@@ -187,7 +195,7 @@ class AgentDaemon:
                 return
             loc.exited = True
             clean = loc.said_goodbye
-            if code == -1 and rank in self.kills:  # our own SIGKILL (fault injection): we know the cause
+            if code == m.EXIT_UNKNOWN and rank in self.kills:  # our own SIGKILL (fault injection): we know the cause
                 code = -signal.SIGKILL
         log.log(logging.INFO if clean else logging.WARNING, "rank %d (pid %d) exited%s, code %d", rank, pid,
                 " cleanly" if clean else " WITHOUT saying goodbye", code)
@@ -210,7 +218,7 @@ class AgentDaemon:
     def _registration(self) -> m.Registration:
         degraded, status = self.sampler.status()
         with self._lock:
-            ranks = tuple(m.LocalRank(loc.rank, loc.local_rank, loc.pid) for loc in self.locals.values() if not loc.exited)
+            ranks = tuple(loc.joined() for loc in self.locals.values() if not loc.exited)
         return m.Registration(self.node, self.job, ranks, socket.gethostname(), degraded, status)
 
     def _on_welcome(self, welcome: m.Welcome) -> None:

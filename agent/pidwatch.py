@@ -4,7 +4,8 @@ Ranks are children of mpirun, not of the agent, so the agent cannot ``wait`` for
 On Linux ≥ 5.3 a pidfd becomes readable the moment its process exits: one thread polls
 all pidfds (plus a wake-up pipe). Elsewhere it falls back to polling every
 ``poll_s``. A zombie counts as exited. The exit status is read from /proc while the
-zombie still exists (often it is reaped first; then it is reported as unknown, -1).
+zombie still exists; a process whose threads are still exiting is read again for a few
+milliseconds; one reaped first is reported as unknown (``EXIT_UNKNOWN``, never as a signal).
 """
 from __future__ import annotations
 
@@ -12,24 +13,44 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
+
+from resihp.coordinator.protocol.messages import EXIT_UNKNOWN
 
 log = logging.getLogger(__name__)
 ExitCallback = Callable[[int, int, int], None]  # (rank, pid, code)
 
 
-def exit_code_of(pid: int) -> int:
-    """Exit status of a zombie as waitpid would decode it: code, or -signal; -1 if unknown."""
+def _read_exit(pid: int) -> int | None:
+    """The zombie's status (code, or -signal); None while it is not a zombie yet; EXIT_UNKNOWN
+    when it is gone (reaped) or unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             text = fh.read().decode(errors="replace")
         fields = text[text.rindex(")") + 2:].split()
-        if fields[0] != "Z" or len(fields) < 50:
-            return -1
+        if fields[0] != "Z":
+            return None
+        if len(fields) < 50:
+            return EXIT_UNKNOWN
         status = int(fields[-1])
         return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
     except (OSError, ValueError, IndexError):
-        return -1
+        return EXIT_UNKNOWN
+
+
+def exit_code_of(pid: int, settle_s: float = 0.05) -> int:
+    """Exit status of an exited process as waitpid would decode it: code, or -signal;
+    ``EXIT_UNKNOWN`` if it cannot be read. A pidfd fires as the process exits: its threads may
+    still be exiting (state not yet Z), so it is read again for up to ``settle_s``."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        code = _read_exit(pid)
+        if code is not None:
+            return code
+        if time.monotonic() >= deadline:
+            return EXIT_UNKNOWN
+        time.sleep(0.002)
 
 
 def is_gone(pid: int) -> bool:

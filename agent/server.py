@@ -39,7 +39,8 @@ class HookSink(Protocol):
     node: str
     job: str
 
-    def hook_hello(self, rank: int, local_rank: int, pid: int) -> None: ...
+    def hook_hello(self, rank: int, local_rank: int, pid: int, reshapes: bool = False,
+                   model_json: str = "") -> None: ...
     def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
                      raw: Sequence[pb.RankReport]) -> None: ...
     def hook_probes(self, probes: Sequence[m.RankProbe]) -> None: ...
@@ -152,7 +153,8 @@ class HookServicer(pbg.HookServicer):
                 raise ValidationError(f"hello.pid must be the trainer's process id (> 0), got {request.pid}")
             if request.job and request.job != self.sink.job:
                 raise ValidationError(f"hello.job {request.job!r} does not match this agent's job {self.sink.job!r}")
-            self.sink.hook_hello(request.rank, request.local_rank, request.pid)
+            model_json = codec.check_model_json(request.model_json, "hello.model_json")
+            self.sink.hook_hello(request.rank, request.local_rank, request.pid, request.reshapes, model_json)
             return pb.HookWelcome(node=self.sink.node, job=self.sink.job,
                                   coordinator_connected=self.sink.coordinator_connected())
         return await self._guard(context, run)  # type: ignore[return-value]

@@ -108,7 +108,7 @@ def bench_report_to_finding(run: Path, episodes: int) -> list[float]:
     agent, hook = start_agent(run, "n0", server.address, 8)
     # default flush policy, as trainers get it: the ranks' step_s stays the same while rank 5
     # is slow (only its chunk timings grow), so no early flush helps — the worst case
-    clients = [AgentClient(r, hook, r, "bench").start() for r in range(8)]
+    clients = [AgentClient(r, hook, r, "bench", reshapes=True).start() for r in range(8)]
     last_report: dict[int, float] = {}
     latencies: list[float] = []
     try:
@@ -163,7 +163,7 @@ def bench_fanout(run: Path, commands: int) -> tuple[list[float], list[float]]:
             if len(got[cmd.seq]) == 64:
                 done.set()
 
-    clients = [AgentClient(r, hooks[r // 8], r % 8, "bench", on_command=on_command).start() for r in range(64)]
+    clients = [AgentClient(r, hooks[r // 8], r % 8, "bench", on_command=on_command, reshapes=True).start() for r in range(64)]
     fanout: list[float] = []
     hook_us: list[float] = []
     try:
@@ -205,7 +205,7 @@ def bench_agent(run: Path, seconds: float) -> tuple[float, float]:
     server = CoordinatorServer(cfg)
     server.start()
     agent, hook = start_agent(run, "n0", server.address, 8, ["--sample-interval-s", "1.0"])
-    clients = [AgentClient(r, hook, r, "bench").start() for r in range(8)]
+    clients = [AgentClient(r, hook, r, "bench", reshapes=True).start() for r in range(8)]
     proc = psutil.Process(agent.pid)
     try:
         seq = [[700, 324], [512, 512]]
@@ -260,7 +260,7 @@ def bench_coordinator_1024(run: Path, seconds: float) -> tuple[float, int]:
         stub = pbg.CoordinatorStub(ch)
         ranks = range(k * per_agent, (k + 1) * per_agent)
         reg = stub.Register(pb.RegisterRequest(node=f"n{k}", job="bench",
-                                               ranks=[pb.LocalRank(rank=r, local_rank=r % 8, pid=1) for r in ranks]),
+                                               ranks=[pb.LocalRank(rank=r, local_rank=r % 8, pid=1, reshapes=True) for r in ranks]),
                             metadata=md, timeout=10)
         seqs = [[3000, 1096], [4096], [2048, 2048], [1024, 3072]]
         chunk_cache = {r: [codec.chunk_to_pb(c) for c in chunks_for(r, 4, 0.01)] for r in ranks}

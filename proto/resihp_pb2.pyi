@@ -158,8 +158,26 @@ class Drain(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Notice(_message.Message):
+    __slots__ = ("kind", "text", "rank", "cause", "code", "time_s", "iteration")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    text: str
+    rank: int
+    cause: str
+    code: int
+    time_s: float
+    iteration: int
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., rank: _Optional[int] = ..., cause: _Optional[str] = ..., code: _Optional[int] = ..., time_s: _Optional[float] = ..., iteration: _Optional[int] = ...) -> None: ...
+
 class Command(_message.Message):
-    __slots__ = ("seq", "epoch", "apply_at", "reason", "ranks", "issued_s", "reconfigure", "throttle", "drain")
+    __slots__ = ("seq", "epoch", "apply_at", "reason", "ranks", "issued_s", "reconfigure", "throttle", "drain", "notice")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     APPLY_AT_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +187,7 @@ class Command(_message.Message):
     RECONFIGURE_FIELD_NUMBER: _ClassVar[int]
     THROTTLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     epoch: int
     apply_at: int
@@ -178,7 +197,8 @@ class Command(_message.Message):
     reconfigure: Reconfigure
     throttle: Throttle
     drain: Drain
-    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., apply_at: _Optional[int] = ..., reason: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., issued_s: _Optional[float] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., throttle: _Optional[_Union[Throttle, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    notice: Notice
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., apply_at: _Optional[int] = ..., reason: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., issued_s: _Optional[float] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., throttle: _Optional[_Union[Throttle, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("rank", "seq", "epoch", "iteration", "ok", "error", "time_s")
@@ -199,16 +219,20 @@ class Ack(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., seq: _Optional[int] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., time_s: _Optional[float] = ...) -> None: ...
 
 class HookHello(_message.Message):
-    __slots__ = ("rank", "local_rank", "pid", "job")
+    __slots__ = ("rank", "local_rank", "pid", "job", "reshapes", "model_json")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    RESHAPES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     pid: int
     job: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
+    reshapes: bool
+    model_json: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., job: _Optional[str] = ..., reshapes: _Optional[bool] = ..., model_json: _Optional[str] = ...) -> None: ...
 
 class HookWelcome(_message.Message):
     __slots__ = ("node", "job", "coordinator_connected")
@@ -257,14 +281,18 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class LocalRank(_message.Message):
-    __slots__ = ("rank", "local_rank", "pid")
+    __slots__ = ("rank", "local_rank", "pid", "reshapes", "model_json")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    RESHAPES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_JSON_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     pid: int
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    reshapes: bool
+    model_json: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., reshapes: _Optional[bool] = ..., model_json: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node", "job", "ranks", "address", "sampler_degraded", "sampler_status")
@@ -399,7 +427,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "state", "state_reason", "epoch", "iteration", "world_size", "ranks", "agents_connected", "engine", "policy", "uptime_s", "planner_profile")
+    __slots__ = ("job", "state", "state_reason", "epoch", "iteration", "world_size", "ranks", "agents_connected", "engine", "policy", "uptime_s", "planner_profile", "observe_only", "model")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +447,8 @@ class StatusReply(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PLANNER_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     job: str
     state: str
     state_reason: str
@@ -431,7 +461,9 @@ class StatusReply(_message.Message):
     policy: _containers.ScalarMap[str, str]
     uptime_s: float
     planner_profile: str
-    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., agents_connected: _Optional[int] = ..., engine: _Optional[str] = ..., policy: _Optional[_Mapping[str, str]] = ..., uptime_s: _Optional[float] = ..., planner_profile: _Optional[str] = ...) -> None: ...
+    observe_only: str
+    model: str
+    def __init__(self, job: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., agents_connected: _Optional[int] = ..., engine: _Optional[str] = ..., policy: _Optional[_Mapping[str, str]] = ..., uptime_s: _Optional[float] = ..., planner_profile: _Optional[str] = ..., observe_only: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("after_seq", "limit")

@@ -4,7 +4,8 @@ Runs one or more ranks in one process, in lockstep (a step lasts as long as its 
 rank, as in a synchronous job). Every rank reports per-micro-batch F and B chunk timings
 and packed sequence lengths through a real ``AgentClient``. Commands are applied at
 their ``apply_at`` iteration and acknowledged; throttles multiply the rank's compute;
-drain ends the loop. Faults: ``--slow RANK:ITER:FACTOR`` and ``--hang-at ITER`` (the
+drain ends the loop. It says it reshapes (it applies a ReconfigCommand); ``--observe-only``
+makes it a loop that keeps its own model (a peer's failure then ends it with code 75). Faults: ``--slow RANK:ITER:FACTOR`` and ``--hang-at ITER`` (the
 process stops itself with SIGSTOP: alive but silent). Every applied command is logged
 as one JSON line to ``--log``.
 
@@ -19,12 +20,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reporting.agent_client import AgentClient, agent_address_from_env
+from resihp.trainer_hooks.reporting.notices import NoticeHandler, exit_on_peer_failure_default
 
 
 @dataclass
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--slow", action="append", default=[], metavar="RANK:ITER:FACTOR")
     p.add_argument("--hang-at", type=int, default=-1)
+    p.add_argument("--observe-only", action="store_true",
+                   help="say reshapes=false in the hello (a loop that keeps its own model)")
     p.add_argument("--log", default="")
     p.add_argument("--hang-after-leave", action="store_true",
                    help="after a clean goodbye, never exit (as Open MPI's finalisation can hang)")
@@ -81,7 +86,20 @@ def main(argv: list[str] | None = None) -> int:
                 log_fh.write(json.dumps(obj) + "\n")
                 log_fh.flush()
 
-    states = [RankState(r, AgentClient(r, agent, r, args.job).start()) for r in ranks]
+    model_json = json.dumps({"name": "fake", "num_layers": args.layers})
+
+    def notice_logger(rank: int) -> Callable[[m.NoticeCommand], None]:
+        # the real handler (prints; on a peer failure of an observe-only job: exit 75), after a log line
+        handler = NoticeHandler(rank, exit_on_peer_failure_default(not args.observe_only))
+
+        def on_notice(n: m.NoticeCommand) -> None:
+            log({"event": "notice", "rank": rank, "kind": n.kind, "about": n.rank, "code": n.code, "cause": n.cause,
+                 "text": n.text, "seq": n.seq, "time": time.time()})
+            handler(n)
+        return on_notice
+
+    states = [RankState(r, AgentClient(r, agent, r, args.job, reshapes=not args.observe_only, model_json=model_json,
+                                       on_notice=notice_logger(r)).start()) for r in ranks]
     log({"event": "started", "pid": os.getpid(), "ranks": ranks})
     it = 0
     stop = False

@@ -124,7 +124,7 @@ def _core(tmp_path: Path, world: int = 4) -> CoordinatorCore:
 
 def test_core_fail_stop_plans_commands_and_waits_for_every_live_ack(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    conn, welcome = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, welcome = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     assert welcome.world_size == 4 and welcome.epoch == 0
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
     assert core.state is State.RECONFIGURING and core.epoch == 1
@@ -175,7 +175,7 @@ def test_records_of_a_recovery_that_resumed_before_apply_at_are_judged_by_the_ne
     them (it used to judge them by the old plan: an IndexError, the report dropped)."""
     core = _core(tmp_path)
     old = core.plan
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     for it in range(3):
         core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, old) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
@@ -213,7 +213,7 @@ def test_a_command_not_acknowledged_in_time_is_adopted_with_the_reason(tmp_path:
     t = [1000.0]
     core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
                            Registry(), lambda: t[0])
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
     cmd = _command(conn)
     core.on_batch(conn, m.AgentBatch(acks=(m.Ack(0, cmd.seq, 1, cmd.apply_at),)))
@@ -228,7 +228,7 @@ def test_a_command_not_acknowledged_in_time_is_adopted_with_the_reason(tmp_path:
 
 def test_a_command_the_job_ended_before_is_dropped_without_a_replan(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     before = core.plan
     assert core.admin.exclude(1, "operator") == "operator excluded rank 1 (operator): epoch 1 commanded (command 1)"
     cmd = _command(conn)
@@ -249,7 +249,7 @@ def test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout
     # the idle spare's death loses no shard, so the planner keeps the layout; the trainers'
     # MPI world still holds the dead rank, so a fail-stop command with that layout is sent
     core = _core(tmp_path)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
     first = _command(conn)
     spares = first.plan.spares
@@ -267,7 +267,7 @@ def test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout
 
 def test_core_with_replanning_off_still_shrinks_past_a_dead_idle_rank_and_nothing_else(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
     first = _command(conn)
     core.on_batch(conn, m.AgentBatch(acks=tuple(m.Ack(r, first.seq, 1, first.apply_at) for r in range(3))))
@@ -296,7 +296,7 @@ def _spares_core(tmp_path: Path, metrics: Registry | None = None) -> tuple[Coord
     engine = make_engine("real", build_header(preset("gpt-tiny"), plan, 4, "job"))
     core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
                            metrics or Registry(), lambda: 1000.0)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     return core, engine, conn
 
 
@@ -354,7 +354,7 @@ def test_admin_status_shows_each_ranks_role_and_latest_probe(tmp_path: Path) -> 
 
 def test_the_plan_takes_the_trainers_micro_batch_shares_before_anything_is_commanded(tmp_path: Path) -> None:
     core = _core(tmp_path)  # started without the script's --microbatches: 2 per replica
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     four = ((8,), (8,), (8,), (8,))  # the script runs 8 a step
     core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(1, 0, 0, 100.0, 0.1, four),)))
     assert core.plan.global_microbatches == 4  # one replica heard from: not yet
@@ -373,7 +373,7 @@ def test_the_plan_takes_the_trainers_micro_batch_shares_before_anything_is_comma
 
 def test_a_trainer_layout_that_cannot_be_adopted_is_named_once_with_the_fix(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(reports=(_rep(0, 0),)))  # rank 0: 2 micro-batches, as planned
     four = ((8,), (8,), (8,), (8,))
     # rank 1, in rank 0's replica, ran 4: the ranks disagree, so there is no layout to adopt

@@ -89,7 +89,7 @@ def _core(tmp_path: Path, **policy: str) -> tuple[CoordinatorCore, Any, list[flo
     t = [1000.0]
     core = CoordinatorCore(cfg, START, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
                            Registry(), lambda: t[0])
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     # the detector's judgement is not under test here: the records only carry iteration times
     core.engine.observe = lambda rec, now: []  # type: ignore[method-assign]
     core.engine.decide = lambda plan, finding, unavailable, now, nodes: (  # type: ignore[method-assign]

@@ -146,7 +146,7 @@ def _core(tmp_path: Path) -> CoordinatorCore:
 
 def test_a_failing_handler_drops_its_item_but_not_the_agent_stream(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
 
     def broken(*_: Any) -> None:
         raise IndexError("index 1 is out of bounds for axis 0 with size 1")
@@ -160,7 +160,7 @@ def test_a_failing_handler_drops_its_item_but_not_the_agent_stream(tmp_path: Pat
 
 def test_coordinator_trace_marks_the_fail_stop_command_and_records_the_exit(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))  # fail-stop → a new plan
     header, records = load_trace(str(tmp_path / "trace.jsonl"))
     assert header.model.name == "gpt-tiny" and [type(r).__name__ for r in records] == ["ExitEvent"]

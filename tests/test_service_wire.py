@@ -140,7 +140,7 @@ def test_apply_at_counts_the_iterations_run_since_the_newest_report(tmp_path) ->
     core = CoordinatorCore(CoordinatorConfig(world_size=2, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01), plan,
                            make_engine("rules", build_header(preset("gpt-tiny"), plan, 2, "job")),
                            Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl", Registry(), lambda: clock[0])
-    conn, _ = core.register(m.Registration("n0", "job", (m.LocalRank(0, 0, 10), m.LocalRank(1, 1, 11))))
+    conn, _ = core.register(m.Registration("n0", "job", (m.LocalRank(0, 0, 10, reshapes=True), m.LocalRank(1, 1, 11, reshapes=True))))
     for r in (0, 1):  # iteration 10 ended at t=5000.0 on both ranks, 0.25 s a step
         core.on_batch(conn, m.AgentBatch(reports=(m.RankReport(r, 0, 10, 4999.75, 0.25, ((5,),) * 8),)))
     assert core._apply_at() == 10 + 2  # reported just now: newest + margin

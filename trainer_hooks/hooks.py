@@ -19,6 +19,7 @@ rank or a readmission is handled inside those calls (trainer_hooks/runtime/resil
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -286,7 +287,10 @@ def init(
     else:
         plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * microbatches_per_rank)
     job = os.environ.get("RESIHP_JOB") or job  # under `resihp launch` the agent knows the job by its name
-    tx = transport or connect(boot.rank, boot.local_rank, job, agent)
+    # the hello says whether this rank can be reshaped (a resilient job) and which model it trains:
+    # a loop that keeps its own model is observed, never reshaped (docs/control-plane.md)
+    tx = transport or connect(boot.rank, boot.local_rank, job, agent, reshapes=bool(resilient),
+                              model_json=json.dumps(spec.to_dict(), separators=(",", ":"), sort_keys=True))
     # under `resihp launch` the coordinator writes <run-dir>/trace.jsonl from every rank's reports
     path = trace if trace is not None else os.environ.get(TRACE_ENV) or None
     collector = None

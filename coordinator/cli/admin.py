@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
                     "job": r.job, "state": r.state, "state_reason": r.state_reason, "epoch": r.epoch,
                     "iteration": r.iteration, "world_size": r.world_size, "agents_connected": r.agents_connected,
                     "engine": r.engine, "policy": dict(r.policy), "uptime_s": r.uptime_s,
-                    "planner_profile": r.planner_profile,
+                    "planner_profile": r.planner_profile, "observe_only": r.observe_only, "model": r.model,
                     "ranks": [{"rank": x.rank, "node": x.node, "state": x.state, "iteration": x.iteration,
                                "step_s": x.step_s, "speed": x.speed, "last_seen_age_s": x.last_seen_age_s,
                                "role": x.role, "probe_ratio": x.probe_ratio, "kept": x.kept}
@@ -156,6 +156,10 @@ def main(argv: list[str]) -> int:
                      f"x{x.probe_ratio:.2f}" if x.probe_ratio > 0 else "-",
                      "-" if x.last_seen_age_s < 0 else f"{x.last_seen_age_s:.1f}"] for x in r.ranks]
             print(_table(rows, ["RANK", "NODE", "ROLE", "STATE", "ITER", "STEP_S", "SPEED", "PROBE", "SEEN_S_AGO"]))
+            if r.observe_only:
+                print(f"observe-only: {r.observe_only}")
+            if r.model:
+                print(f"model (as the trainers said): {r.model}")
             if r.planner_profile:
                 print(f"planner profile: {r.planner_profile}")
             for x in r.ranks:

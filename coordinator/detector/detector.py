@@ -65,6 +65,7 @@ from resihp.coordinator.model.trace import (
     PlanChange,
     Record,
     TraceHeader,
+    describe_exit,
 )
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         elif self._state.get(ev.rank) == RankState.DEAD:
             return []
         self._state[ev.rank] = RankState.DEAD
-        how = f"was killed by signal {-ev.code}" if ev.code < 0 else f"exited with code {ev.code}"
+        how = describe_exit(ev.code)
         return [self._stop_finding(ev.rank, "process-exit", now, f"the process of rank {ev.rank} {how} at t={ev.time_s:.3f} s",
                                    {"exit_code": float(ev.code), "exit_time_s": ev.time_s})]
 

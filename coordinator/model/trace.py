@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,11 +105,29 @@ class HeartbeatEvent:
     time_s: float
 
 
+# ExitEvent.code (and RankExit.code) when the agent could not read the exit status (the process
+# was reaped by its parent first); outside every signal number, so never read as "signal 1"
+EXIT_UNKNOWN = -1000
+
+
+def describe_exit(code: int) -> str:
+    """An exit status as people read it: "was killed by signal 9 (SIGKILL)", "exited with code 3"."""
+    if code == EXIT_UNKNOWN:
+        return "exited (status unknown: the process was reaped before its agent could read it)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            return f"was killed by signal {-code}"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
 @dataclass(frozen=True)
 class ExitEvent:
     rank: int
     time_s: float
-    code: int  # negative = killed by signal -code
+    code: int  # negative = killed by signal -code; EXIT_UNKNOWN = not known
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ from resihp.coordinator.planner.levels import rebuild, regroup, reshare, resplit
 from resihp.coordinator.planner.move import Move, plan_move
 from resihp.coordinator.planner.search import Searcher
 
+# A predicted iteration shorter than this prices nothing real (a plan for a job with no runtime
+# behind it, a profile of absurd speeds): such a decision is refused, never formatted.
+MIN_PRICED_S = 1e-6
 LEVELS = ("none", "dp-shares", "layer-split", "tp-regroup", "replica-rebuild", "full-replan")
 
 
@@ -88,6 +91,20 @@ class Decision:
                 for c in self.candidates
             ],
         }
+
+
+def check_priced(*times_s: float) -> None:
+    """Refuse to decide (or write a reason) with a predicted iteration time that is zero, negative,
+    non-finite or below ``MIN_PRICED_S``: "predicted 0.000 → 0.000 s/iteration, gain 15 %" is a bug."""
+    bad = [t for t in times_s if not (math.isfinite(t) and t >= MIN_PRICED_S)]
+    if bad:
+        raise SpecError(f"planner: refusing a decision priced at {', '.join(f'{t:.3g}' for t in bad)} s/iteration "
+                        f"(zero, non-finite or below {MIN_PRICED_S:g} s): the cost model has nothing real to price")
+
+
+def fmt_s(x: float) -> str:
+    """Seconds for a reason text: three decimals, three significant digits below 0.01 s."""
+    return f"{x:.3f}" if x >= 0.01 else f"{x:.3g}"
 
 
 def apply_finding(cluster: Cluster, finding: Any | None) -> Cluster:
@@ -272,6 +289,8 @@ def decide(
     problems = plan_problems(current, view, model, batch, cfg, excluded)
     dead = sorted(tab.failed.intersection(current.ranks()))
     before = INF if problems else evaluate_with(costs, current).iteration_s
+    if before != INF:
+        check_priced(before)
     tokens = batch.microbatches * batch.tokens_per_microbatch
     tps_before = 0.0 if before == INF else tokens / before
     cands = _candidates(costs, current, searcher, cfg)
@@ -300,9 +319,10 @@ def decide(
         best_time = min(c.iteration_s for c in cands)
         pick = next(t for t in scored if t[0].iteration_s <= best_time * (1 + cfg.equal_speed_tolerance))
         c = pick[0]
+        check_priced(c.iteration_s)
         reason = (
             f"{what}: the current plan cannot run; {c.level} gives a plan without them, predicted "
-            f"{c.iteration_s:.3f} s/iteration, moving {c.move_bytes / 2**30:.1f} GiB in {c.move_s:.1f} s"
+            f"{fmt_s(c.iteration_s)} s/iteration, moving {c.move_bytes / 2**30:.1f} GiB in {c.move_s:.1f} s"
         )
         return _act(c, reason, before, tps_before, tokens, cands)
     worthwhile = [t for t in scored if t[1] >= cfg.min_gain_fraction and t[2] > 0]
@@ -325,8 +345,9 @@ def decide(
             pick = t
             break
     c, gain, net = pick
+    check_priced(before, c.iteration_s)
     reason = (
-        f"{what}; {c.level}: predicted {before:.3f} → {c.iteration_s:.3f} s/iteration, gain {gain * 100:.1f} % × "
+        f"{what}; {c.level}: predicted {fmt_s(before)} → {fmt_s(c.iteration_s)} s/iteration, gain {gain * 100:.1f} % × "
         f"{remaining:.0f} s expected remaining = {gain * remaining:.1f} s > reconfiguration cost {c.cost_s:.1f} s"
         + (f" + {c.cost_s * undo:.1f} s to undo it when the fault ends" if undo else "")
         + f" ({c.move_bytes / 2**30:.1f} GiB moved)"

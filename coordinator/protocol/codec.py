@@ -27,6 +27,7 @@ MAX_RANK = 1 << 20
 MAX_TEXT = 4096
 MAX_BATCH_ITEMS = 100_000
 MAX_FACTOR = 1000.0
+MAX_MODEL_JSON = 1 << 16  # a ModelSpec's JSON (block list, TP plan): a few KiB in practice
 _INF = math.inf
 
 
@@ -196,6 +197,9 @@ def command_to_pb(c: m.Command) -> pb.Command:
         out.reconfigure.plan_json = plan_to_json(c.plan)
     elif isinstance(c, m.ThrottleCommand):
         out.throttle.factor = c.factor
+    elif isinstance(c, m.NoticeCommand):
+        out.notice.CopyFrom(pb.Notice(kind=c.kind, text=c.text, rank=c.rank, cause=c.cause, code=c.code,
+                                      time_s=c.time_s, iteration=c.iteration))
     else:
         out.drain.SetInParent()
     return out
@@ -220,7 +224,17 @@ def command_from_pb(c: pb.Command) -> m.Command:
         return m.ThrottleCommand(factor=f, **common)
     if body == "drain":
         return m.DrainCommand(**common)
-    raise ValidationError("command has no body (reconfigure, throttle or drain)")
+    if body == "notice":
+        n = c.notice
+        if n.kind not in m.NOTICE_KINDS:
+            raise ValidationError(f"command.notice.kind must be one of {list(m.NOTICE_KINDS)}, got {n.kind!r}")
+        if n.rank < -1 or n.rank > MAX_RANK:
+            raise ValidationError(f"command.notice.rank must be -1 or a rank in 0..{MAX_RANK}, got {n.rank}")
+        return m.NoticeCommand(text=_text(n.text, "command.notice.text"), kind=n.kind, rank=n.rank,
+                               cause=_text(n.cause, "command.notice.cause"), code=n.code,
+                               time_s=_time(n.time_s, "command.notice.time_s"), iteration=max(n.iteration, -1),
+                               **common)
+    raise ValidationError("command has no body (reconfigure, throttle, drain or notice)")
 
 
 def ack_to_pb(a: m.Ack) -> pb.Ack:
@@ -238,12 +252,27 @@ def ack_from_pb(a: pb.Ack, name: str = "ack") -> m.Ack:
 
 # --- agent stream ------------------------------------------------------------------------
 def local_rank_to_pb(r: m.LocalRank) -> pb.LocalRank:
-    return pb.LocalRank(rank=r.rank, local_rank=r.local_rank, pid=r.pid)
+    return pb.LocalRank(rank=r.rank, local_rank=r.local_rank, pid=r.pid, reshapes=r.reshapes, model_json=r.model_json)
+
+
+def check_model_json(text: str, name: str) -> str:
+    """A trainer's ModelSpec as JSON: "" or a JSON object of at most MAX_MODEL_JSON characters."""
+    if not text:
+        return ""
+    if len(text) > MAX_MODEL_JSON:
+        raise ValidationError(f"{name} is {len(text)} characters long; the limit is {MAX_MODEL_JSON}")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValidationError(f"{name} must be a JSON object (ModelSpec.to_dict), got {type(data).__name__}")
+    return text
 
 
 def local_rank_from_pb(r: pb.LocalRank, name: str) -> m.LocalRank:
     return m.LocalRank(_rank(r.rank, f"{name}.rank"), _nonneg(r.local_rank, f"{name}.local_rank"),
-                       _nonneg(r.pid, f"{name}.pid"))
+                       _nonneg(r.pid, f"{name}.pid"), r.reshapes, check_model_json(r.model_json, f"{name}.model_json"))
 
 
 def gpu_to_pb(g: m.GpuSample) -> pb.GpuSample:

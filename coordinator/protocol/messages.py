@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.trace import EXIT_UNKNOWN as EXIT_UNKNOWN  # re-exported: RankExit.code's "unknown"
 from resihp.coordinator.model.trace import ChunkTiming
+from resihp.coordinator.model.trace import describe_exit as describe_exit
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class RankExit:
     rank: int
     pid: int
     time_s: float
-    code: int = -1  # exit status where known; negative = killed by signal -code
+    code: int = EXIT_UNKNOWN  # exit status where known; negative = killed by signal -code
     clean: bool = False  # the rank said goodbye first: finished, not failed
 
 
@@ -84,6 +86,10 @@ class LocalRank:
     rank: int
     local_rank: int = 0
     pid: int = 0
+    # the rank's runtime applies a ReconfigCommand (live reconfiguration installed); False, the
+    # default, is a loop that keeps its own model: its job is observed, never reshaped
+    reshapes: bool = False
+    model_json: str = ""  # the ModelSpec the rank trains, as JSON ("" = not said)
 
 
 # --- commands (coordinator -> hooks) --------------------------------------------------
@@ -126,7 +132,29 @@ class DrainCommand:
     issued_s: float = 0.0
 
 
-Command = ReconfigCommand | ThrottleCommand | DrainCommand
+@dataclass(frozen=True)
+class NoticeCommand:
+    """Information for the trainers, never an order: the hook prints ``text`` (not applied, not
+    acknowledged). ``kind`` "finding": a finding on an observe-only job; "peer-failure": rank
+    ``rank`` died (``cause``, exit ``code`` as in RankExit, at ``time_s``, after ``iteration``)."""
+
+    epoch: int
+    text: str
+    apply_at: int = 0
+    reason: str = ""
+    seq: int = 0
+    ranks: tuple[int, ...] = ()  # empty = every rank
+    issued_s: float = 0.0
+    kind: str = "finding"  # finding | peer-failure
+    rank: int = -1
+    cause: str = ""
+    code: int = 0
+    time_s: float = 0.0
+    iteration: int = -1
+
+
+NOTICE_KINDS = ("finding", "peer-failure")
+Command = ReconfigCommand | ThrottleCommand | DrainCommand | NoticeCommand
 # An acknowledgement error that starts with this says the job ended before the command's
 # apply_at: nothing failed, and there is nothing left to plan for.
 JOB_ENDED = "job ended: "
@@ -137,6 +165,8 @@ def command_kind(cmd: Command) -> str:
         return "reconfigure"
     if isinstance(cmd, ThrottleCommand):
         return "throttle"
+    if isinstance(cmd, NoticeCommand):
+        return "notice"
     return "drain"
 
 

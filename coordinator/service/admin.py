@@ -62,7 +62,14 @@ class CoordinatorAdmin:
                 return f"throttle x{factor} sent to rank {rank} on {conn.node} (command {cmd.seq})"
             raise ValidationError(f"inject kind must be 'slow' or 'kill', got {kind!r}")
 
+    def _reshapable(self) -> None:
+        """Refuse what would reshape an observe-only job (coordinator/service/observe.py)."""
+        why = self.core.observe_only()
+        if why:
+            raise Refused(f"observe-only job: {why}; exclude, readmit and re-plan need live reconfiguration")
+
     def _operator_replan(self, why: str, finding: m.FindingInfo | None = None) -> str:
+        self._reshapable()
         if self.core.state not in (State.RUNNING, State.SUSPECT):
             raise Refused(f"the coordinator is {self.core.state.value} ({self.core.state_reason}); retry when it is RUNNING")
         self.core._transition(Trigger.OPERATOR, why)
@@ -77,6 +84,7 @@ class CoordinatorAdmin:
             self.core._check_rank(rank, "exclude.rank")
             if rank in self.core.excluded:
                 raise Refused(f"rank {rank} is already excluded")
+            self._reshapable()
             if self.core.state not in (State.RUNNING, State.SUSPECT):
                 raise Refused(f"the coordinator is {self.core.state.value} ({self.core.state_reason}); retry when it is RUNNING")
             self.core.excluded.add(rank)
@@ -97,6 +105,7 @@ class CoordinatorAdmin:
                 raise Refused(f"rank {rank} is neither excluded nor dead; nothing to readmit")
             if info.dead:
                 raise Refused(f"rank {rank} is dead ({info.dead_reason}); it can rejoin only as a new process")
+            self._reshapable()
             if self.core.state not in (State.RUNNING, State.SUSPECT):
                 raise Refused(f"the coordinator is {self.core.state.value} ({self.core.state_reason}); retry when it is RUNNING")
             self.core.excluded.discard(rank)
@@ -177,4 +186,18 @@ class CoordinatorAdmin:
                     "epoch": self.core.epoch, "iteration": self.core.last_iteration, "world_size": self.core.config.world_size,
                     "ranks": ranks, "agents_connected": sum(a.streaming for a in self.core.agents.values()),
                     "engine": self.core.engine.name, "policy": {**self.core.policy, **self.core.engine.policy()},
-                    "uptime_s": now, "planner_profile": self.core.engine.profile_text()}
+                    "uptime_s": now, "planner_profile": self.core.engine.profile_text(),
+                    "observe_only": self.core.observe_only(), "model": _model_name(self.core.model_json)}
+
+
+def _model_name(model_json: str) -> str:
+    """The trainers' model as status shows it: its name and size ("" = none said)."""
+    if not model_json:
+        return ""
+    import json
+
+    try:
+        d = json.loads(model_json)
+        return f"{d.get('name', '?')} ({d.get('num_layers', '?')} layers, hidden {d.get('hidden', '?')})"
+    except (ValueError, AttributeError):
+        return "?"

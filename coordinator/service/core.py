@@ -25,6 +25,7 @@ from resihp.coordinator.service.engine import Engine
 from resihp.coordinator.service.joiner import Joiner, LayoutCheck
 from resihp.coordinator.service.journal import EventLog, Journal, JournalState
 from resihp.coordinator.service.metrics import Registry
+from resihp.coordinator.service.observe import ObserveFlow
 from resihp.coordinator.service.planning import PlanFlow
 from resihp.coordinator.service.records import AgentConn, Pending, RankInfo, record_gpu_sample
 from resihp.coordinator.service.statemachine import State, Trigger, can, step
@@ -33,7 +34,7 @@ from resihp.coordinator.service.trace_sink import TraceSink
 log = logging.getLogger(__name__)
 
 
-class CoordinatorCore(PlanFlow):
+class CoordinatorCore(PlanFlow, ObserveFlow):
     def __init__(self, config: CoordinatorConfig, plan: Plan, engine: Engine, journal: Journal, events_path: Any,
                  registry: Registry, clock: Callable[[], float]) -> None:
         self.config = config
@@ -75,6 +76,7 @@ class CoordinatorCore(PlanFlow):
         self.last_iteration = saved.last_iteration
         self._agent_ids = itertools.count(1)
         self.last_finding: m.FindingInfo | None = None
+        self.model_json = ""  # the ModelSpec the trainers said they train (coordinator/service/observe.py)
         self._layout = LayoutCheck(open=not self.resumed and self.seq == 0)  # the trainers' layout vs the plan
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
         self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)
@@ -169,6 +171,7 @@ class CoordinatorCore(PlanFlow):
         if info.dead and info.pid == lr.pid and lr.pid:
             return  # the same dead process announced again by a reconnecting agent
         conn.ranks.add(lr.rank)
+        self._capability(lr)
         info.node, info.local_rank = conn.node, lr.local_rank
         if lr.pid and lr.pid != info.pid and info.dead:
             info.dead, info.dead_reason = False, ""  # a new process for that rank
@@ -392,12 +395,13 @@ class CoordinatorCore(PlanFlow):
             if all(i.finished or i.dead for i in self.ranks.values()):
                 self.events.emit("job-finished", reason="every rank has left")
             return
+        info.exit_code = ex.code
         if self.trace is not None:
             self.trace.write(ExitEvent(ex.rank, now, ex.code))
         found = self.engine.observe(ExitEvent(ex.rank, now, ex.code), now)
         if not any(f.kind == "fail-stop" and ex.rank in f.ranks for f in found):
             found.append(m.FindingInfo(self.last_iteration, "fail-stop", (ex.rank,), "process-exit", 1.0,
-                                       f"rank {ex.rank} (pid {ex.pid}) exited with code {ex.code} without leaving",
+                                       f"rank {ex.rank} (pid {ex.pid}) {m.describe_exit(ex.code)} without leaving",
                                        now, **self._where(ex.rank)))
         self._findings(found, now)
 
@@ -432,6 +436,10 @@ class CoordinatorCore(PlanFlow):
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
+            observe_only = self.observe_only()
+            if observe_only:  # reported, never acted on: no plan, no command, no abort
+                self._observe(f, observe_only)
+                continue
             # with re-planning off, a death outside the plan still needs every trainer to
             # shrink MPI past it (see _plan); the layout stays either way
             idle_death = f.kind == "fail-stop" and not any(self.plan.has_rank(r) for r in f.ranks)
@@ -462,7 +470,7 @@ class CoordinatorCore(PlanFlow):
                     continue
                 if now - info.last_seen > timeout and not any(r in f.ranks for f in found):
                     # tell the engine too, so its rank state (and speed estimate) says dead
-                    self.engine.observe(ExitEvent(r, now, -1), now)
+                    self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)
                     found.append(m.FindingInfo(self.last_iteration, "fail-stop", (r,), "heartbeat", 1.0,
                                                f"rank {r} silent for {now - info.last_seen:.2f} s "
                                                f"(heartbeat timeout {timeout} s); node {info.node or '?'}",

@@ -135,6 +135,8 @@ def describe_standard(reg: Registry) -> None:
         ("resihp_internal_errors_total", "counter", "items a coordinator handler failed on (dropped; see its log)"),
         ("resihp_findings_total", "counter", "detector findings by kind"),
         ("resihp_commands_total", "counter", "commands issued by kind"),
+        ("resihp_notices_total", "counter", "notices sent to the trainers by kind (finding / peer-failure)"),
+        ("resihp_observe_only", "gauge", "1 while the job is observe-only (a rank cannot be reshaped)"),
         ("resihp_command_ack_duration_seconds", "gauge", "time from issuing the last command to its last ack"),
         ("resihp_gpu_sm_clock_hertz", "gauge", "GPU SM clock (DCGM_FI_DEV_SM_CLOCK)"),
         ("resihp_gpu_temperature_celsius", "gauge", "GPU temperature (DCGM_FI_DEV_GPU_TEMP)"),

@@ -67,6 +67,7 @@ class PlanFlow:
         def _send_all(self, batch: m.CoordinatorBatch) -> None: ...
         def _notify(self, kind: str, payload: Any) -> None: ...
         def _adopt(self, plan: Plan, first: int, now: float) -> None: ...
+        def observe_only(self) -> str: ...
 
     def _unavailable(self) -> frozenset[int]:
         return frozenset(self.excluded | {r for r, i in self.ranks.items() if i.dead})
@@ -74,7 +75,12 @@ class PlanFlow:
     def _plan(self, finding: m.FindingInfo | None, now: float, replan: bool = True, operator: bool = False) -> None:
         """Decide and command. ``replan`` False (re-planning is off, a finding outside the plan):
         keep the layout without asking the planner. ``operator``: an operator's call (its
-        switch is not audited, and no earlier verdict keeps the layout against it)."""
+        switch is not audited, and no earlier verdict keeps the layout against it). An
+        observe-only job is never priced nor commanded (coordinator/service/observe.py)."""
+        observe_only = self.observe_only()
+        if observe_only:
+            self._transition(Trigger.KEEP, f"observe-only: {observe_only}")
+            return
         nodes = {r: i.node for r, i in self.ranks.items()}
         kept = self.audits.kept(finding) if self.policy["plan_audit"] == "on" and not operator else ""
         if not replan:
@@ -108,7 +114,15 @@ class PlanFlow:
         self._command(decision.plan, decision.reason, decision.level, now, cause=None if operator else finding)
 
     def _command(self, new_plan: Plan, why: str, level: str, now: float, cause: m.FindingInfo | None = None) -> None:
-        """Send ``new_plan`` as the next epoch; wait for every live rank's acknowledgement."""
+        """Send ``new_plan`` as the next epoch; wait for every live rank's acknowledgement. Never
+        to an observe-only job: a rank there cannot apply it (coordinator/service/observe.py)."""
+        observe_only = self.observe_only()
+        if observe_only:
+            log.error("coordinator: not commanding a new plan to an observe-only job (%s): %s", observe_only, why)
+            self.events.emit("command-refused", epoch=self.epoch, kind="reconfigure",
+                             reason=f"observe-only: {observe_only}; not sent: {why}")
+            self._transition(Trigger.KEEP, f"observe-only: {observe_only}")
+            return
         self.audits.cancel()  # a switch under audit is superseded
         self.epoch += 1
         plan = replace(new_plan, epoch=self.epoch)

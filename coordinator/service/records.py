@@ -21,6 +21,8 @@ class RankInfo:
     dead: bool = False
     finished: bool = False
     dead_reason: str = ""
+    reshapes: bool | None = None  # its hello: it applies a ReconfigCommand; None = not said (coordinator/service/observe.py)
+    exit_code: int | None = None  # as its agent saw it exit (RankExit.code)
 
 
 @dataclass

@@ -135,6 +135,7 @@ class AdminServicer(pbg.AdminServicer):
             iteration=st["iteration"], world_size=st["world_size"], agents_connected=st["agents_connected"],
             engine=st["engine"], policy=st["policy"], uptime_s=st["uptime_s"],
             planner_profile=st["planner_profile"], ranks=[pb.RankStatus(**r) for r in st["ranks"]],
+            observe_only=st["observe_only"], model=st["model"],
         )
 
     @guarded

@@ -24,9 +24,11 @@ from resihp.coordinator.protocol import codec, wire
 from resihp.coordinator.protocol import messages as m
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
+from resihp.trainer_hooks.reporting.notices import NoticeHandler, exit_on_peer_failure_default
 
 log = logging.getLogger(__name__)
 CommandCallback = Callable[[m.Command], None]
+NoticeCallback = Callable[[m.NoticeCommand], None]
 
 
 def _env_int(*names: str, default: int = 0) -> int:
@@ -55,12 +57,26 @@ class AgentClient:
     def __init__(self, rank: int, address: str | None, local_rank: int = 0, job: str = "",
                  on_command: CommandCallback | None = None, queue_size: int = 1024, heartbeat_s: float = 1.0,
                  flush_s: float = 0.25, connect_timeout_s: float = 2.0, retry_s: float = 2.0,
-                 clock: Callable[[], float] = time.time, urgent_factor: float = 1.3) -> None:
+                 clock: Callable[[], float] = time.time, urgent_factor: float = 1.3, *, reshapes: bool = False,
+                 model_json: str = "", on_notice: NoticeCallback | None = None,
+                 exit_on_peer_failure: bool | None = None) -> None:
+        """``reshapes``: this rank's runtime applies a ReconfigCommand (live reconfiguration is
+        installed); False = the job is only observed. ``model_json``: the ModelSpec it trains, as
+        JSON. ``on_notice``: replaces the default notice handler. ``exit_on_peer_failure``: end
+        this process (code 75) when a peer dies; None = $RESIHP_EXIT_ON_PEER_FAILURE, else on
+        exactly when the rank does not reshape (docs/control-plane.md, "Observe-only jobs")."""
         self.rank = rank
         self.local_rank = local_rank
         self.address = address or ""
         self.job = job
         self.on_command = on_command
+        self.reshapes = reshapes
+        self.model_json = model_json
+        self.exit_on_peer_failure = (exit_on_peer_failure_default(reshapes) if exit_on_peer_failure is None
+                                     else exit_on_peer_failure)
+        self.on_notice: NoticeCallback = on_notice or NoticeHandler(rank, self.exit_on_peer_failure)
+        self.notices: list[m.NoticeCommand] = []  # every notice received, oldest first
+        self._noticed: set[int] = set()  # seqs already handed to on_notice
         self.queue_size = queue_size
         self.heartbeat_s = heartbeat_s
         # Reports leave in batches on a wall-clock grid of flush_s (0.25 s: about one iteration
@@ -128,7 +144,8 @@ class AgentClient:
         if self._stub is None:
             return False
         try:
-            self._stub.Hello(pb.HookHello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(), job=self.job),
+            self._stub.Hello(pb.HookHello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(), job=self.job,
+                                          reshapes=self.reshapes, model_json=self.model_json),
                              timeout=self.connect_timeout_s)
         except grpc.RpcError as exc:
             self.connected.clear()
@@ -303,6 +320,16 @@ class AgentClient:
 
     def _deliver(self, cmd: m.Command) -> None:
         self._last_seq = max(self._last_seq, cmd.seq)
+        if isinstance(cmd, m.NoticeCommand):  # information: handed on once, never applied nor acknowledged
+            if cmd.seq in self._noticed:
+                return
+            self._noticed.add(cmd.seq)
+            self.notices.append(cmd)
+            try:
+                self.on_notice(cmd)
+            except Exception:
+                log.exception("resihp: on_notice failed for notice %d", cmd.seq)
+            return
         prior = self._acked.get(cmd.seq)
         if prior is not None:  # re-sent after a coordinator restart: we already applied it
             self._acks.append(prior)

@@ -108,10 +108,12 @@ class MemoryTransport:
 class AgentTransport:
     """The node agent via the control plane's AgentClient (its own queue and threads)."""
 
-    def __init__(self, rank: int, address: str, local_rank: int = 0, job: str = "") -> None:
+    def __init__(self, rank: int, address: str, local_rank: int = 0, job: str = "", *, reshapes: bool = False,
+                 model_json: str = "", exit_on_peer_failure: bool | None = None) -> None:
         from resihp.trainer_hooks.reporting.agent_client import AgentClient  # grpc only when an agent is used
 
-        self.client = AgentClient(rank, address, local_rank=local_rank, job=job).start()
+        self.client = AgentClient(rank, address, local_rank=local_rank, job=job, reshapes=reshapes,
+                                  model_json=model_json, exit_on_peer_failure=exit_on_peer_failure).start()
 
     def report(self, iteration: int, step_s: float, start_s: float, seqlens: Sequence[Sequence[int]],
                chunks: Sequence[ChunkTiming], epoch: int) -> bool:
@@ -131,12 +133,20 @@ class AgentTransport:
         self.client.close()
 
 
-def connect(rank: int, local_rank: int, job: str, address: str | None) -> Transport:
-    """The agent at ``address`` (None/"" = from the environment, as ``resihp launch`` sets it)."""
+def connect(rank: int, local_rank: int, job: str, address: str | None, *, reshapes: bool = False,
+            model_json: str = "", exit_on_peer_failure: bool | None = None) -> Transport:
+    """The agent at ``address`` (None/"" = from the environment, as ``resihp launch`` sets it).
+
+    ``reshapes``: this rank's runtime applies a ReconfigCommand (live reconfiguration is installed);
+    False (a loop that keeps its own model) makes the job observe-only: findings are printed, never
+    acted on. ``model_json``: the ModelSpec the rank trains, as JSON. ``exit_on_peer_failure``:
+    end the process (code 75) when a peer dies; None = on exactly for observe-only ranks
+    (``$RESIHP_EXIT_ON_PEER_FAILURE`` overrides it)."""
     if not address:
         from resihp.trainer_hooks.reporting.agent_client import agent_address_from_env
 
         address = agent_address_from_env(rank)
     if not address:
         return NullTransport(rank, "RESIHP_AGENT_ADDR / RESIHP_AGENT_ADDRS are not set")
-    return AgentTransport(rank, address, local_rank, job)
+    return AgentTransport(rank, address, local_rank, job, reshapes=reshapes, model_json=model_json,
+                          exit_on_peer_failure=exit_on_peer_failure)

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from resihp.agent.pidwatch import PidWatch
+from resihp.agent.pidwatch import PidWatch, exit_code_of
 from resihp.agent.sampler import NvmlSampler, ProcessSampler, make_sampler
 from resihp.agent.server import CommandRelay, check_local_address
 from resihp.coordinator.protocol import messages as m
@@ -79,7 +79,10 @@ def test_pidwatch_reports_a_sigkilled_process_at_once() -> None:
         done.set()
 
     watch = PidWatch(on_exit)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # threads, as a trainer has (gloo, the hook client): the status is read once every thread is gone
+    proc = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                             "for _ in range(4): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                             "time.sleep(60)"])
     try:
         watch.watch(7, proc.pid)
         samples = ProcessSampler().sample({7: proc.pid}, 1.0)
@@ -88,10 +91,13 @@ def test_pidwatch_reports_a_sigkilled_process_at_once() -> None:
         proc.kill()
         assert done.wait(2.0), "exit not noticed"
         assert time.monotonic() - t0 < 0.5
-        assert got[0][:2] == (7, proc.pid) and got[0][2] in (-9, -1)
+        assert got[0] == (7, proc.pid, -9), got  # the real signal: SIGKILL is 9, never "signal 1"
     finally:
         proc.wait(5)
         watch.close()
+    # once its parent has reaped it the status is gone: said as unknown, not as a signal
+    assert exit_code_of(proc.pid) == m.EXIT_UNKNOWN
+    assert "status unknown" in m.describe_exit(exit_code_of(proc.pid))
 
 
 @pytest.mark.parametrize("addr", ["0.0.0.0:0", "10.0.0.5:7000", "example.com:80"])

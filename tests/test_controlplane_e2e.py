@@ -144,3 +144,44 @@ def test_admin_inject_kill_and_slow_are_carried_out_by_the_agent(tmp_path: Path)
         assert res[0]["ok"] and "SIGKILL" in res[0]["reason"]
     finally:
         c.close()
+
+
+def test_observe_only_job_gets_notices_never_commands_and_a_death_ends_the_survivors_within_1s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loops that keep their own model (hello: reshapes=false): a fail-slow is printed by every
+    hook, nothing is commanded, the job is never aborted; a SIGKILLed rank's peers hear of it
+    (signal 9) within 1 s through their agent, print the summary and exit with code 75."""
+    monkeypatch.setenv("RESIHP_RESTART_CMD", "resihp launch --resume run/ckpt -- python train.py")
+    c = Cluster(tmp_path, world=4, pp=2)
+    try:
+        c.start_coordinator()
+        c.start_agent("n0")
+        c.start_trainer("a", [0, 1], "n0", "--observe-only", "--slow", "1:14:3")
+        c.start_trainer("b", [2], "n0", "--observe-only")
+        c.start_trainer("c", [3], "n0", "--observe-only")
+        seen = wait_until(lambda: [e for e in c.trainer_log("c") if e["event"] == "notice"], 60, "a finding notice")
+        assert seen[0]["kind"] == "finding" and seen[0]["text"].startswith("fail-slow finding: rank 1 compute ×")
+        wait_until(lambda: "resihp: fail-slow finding: rank 1 compute ×" in (c.run / "a.out").read_text(), 10,
+                   "the finding line on a hook's stderr")
+        st = c.status()
+        assert st.observe_only.startswith("ranks 0-3 run without live reconfiguration"), st.observe_only
+        assert st.state in ("RUNNING", "SUSPECT") and st.epoch == 0 and st.model.startswith("fake")
+        t_kill = c.kill("b")
+        for name in ("a", "c"):
+            n = wait_until(lambda name=name: [e for e in c.trainer_log(name) if e.get("kind") == "peer-failure"], 10,
+                           f"peer-failure notice at {name}")[0]
+            assert (n["about"], n["code"], n["cause"]) == (2, -9, "process-exit"), n
+            assert n["time"] - t_kill < 1.0, f"{name} heard of the death {n['time'] - t_kill:.3f} s after SIGKILL"
+            assert c.procs[name].wait(10) == 75
+            out = (c.run / f"{name}.out").read_text()
+            assert "resihp: ===== peer failure: rank 2 is gone =====" in out, out
+            assert "was killed by signal 9 (SIGKILL)" in out and "process group is broken" in out
+            assert "resihp:   resihp launch --resume run/ckpt -- python train.py" in out
+        assert not c.events("command")  # never a reshaping command (nor any other)
+        assert "ABORTED" not in [e["to"] for e in c.events("state")]
+        death = [f for f in c.events("finding") if f["ranks"] == [2]][0]
+        assert death["kind"] == "fail-stop" and "signal 9" in death["reason"], death
+        assert c.status().state != "ABORTED"
+    finally:
+        codes = c.close()
+    assert codes["b"] == -signal.SIGKILL and codes["coordinator"] == 0

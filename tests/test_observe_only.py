@@ -100,6 +100,8 @@ def test_findings_of_an_observe_only_job_become_notices_never_commands_nor_an_ab
     assert core.metrics.get("resihp_notices_total", {"kind": "finding", "job": "job"}) == 1
     assert core.metrics.get("resihp_findings_total", {"kind": "fail-slow", "job": "job"}) == 1
     assert core.metrics.get("resihp_observe_only", {"job": "job"}) == 1
+    said = [e for e in core.events.since(0, 100) if e["event"] == "observe-only"]
+    assert [e["rank"] for e in said] == [0, 1, 2, 3]
     st = core.admin.status()
     assert st["observe_only"].startswith("ranks 0-3 run without live reconfiguration"), st["observe_only"]
     assert st["model"] == "nanogpt-124m (12 layers, hidden 768)"
@@ -127,7 +129,7 @@ def test_a_command_to_an_observe_only_job_is_refused_by_construction(tmp_path: P
     core, engine = _core(tmp_path)
     conn, _ = core.register(m.Registration("n0", "job", tuple(
         m.LocalRank(r, r, 100 + r, reshapes=r != 1) for r in range(4))))  # one rank keeps its own model
-    assert core.observe_only().startswith("rank 1 run without live reconfiguration")
+    assert core.observe_only().startswith("rank 1 runs without live reconfiguration")
     with core.lock:
         core._command(Plan.uniform(1, 1, 2, 4, 4), "a test's plan", "dp-shares", 0.0)
     assert _sent(conn) == [] and core.epoch == 0 and core.pending is None
@@ -143,9 +145,9 @@ def test_a_job_reshapes_only_when_every_live_rank_said_so(tmp_path: Path) -> Non
     assert observe_only_reason(ranks) == ""
     ranks[4].reshapes, ranks[5].reshapes = None, None
     ranks[5].dead = True  # a rank that died before its hello does not hold the job back
-    assert observe_only_reason(ranks).startswith("rank 4 have not said")
+    assert observe_only_reason(ranks).startswith("rank 4 has not said")
     ranks[1].reshapes = False
-    assert observe_only_reason(ranks).startswith("rank 1 run without live reconfiguration")
+    assert observe_only_reason(ranks).startswith("rank 1 runs without live reconfiguration")
     assert compact([7, 0, 1, 2, 5, 6, 9]) == "0-2,5-7,9"
     # the same core with reshaping ranks commands a plan after a death (the resilient path is unchanged)
     core, engine = _core(tmp_path)

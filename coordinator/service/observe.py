@@ -47,12 +47,12 @@ def observe_only_reason(ranks: dict[int, RankInfo]) -> str:
     """Why a job must not be reshaped ("" = every rank said it can be). Pure."""
     no = [r for r, i in ranks.items() if i.reshapes is False]
     if no:
-        return (f"rank{'s' if len(no) > 1 else ''} {compact(no)} run without live reconfiguration (a loop that keeps "
-                "its own model): findings are reported, never acted on")
+        return (f"rank{'s' if len(no) > 1 else ''} {compact(no)} run{'' if len(no) > 1 else 's'} without live "
+                "reconfiguration (a loop that keeps its own model): findings are reported, never acted on")
     unknown = [r for r, i in ranks.items() if i.reshapes is None and not i.dead and not i.finished]
     if unknown:
-        return (f"rank{'s' if len(unknown) > 1 else ''} {compact(unknown)} have not said whether they can be "
-                "reshaped (no hello yet): nothing is commanded until they do")
+        return (f"rank{'s' if len(unknown) > 1 else ''} {compact(unknown)} ha{'ve' if len(unknown) > 1 else 's'} not "
+                "said whether they can be reshaped (no hello yet): nothing is commanded until they do")
     return ""
 
 
@@ -98,7 +98,7 @@ class ObserveFlow:
     def _capability(self, lr: m.LocalRank) -> None:
         """Record what a joining rank said: whether it reshapes, and the model it trains."""
         info = self.ranks[lr.rank]
-        was = self.observe_only()
+        said_no = info.reshapes is not False and not lr.reshapes
         info.reshapes = lr.reshapes
         if lr.model_json and lr.model_json != self.model_json:
             try:
@@ -110,11 +110,11 @@ class ObserveFlow:
             self.events.emit("trainer-model", rank=lr.rank, model=json.loads(lr.model_json),
                              reason=f"rank {lr.rank} trains model {name!r}"
                                     + ("" if first else " (it differs from what another rank said)"))
-        now = self.observe_only()
-        if now != was:
-            self.metrics.set("resihp_observe_only", 1 if now else 0, {"job": self.config.job})
-            if now:
-                self.events.emit("observe-only", rank=lr.rank, reason=now)
+        why = self.observe_only()
+        self.metrics.set("resihp_observe_only", 1 if why else 0, {"job": self.config.job})
+        if said_no:  # once per rank process that says it cannot be reshaped (not for a hello still to come)
+            self.events.emit("observe-only", rank=lr.rank, reason=f"rank {lr.rank} runs without live reconfiguration; "
+                                                                  f"the job is observe-only: {why}")
 
     def _observe(self, f: m.FindingInfo, why: str) -> None:
         """A finding on an observe-only job: logged as a decision that does not act, and told to

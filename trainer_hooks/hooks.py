@@ -194,8 +194,8 @@ class Job:
         stop = False
         for cmd in sorted(due, key=lambda c: c.seq):
             kind = m.command_kind(cmd)
-            if not m.command_targets(cmd, self.rank):
-                continue
+            if not m.command_targets(cmd, self.rank) or isinstance(cmd, m.NoticeCommand):
+                continue  # a notice is information (the agent client prints it): never applied nor acknowledged
             try:
                 if isinstance(cmd, m.ThrottleCommand):
                     self.throttle.set_factor(cmd.factor)

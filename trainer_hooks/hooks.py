@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
@@ -114,6 +114,7 @@ class Job:
     _trace_file: IO[str] | None = None
     _closed: bool = False
     _spans: ChunkRecorder = field(default_factory=ChunkRecorder)
+    _exit_barrier: bool = True
 
     def __post_init__(self) -> None:
         self._spans.restart(self._last_step_end)
@@ -308,17 +309,33 @@ class Job:
         if not wait_retired(10.0):
             log.warning("resihp: rank %d: old process groups still closing after 10 s", self.rank)
         # after a failure the MPI world is broken: no closing barrier (the store is external)
-        self.boot.close(barrier=self.resilience is None)
+        self.boot.close(barrier=self.resilience is None and self._exit_barrier)
 
     def _close_at_exit(self) -> None:
         """The interpreter is ending: close, unless it ends on an uncaught exception (then the
         rank failed, and its agent reports the exit as one; no collective may wait for it)."""
         if self._closed:
             return
-        if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
-            log.warning("resihp: rank %d ends on an uncaught exception; leaving without a goodbye", self.rank)
+        failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+        if failed or _exit_status.code not in (None, 0):
+            why = "an uncaught exception" if failed else f"sys.exit({_exit_status.code!r})"
+            code = _exit_status.code if isinstance(_exit_status.code, int) and not failed else 1
+            log.warning("resihp: rank %d ends on %s; leaving without a goodbye (a failed rank)", self.rank, why)
+            if self.world_size > 1:
+                # MPI's own exit (MPI_Finalize) waits for peers that may be blocked in a collective
+                # with this rank: a failed rank leaves at once, so that its agent and its peers see it
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except (OSError, ValueError):
+                        pass
+                logging.shutdown()
+                os._exit(code)
             return
         try:
+            # no closing barrier at exit where the store is outside the trainers: a peer that
+            # died meanwhile must not hang this rank's exit
+            self._exit_barrier = not os.environ.get(STORE_ENV, "").strip()
             self.close()
         except Exception as exc:  # the world may be half gone at exit; never turn a clean exit into a crash
             log.warning("resihp: rank %d: closing at exit failed: %s", self.rank, exc)
@@ -399,6 +416,7 @@ def init(
                   trace=None if learn else make_trace(plan), _trace_file=out, _learn_microbatches=learn,
                   _make_trace=make_trace if learn else None,
                   progress=ProgressLog(progress_path) if progress_path else None)
+    _exit_status.install()
     atexit.register(job_obj._close_at_exit)  # pyright: ignore[reportPrivateUsage]  # its own exit hook
     if job_obj.progress is not None and boot.rank == 0:
         job_obj.progress.write("start", plan=plan.describe(), world=boot.world_size, model=spec.name,
@@ -426,6 +444,30 @@ def init(
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())
     return job_obj
+
+
+class _ExitStatus:
+    """The status a script passed to ``sys.exit`` (an exit hook cannot read it otherwise): a
+    rank that ends with ``sys.exit(1)`` failed and must not say goodbye as if it finished."""
+
+    def __init__(self) -> None:
+        self.code: object = None
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        self._installed = True
+        original = sys.exit
+
+        def exit_recording(status: object = None, /) -> NoReturn:
+            self.code = status
+            original(status)
+
+        sys.exit = exit_recording
+
+
+_exit_status = _ExitStatus()
 
 
 def probe_interval(value: float | None) -> float:

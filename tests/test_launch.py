@@ -65,6 +65,10 @@ def test_launch_survives_a_killed_rank_drains_and_leaves_no_orphans(tmp_path: Pa
             launch.send_signal(signal.SIGINT)
             launch.wait(30)
     assert launch.returncode is not None, out
+    # a rank failed, so the launch did too, and says which one and how to restart
+    assert launch.returncode == 1, out[-3000:]
+    summary = out[out.index("resihp launch: job FAILED"):]
+    assert "\n  rank 1: " in summary and "restart from the last checkpoint with:" in summary
     finished = [e for e in read_jsonl(log) if e["event"] == "finished"]
     assert len(finished) == 3  # the three survivors stopped at the drain, the killed one did not
     events = [e["event"] for e in read_jsonl(run / "events.jsonl")]

@@ -3,7 +3,6 @@ its own ``init_process_group`` from env://, which ``init`` reuses), closes it at
 a fail-stop, and fails loudly (exit status, one summary block) when a rank fails."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

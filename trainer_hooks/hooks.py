@@ -460,7 +460,7 @@ class _ExitStatus:
         self._installed = True
         original = sys.exit
 
-        def exit_recording(status: object = None, /) -> NoReturn:
+        def exit_recording(status: str | int | None = None, /) -> NoReturn:
             self.code = status
             original(status)
 

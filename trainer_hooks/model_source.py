@@ -8,6 +8,7 @@ model while the script trains another fails at start-up, naming both.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -63,8 +64,7 @@ def _from_file(path: Path) -> ModelSpec:
         raise SpecError(f"model file {str(path)!r}: {exc.strerror or exc}") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
+            yaml = importlib.import_module("yaml")  # only needed for YAML files
             data: Any = yaml.safe_load(text)
         else:
             data = json.loads(text)
@@ -117,8 +117,8 @@ def spec_from_module(module: object, name: str = "") -> ModelSpec:
     named = getattr(module, "named_modules", None)
     if callable(named):
         try:
-            found["gated_mlp"] = any(str(n).rsplit(".", 1)[-1] in ("gate_proj", "w3", "gate")
-                                     for n, _ in named())  # pyright: ignore[reportUnknownVariableType]
+            modules: Any = named()
+            found["gated_mlp"] = any(str(n).rsplit(".", 1)[-1] in ("gate_proj", "w3", "gate") for n, _ in modules)
         except (TypeError, ValueError):
             pass
     label = name or str(getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "")

@@ -31,18 +31,18 @@ import atexit
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.exit_status import EXIT_STATUS, leave_now
 from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
 from resihp.trainer_hooks.model_source import check_launch_model, resolve_model, spec_json
 from resihp.trainer_hooks.own_loop import ChunkRecorder, _Span  # pyright: ignore[reportPrivateUsage]  # job.timed's type
@@ -316,21 +316,14 @@ class Job:
         rank failed, and its agent reports the exit as one; no collective may wait for it)."""
         if self._closed:
             return
-        failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
-        if failed or _exit_status.code not in (None, 0):
-            why = "an uncaught exception" if failed else f"sys.exit({_exit_status.code!r})"
-            code = _exit_status.code if isinstance(_exit_status.code, int) and not failed else 1
+        failure = EXIT_STATUS.failure()
+        if failure is not None:
+            why, code = failure
             log.warning("resihp: rank %d ends on %s; leaving without a goodbye (a failed rank)", self.rank, why)
             if self.world_size > 1:
                 # MPI's own exit (MPI_Finalize) waits for peers that may be blocked in a collective
                 # with this rank: a failed rank leaves at once, so that its agent and its peers see it
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except (OSError, ValueError):
-                        pass
-                logging.shutdown()
-                os._exit(code)
+                leave_now(code)
             return
         try:
             # no closing barrier at exit where the store is outside the trainers: a peer that
@@ -416,7 +409,7 @@ def init(
                   trace=None if learn else make_trace(plan), _trace_file=out, _learn_microbatches=learn,
                   _make_trace=make_trace if learn else None,
                   progress=ProgressLog(progress_path) if progress_path else None)
-    _exit_status.install()
+    EXIT_STATUS.install()
     atexit.register(job_obj._close_at_exit)  # pyright: ignore[reportPrivateUsage]  # its own exit hook
     if job_obj.progress is not None and boot.rank == 0:
         job_obj.progress.write("start", plan=plan.describe(), world=boot.world_size, model=spec.name,
@@ -444,30 +437,6 @@ def init(
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())
     return job_obj
-
-
-class _ExitStatus:
-    """The status a script passed to ``sys.exit`` (an exit hook cannot read it otherwise): a
-    rank that ends with ``sys.exit(1)`` failed and must not say goodbye as if it finished."""
-
-    def __init__(self) -> None:
-        self.code: object = None
-        self._installed = False
-
-    def install(self) -> None:
-        if self._installed:
-            return
-        self._installed = True
-        original = sys.exit
-
-        def exit_recording(status: str | int | None = None, /) -> NoReturn:
-            self.code = status
-            original(status)
-
-        sys.exit = exit_recording
-
-
-_exit_status = _ExitStatus()
 
 
 def probe_interval(value: float | None) -> float:

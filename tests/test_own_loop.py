@@ -195,6 +195,16 @@ def test_the_launch_summary_names_the_failed_rank_and_the_restart_command(tmp_pa
     assert rc == 137 and "mpirun exited with status 137 before every rank said goodbye" in text
     assert summarise(tmp_path, 1, finished=True)[0] == 0  # every rank said goodbye: only finalisation was ended
     assert summarise(tmp_path, 0, interrupted=True)[0] == 130
+    survived = [events[0], {"event": "rank-finished", "rank": 0}, {"event": "job-finished"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in survived))
+    rc, text = summarise(tmp_path, 0, finished=True)
+    assert rc == 0 and text.splitlines()[:2] == ["resihp launch: job finished; it survived 1 failed rank(s):",
+                                                 f"  rank 1: {events[0]['reason']} (at {text[text.index('(at ') + 4:][:8]}, "
+                                                 "iteration 3)"]
+    assert summarise(tmp_path, 0, finished=False)[0] == 1  # not finished: the failure stands
+    dead_last = [{"event": "rank-finished", "rank": 0}, events[0], {"event": "job-finished"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in dead_last))
+    assert summarise(tmp_path, 0, finished=True)[0] == 1  # nobody trained on past the failure
 
 
 def _own_loop(tmp_path: Path, mode: str, **extra_env: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -240,6 +250,13 @@ def test_the_context_manager_closes_and_a_failed_loop_says_no_goodbye(tmp_path: 
     assert proc.returncode == 1 and "RuntimeError: the loop failed" in proc.stderr
     assert "leaving without a goodbye" in proc.stderr and out["closed"] is False
     assert len(out["reports"]) == 1
+
+
+def test_the_scripts_own_group_is_reused_and_may_be_gone_before_the_exit_hook(tmp_path: Path) -> None:
+    proc, out = _own_loop(tmp_path, "destroy")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out["adopted"] is True and out["closed"] is True and "closing at exit failed" not in proc.stderr
+    assert [r["type"] for r in _progress(tmp_path)][-1] == "end"
 
 
 def test_init_refuses_a_script_model_that_differs_from_the_launchs(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
     python tests/mpi_scripts/own_loop_single.py OUT_DIR MODE
 MODE: "atexit" (never calls close: the exit hook must), "with" (``with init(...) as job``),
-"raise" (the loop raises inside ``with``: no goodbye). Writes OUT_DIR/summary.json from an
+"raise" (the loop raises inside ``with``: no goodbye), "destroy" (the script makes its own
+process group before init and destroys it before exit, as nanoGPT does). Writes OUT_DIR/summary.json from an
 exit hook registered before ``init`` (so it runs after resihp's) and OUT_DIR/progress.jsonl.
 """
 from __future__ import annotations
@@ -32,6 +33,11 @@ def main() -> int:
         (out / "summary.json").write_text(json.dumps(state))
 
     atexit.register(summary)
+    if mode == "destroy":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        state["group"] = id(dist.group.WORLD)
     job = hooks.init(model=SPEC, transport=mem, progress=str(out / "progress.jsonl"), trace=str(out / "trace.jsonl"))
     state["microbatches_before"] = job.plan.global_microbatches
     with job if mode in ("with", "raise") else _Nothing():
@@ -49,6 +55,9 @@ def main() -> int:
         state["microbatches_after"] = job.plan.global_microbatches
         state["closed_in_loop"] = mem.closed
     state["closed_after_with"] = mem.closed
+    if mode == "destroy":
+        state["adopted"] = job.boot.adopted and state["group"] == id(dist.group.WORLD)
+        dist.destroy_process_group()
     return 0
 
 

@@ -122,12 +122,17 @@ def summarise(run: Path, mpirun_rc: int, *, stalled_s: float | None = None, inte
               finished: bool = False, restart_cmd: str = "") -> tuple[int, str]:
     """The launcher's exit status and its closing block. Non-zero whenever a rank failed
     (a fail-stop: non-zero exit, signal, silence), the coordinator aborted, the job stalled
-    or mpirun failed without every rank having said goodbye."""
+    or mpirun failed without every rank having said goodbye — unless the job survived its
+    failures: it finished (every rank left or was declared dead) and surviving ranks trained
+    on past the last failure and said goodbye (a resilient job's recovery), which is
+    reported, with status 0."""
     events = _read_events(run / "events.jsonl")
     failures: list[str] = []
     seen: set[int] = set()
-    for ev in events:
+    last_failure = -1
+    for i, ev in enumerate(events):
         if ev.get("event") == "finding" and ev.get("kind") == "fail-stop":
+            last_failure = i
             ranks = ev.get("ranks")
             for r in ranks if isinstance(ranks, list) else []:  # pyright: ignore[reportUnknownVariableType]
                 if isinstance(r, int) and r not in seen:
@@ -135,6 +140,11 @@ def summarise(run: Path, mpirun_rc: int, *, stalled_s: float | None = None, inte
                     failures.append(f"rank {r}: {ev.get('reason', 'failed')} (at {_clock(ev.get('time'))}, "
                                     f"iteration {ev.get('iteration', '?')})")
     aborted = [ev for ev in events if ev.get("event") == "state" and ev.get("to") == "ABORTED"]
+    survived = bool(failures) and finished and not aborted and stalled_s is None and not interrupted and any(
+        ev.get("event") == "rank-finished" for ev in events[last_failure + 1:])
+    if survived:
+        return 0, "\n".join([f"resihp launch: job finished; it survived {len(failures)} failed rank(s):",
+                              *(f"  {line}" for line in failures), f"  logs: {run} (events.jsonl)"])
     lines: list[str] = list(failures)
     for ev in aborted[:1]:
         lines.append(f"the coordinator aborted the job at {_clock(ev.get('time'))}: {ev.get('reason', '')}")

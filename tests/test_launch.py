@@ -69,8 +69,8 @@ def test_launch_survives_a_killed_rank_drains_and_leaves_no_orphans(tmp_path: Pa
     assert len(finished) == 3  # the three survivors stopped at the drain, the killed one did not
     events = [e["event"] for e in read_jsonl(run / "events.jsonl")]
     assert "job-finished" not in events or events.count("rank-finished") == 3
-    # the closing block names the killed rank: survived (status 0) once the survivors finished
-    # after it, else a failure (status 1) with the command to restart
+    # the closing block names the killed rank: survived (status 0: the survivors trained on and
+    # the operator drained them), else a failure (status 1) with the command to restart
     if "job-finished" in events:
         assert launch.returncode == 0 and "survived 1 failed rank(s):\n  rank 1: " in out, out[-3000:]
     else:

@@ -202,6 +202,9 @@ def test_the_launch_summary_names_the_failed_rank_and_the_restart_command(tmp_pa
                                                  f"  rank 1: {events[0]['reason']} (at {text[text.index('(at ') + 4:][:8]}, "
                                                  "iteration 3)"]
     assert summarise(tmp_path, 0, finished=False)[0] == 1  # not finished: the failure stands
+    drained = [*survived, {"event": "state", "to": "ABORTED", "reason": "drained by the operator at iteration 9: x"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in drained))
+    assert summarise(tmp_path, 0, finished=True)[0] == 0  # an operator's drain is no failure
     dead_last = [{"event": "rank-finished", "rank": 0}, events[0], {"event": "job-finished"}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in dead_last))
     assert summarise(tmp_path, 0, finished=True)[0] == 1  # nobody trained on past the failure

@@ -416,7 +416,8 @@ def main(argv: list[str]) -> int:
         mpi_rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
         mpi_rc = mpi_rc if mpi_rc >= 0 else 128 - mpi_rc
         # (every rank said goodbye: a non-zero status only means mpirun's finalisation was ended)
-        rc, summary = summarise(run, mpi_rc, stalled_s=stalled, interrupted=interrupted, finished=finished.poll(),
+        finished.poll()  # the last lines of the event log
+        rc, summary = summarise(run, mpi_rc, stalled_s=stalled, interrupted=interrupted, finished=finished.finished,
                                 restart_cmd=restart)
         print(summary, file=sys.stderr if rc else sys.stdout, flush=True)
         return rc

@@ -95,6 +95,7 @@ class ProgressWatch:
         return now - self._since
 
 
+DRAIN_REASON = "drained by the operator"  # coordinator/service/admin.py's ABORTED reason for a drain
 RESTART_ENV = "RESIHP_RESTART_CMD"  # the launch's own command line, shell-quoted, for the ranks to print
 
 
@@ -139,7 +140,9 @@ def summarise(run: Path, mpirun_rc: int, *, stalled_s: float | None = None, inte
                     seen.add(r)
                     failures.append(f"rank {r}: {ev.get('reason', 'failed')} (at {_clock(ev.get('time'))}, "
                                     f"iteration {ev.get('iteration', '?')})")
-    aborted = [ev for ev in events if ev.get("event") == "state" and ev.get("to") == "ABORTED"]
+    # an operator's drain ends the job on purpose (ABORTED too, by its reason): not a failure
+    aborted = [ev for ev in events if ev.get("event") == "state" and ev.get("to") == "ABORTED"
+               and not str(ev.get("reason", "")).startswith(DRAIN_REASON)]
     survived = bool(failures) and finished and not aborted and stalled_s is None and not interrupted and any(
         ev.get("event") == "rank-finished" for ev in events[last_failure + 1:])
     if survived:

@@ -45,7 +45,7 @@ from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.exit_status import EXIT_STATUS, leave_now
 from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
 from resihp.trainer_hooks.model_source import check_launch_model, resolve_model, spec_json
-from resihp.trainer_hooks.own_loop import ChunkRecorder, _Span  # pyright: ignore[reportPrivateUsage]  # job.timed's type
+from resihp.trainer_hooks.own_loop import ChunkRecorder, Span
 from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
 from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
 from resihp.trainer_hooks.reconfig.live import group_timeout
@@ -130,7 +130,7 @@ class Job:
         # else: the loop failed; no goodbye (the agent reports the exit). If the script handles
         # the error and ends normally, the exit hook still closes the job.
 
-    def timed(self, kind: str, mb: int | None = None) -> _Span:
+    def timed(self, kind: str, mb: int | None = None) -> Span:
         """``with job.timed("F"):`` — time this rank's own compute span of the current iteration
         (F, B, W, OPT or DP; micro-batches count up per kind unless ``mb`` is given). The next
         ``step`` reports the spans as its chunks, which lets the detector tell which rank of a

@@ -36,9 +36,9 @@ class ChunkRecorder:
         self.origin = time.perf_counter() if origin is None else origin  # perf_counter at the iteration start
         self._chunks: list[Chunk] = []
         self._next_mb: dict[str, int] = {}
-        self._open: _Span | None = None
+        self._open: Span | None = None
 
-    def timed(self, kind: str, mb: int | None = None) -> _Span:
+    def timed(self, kind: str, mb: int | None = None) -> Span:
         """A context manager timing one span of ``kind`` (F, B, W, OPT, DP)."""
         if kind not in KINDS:
             raise SpecError(f"job.timed({kind!r}): unknown kind; use one of {', '.join(KINDS)}")
@@ -53,11 +53,11 @@ class ChunkRecorder:
             index = int(mb)
         if index >= 0:
             self._next_mb[kind] = index + 1
-        span = _Span(self, kind, index)
+        span = Span(self, kind, index)
         self._open = span
         return span
 
-    def _close(self, span: _Span, end: float) -> None:
+    def _close(self, span: Span, end: float) -> None:
         self._open = None
         self._chunks.append((span.kind, span.mb, 0, span.start - self.origin, end - self.origin))
 
@@ -77,7 +77,9 @@ class ChunkRecorder:
         return len(self._chunks)
 
 
-class _Span:
+class Span:
+    """One timed span (``with job.timed(kind):``); closing it records it."""
+
     __slots__ = ("recorder", "kind", "mb", "start")
 
     def __init__(self, recorder: ChunkRecorder, kind: str, mb: int) -> None:
@@ -86,7 +88,7 @@ class _Span:
         self.mb = mb
         self.start = 0.0
 
-    def __enter__(self) -> _Span:
+    def __enter__(self) -> Span:
         self.start = time.perf_counter()
         return self
 

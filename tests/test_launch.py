@@ -69,6 +69,12 @@ def test_launch_survives_a_killed_rank_drains_and_leaves_no_orphans(tmp_path: Pa
     assert len(finished) == 3  # the three survivors stopped at the drain, the killed one did not
     events = [e["event"] for e in read_jsonl(run / "events.jsonl")]
     assert "job-finished" not in events or events.count("rank-finished") == 3
+    # the closing block names the killed rank: survived (status 0: the survivors trained on and
+    # the operator drained them), else a failure (status 1) with the command to restart
+    if "job-finished" in events:
+        assert launch.returncode == 0 and "survived 1 failed rank(s):\n  rank 1: " in out, out[-3000:]
+    else:
+        assert launch.returncode == 1 and "job FAILED (exit status 1)\n  rank 1: " in out, out[-3000:]
     leftovers = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, f"orphans left behind: {leftovers}"
     assert os.path.exists(run / "events.jsonl")

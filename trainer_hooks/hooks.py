@@ -5,8 +5,16 @@
         result = job.runtime.train_step(it)                   # the runtime's 1F1B step
         job.step(result)                                      # report; apply commands
 
-A loop that keeps its own model (e.g. torch DDP) passes no plan and reports what it knows:
-``job.step(iteration=it, seqlens=[...])``. ``step`` never blocks on the network: reports go
+A loop that keeps its own model (e.g. torch DDP, nanoGPT) passes no plan and reports what it
+knows (trainer_hooks/own_loop.py):
+
+    job = resihp.trainer_hooks.init(model=net)                # or a spec, preset, dict, file
+    for it in range(steps):
+        with job.timed("F"): loss = net(x, y)                 # this rank's own compute spans
+        with job.timed("B"): loss.backward()
+        job.step(loss=loss, tokens=tokens, seqlens=[[T]] * B) # a (B, T) batch: B sequences of T
+
+``close`` runs by itself at a normal interpreter exit (and ``with init(...) as job:``). ``step`` never blocks on the network: reports go
 to a bounded queue drained by a background thread (the agent client), the trace to a
 non-blocking MPI send. It is the one place where commands take effect, at the step
 boundary of their ``apply_at`` iteration: a ThrottleCommand (fault injection) now; a
@@ -19,7 +27,7 @@ rank or a readmission is handled inside those calls (trainer_hooks/runtime/resil
 """
 from __future__ import annotations
 
-import json
+import atexit
 import logging
 import math
 import os
@@ -27,13 +35,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
 from resihp.coordinator.model.plan import Plan
-from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.exit_status import EXIT_STATUS, leave_now
 from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
+from resihp.trainer_hooks.model_source import check_launch_model, resolve_model, spec_json
+from resihp.trainer_hooks.own_loop import ChunkRecorder, Span
 from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
 from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
 from resihp.trainer_hooks.reconfig.live import group_timeout
@@ -91,11 +103,39 @@ class Job:
     resilience: Resilience | None = None
     progress: ProgressLog | None = None
     dropped_reports: int = 0
+    model_json: str = ""  # the model spec as JSON (spec_json), for the hook hello
+    # an own loop whose micro-batches per rank were not given: the first step says how many
+    # (the plan, and the trace whose header needs it, wait for it)
+    _learn_microbatches: bool = False
+    _make_trace: Callable[[Plan], TraceCollector | None] | None = None
     _pending: list[m.Command] = field(default_factory=list)
     _last_step_end: float = field(default_factory=time.perf_counter)
     _iteration: int = -1
     _trace_file: IO[str] | None = None
     _closed: bool = False
+    _spans: ChunkRecorder = field(default_factory=ChunkRecorder)
+    _exit_barrier: bool = True
+
+    def __post_init__(self) -> None:
+        self._spans.restart(self._last_step_end)
+        self.model_json = self.model_json or spec_json(self.model)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        # else: the loop failed; no goodbye (the agent reports the exit). If the script handles
+        # the error and ends normally, the exit hook still closes the job.
+
+    def timed(self, kind: str, mb: int | None = None) -> Span:
+        """``with job.timed("F"):`` — time this rank's own compute span of the current iteration
+        (F, B, W, OPT or DP; micro-batches count up per kind unless ``mb`` is given). The next
+        ``step`` reports the spans as its chunks, which lets the detector tell which rank of a
+        synchronous DDP step is slow (every rank's step wall time is the same)."""
+        return self._spans.timed(kind, mb)
 
     @property
     def rank(self) -> int:
@@ -129,9 +169,19 @@ class Job:
         self, result: StepResult | None = None, *, iteration: int | None = None,
         seqlens: Sequence[Sequence[int]] | None = None,
         chunks: Sequence[tuple[str, int, int, float, float]] = (), time_s: float | None = None,
+        loss: Any = None, tokens: int | None = None, microbatches: int | None = None,
     ) -> StepOutcome:
-        """Report the iteration that just finished and apply the commands due at this boundary."""
+        """Report the iteration that just finished and apply the commands due at this boundary.
+
+        A loop without the runtime reports what it knows: ``seqlens`` (per micro-batch, the
+        lengths of the sequences packed in it: ``[[T]] * B`` for a plain (B, T) batch),
+        ``loss`` (a float or 0-dim tensor) and ``tokens`` (the step's tokens over all ranks;
+        default: this rank's seqlens × world size), which go to progress.jsonl for ``resihp
+        report``; ``microbatches`` (default len(seqlens), else 1) is read at the first step
+        when ``init`` was not given ``microbatches_per_rank``. ``chunks`` default to the
+        spans ``timed`` recorded in this iteration."""
         now = time.perf_counter()
+        spans = self._spans.take()
         if result is None and self.resilience is not None:
             return StepOutcome(self._iteration)  # the step failed and was recovered: nothing to report
         if result is None:
@@ -141,8 +191,10 @@ class Job:
             took = (now - self._last_step_end) if time_s is None else time_s
             took += self.throttle.stall_for(took)
             wall_start = time.time() - took
-            lens = tuple(tuple(s) for s in (seqlens or ()))
-            parts = tuple(chunks)
+            lens = tuple(tuple(int(n) for n in s) for s in (seqlens or ()))
+            parts = tuple(chunks) or spans
+            if self._learn_microbatches:
+                self._learn(microbatches or len(lens) or 1)
         else:
             it, took, wall_start, lens, parts = (
                 result.iteration, result.time_s, result.wall_start_s, result.seqlens, tuple(result.chunks)
@@ -156,13 +208,28 @@ class Job:
         if self.trace is not None:
             replica = self.plan.position(self.rank).replica if self.plan.has_rank(self.rank) else -1
             self.trace.record(RankIteration(self.rank, it, replica, start_rel, took, lens, parts))
-        if self.progress is not None and result is not None and result.loss is not None \
-                and self.rank == loss_rank(self.plan):
-            self.progress.write("step", step=it, loss=result.loss, tokens=result.global_tokens, step_s=round(took, 6),
-                                epoch=self.epoch, plan=self.plan.describe())
+        if self.progress is not None and self.rank == loss_rank(self.plan):
+            if result is not None and result.loss is not None:
+                self.progress.write("step", step=it, loss=result.loss, tokens=result.global_tokens,
+                                    step_s=round(took, 6), epoch=self.epoch, plan=self.plan.describe())
+            elif result is None and loss is not None:
+                count = tokens if tokens is not None else sum(map(sum, lens)) * self.world_size
+                self.progress.write("step", step=it, loss=float(loss), tokens=int(count), step_s=round(took, 6),
+                                    epoch=self.epoch, plan=self.plan.describe())
         outcome = self._apply_commands(it)
         self._last_step_end = time.perf_counter()
+        self._spans.restart(self._last_step_end)
         return outcome
+
+    def _learn(self, per_rank: int) -> None:
+        """The first step of an own loop says how many micro-batches a rank runs per step."""
+        if per_rank < 1:
+            raise SpecError(f"job.step: microbatches must be >= 1, got {per_rank}")
+        self._learn_microbatches = False
+        self.plan = Plan.uniform(1, 1, self.world_size, self.model.num_layers, self.world_size * per_rank)
+        if self._make_trace is not None:
+            self.trace = self._make_trace(self.plan)
+            self._make_trace = None
 
     def _apply_commands(self, iteration: int, force: bool = False) -> StepOutcome:
         """Apply the commands due after ``iteration`` (all of them with ``force``: an idle spare)."""
@@ -221,10 +288,13 @@ class Job:
         return StepOutcome(iteration, tuple(applied), stop)
 
     def close(self) -> None:
-        """Flush the trace (collective over all ranks), say goodbye to the agent, leave the world."""
+        """Flush the trace (collective over all ranks), say goodbye to the agent, leave the world.
+        Idempotent; runs by itself at a normal interpreter exit."""
         if self._closed:
             return
         self._closed = True
+        if self._learn_microbatches:  # no step ran: the trace still needs its header
+            self._learn(1)
         if self.trace is not None:
             self.trace.close()
         if self._trace_file is not None:
@@ -239,13 +309,35 @@ class Job:
         if not wait_retired(10.0):
             log.warning("resihp: rank %d: old process groups still closing after 10 s", self.rank)
         # after a failure the MPI world is broken: no closing barrier (the store is external)
-        self.boot.close(barrier=self.resilience is None)
+        self.boot.close(barrier=self.resilience is None and self._exit_barrier)
+
+    def _close_at_exit(self) -> None:
+        """The interpreter is ending: close, unless it ends on an uncaught exception (then the
+        rank failed, and its agent reports the exit as one; no collective may wait for it)."""
+        if self._closed:
+            return
+        failure = EXIT_STATUS.failure()
+        if failure is not None:
+            why, code = failure
+            log.warning("resihp: rank %d ends on %s; leaving without a goodbye (a failed rank)", self.rank, why)
+            if self.world_size > 1:
+                # MPI's own exit (MPI_Finalize) waits for peers that may be blocked in a collective
+                # with this rank: a failed rank leaves at once, so that its agent and its peers see it
+                leave_now(code)
+            return
+        try:
+            # no closing barrier at exit where the store is outside the trainers: a peer that
+            # died meanwhile must not hang this rank's exit
+            self._exit_barrier = not os.environ.get(STORE_ENV, "").strip()
+            self.close()
+        except Exception as exc:  # the world may be half gone at exit; never turn a clean exit into a crash
+            log.warning("resihp: rank %d: closing at exit failed: %s", self.rank, exc)
 
 
 def init(
-    model: ModelSpec | str, plan: Plan | None = None, *, config: TrainConfig | None = None,
+    model: Any, plan: Plan | None = None, *, config: TrainConfig | None = None,
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
-    job: str = "", backend: str | None = None, microbatches_per_rank: int = 1, timeout_s: float = 120.0,
+    job: str = "", backend: str | None = None, microbatches_per_rank: int | None = None, timeout_s: float = 120.0,
     comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
     checkpoint_dir: str | None = None, probe_every_s: float | None = None,
 ) -> Job:
@@ -253,7 +345,12 @@ def init(
     plan — build the groups and place the model and AdamW. Without a plan the loop keeps its own
     model (e.g. DDP) and the job only reports (as a DP layout of one micro-batch share per rank).
 
-    model: a ModelSpec or preset name. agent: the agent's address (default: from the environment
+    model: a ModelSpec, a preset name, a dict of ModelSpec fields, a JSON/YAML file of one, or the
+    ``nn.Module`` itself (its shape read from ``config``: nanoGPT's or Hugging Face's names); under
+    ``resihp launch --model X`` it must match X (SpecError naming both). The process group: if the
+    script already called ``init_process_group`` (torchrun style, from the env:// variables
+    ``resihp launch`` sets), it is reused, else MPI bootstraps one. microbatches_per_rank: an own
+    loop's micro-batches per rank per step (default: learned from the first ``step``). agent: the agent's address (default: from the environment
     ``resihp launch`` sets; none reachable → one warning, training goes on). trace: a path for
     the trace file (default: $RESIHP_TRACE, else $RESIHP_RUN_DIR/trace.jsonl under ``resihp
     launch``; none = no trace), written by global rank 0. job: the job's name; $RESIHP_JOB (set by
@@ -261,7 +358,8 @@ def init(
     often a resilient job's idle spare times and reports a compute probe (default
     $RESIHP_PROBE_EVERY_S, else 30 s); every rank of a resilient job probes once here.
     """
-    spec = preset(model) if isinstance(model, str) else model
+    spec = resolve_model(model)
+    check_launch_model(spec)
     cfg = config or TrainConfig()
     probe_every = probe_interval(probe_every_s)
     external_store = bool(os.environ.get(STORE_ENV, "").strip())
@@ -269,6 +367,7 @@ def init(
     if resilient and (plan is None or not external_store):
         raise SpecError(f"init: a resilient job needs a plan and a store outside the trainers (set {STORE_ENV}=host:port, "
                         "as `resihp launch` does)")
+    plan_given = plan
     boot = Bootstrap(comm=comm, backend=backend, timeout_s=failure_timeout_s if resilient else timeout_s)
     info = boot.init_epoch(plan.epoch if plan is not None else 0)
     throttle = Throttle()
@@ -285,28 +384,36 @@ def init(
         with group_timeout(failure_timeout_s if resilient else None):
             runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch)
     else:
-        plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * microbatches_per_rank)
+        plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * (microbatches_per_rank or 1))
     job = os.environ.get("RESIHP_JOB") or job  # under `resihp launch` the agent knows the job by its name
     # the hello says whether this rank can be reshaped (a resilient job) and which model it trains:
     # a loop that keeps its own model is observed, never reshaped (docs/control-plane.md)
     tx = transport or connect(boot.rank, boot.local_rank, job, agent, reshapes=bool(resilient),
-                              model_json=json.dumps(spec.to_dict(), separators=(",", ":"), sort_keys=True))
+                              model_json=spec_json(spec))
     # under `resihp launch` the coordinator writes <run-dir>/trace.jsonl from every rank's reports
     path = trace if trace is not None else os.environ.get(TRACE_ENV) or None
-    collector = None
     out = None
-    if path:
-        header = None
-        if boot.rank == 0:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            out = open(path, "w", encoding="utf-8")
-            header = make_header(spec, plan, boot.nodes, job, cfg.budget,
-                                 {"source": "resihp.trainer_hooks", "backend": boot.backend, "seed": cfg.seed})
-        collector = TraceCollector(boot.comm, boot.rank, 0, plan, every=trace_every, out=out, header=header)
+    if path and boot.rank == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        out = open(path, "w", encoding="utf-8")
+
+    def make_trace(for_plan: Plan) -> TraceCollector | None:
+        if not path:
+            return None
+        header = None if out is None else make_header(
+            spec, for_plan, boot.nodes, job, cfg.budget,
+            {"source": "resihp.trainer_hooks", "backend": boot.backend, "seed": cfg.seed})
+        return TraceCollector(boot.comm, boot.rank, 0, for_plan, every=trace_every, out=out, header=header)
+
+    learn = plan_given is None and microbatches_per_rank is None
     progress_path = progress or os.environ.get(PROGRESS_ENV) or (
         str(Path(os.environ["RESIHP_RUN_DIR"]) / "progress.jsonl") if os.environ.get("RESIHP_RUN_DIR") else None)
     job_obj = Job(boot=boot, model=spec, plan=plan, config=cfg, transport=tx, throttle=throttle, runtime=runtime,
-                  trace=collector, _trace_file=out, progress=ProgressLog(progress_path) if progress_path else None)
+                  trace=None if learn else make_trace(plan), _trace_file=out, _learn_microbatches=learn,
+                  _make_trace=make_trace if learn else None,
+                  progress=ProgressLog(progress_path) if progress_path else None)
+    EXIT_STATUS.install()
+    atexit.register(job_obj._close_at_exit)  # pyright: ignore[reportPrivateUsage]  # its own exit hook
     if job_obj.progress is not None and boot.rank == 0:
         job_obj.progress.write("start", plan=plan.describe(), world=boot.world_size, model=spec.name,
                                tokens_per_microbatch=cfg.budget)

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
+from resihp.trainer_hooks.launch.rank_env import loopback_ifname
+
 log = logging.getLogger(__name__)
 
 STORE_ENV = "RESIHP_STORE"
@@ -115,6 +117,7 @@ class Bootstrap:
         self.nodes: tuple[str, ...] = tuple(self.comm.allgather(self.node))
         self.local_rank = sum(1 for r in range(self.rank) if self.nodes[r] == self.node)
         self._hosted_store: Any = None
+        self.adopted = False  # the script's own default process group (init_process_group before init)
         self._store_addr = self._agree_store()
         host, port = _parse_addr(self._store_addr)
         self._store = self._hosted_store or dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
@@ -140,6 +143,8 @@ class Bootstrap:
 
     @property
     def device(self) -> torch.device:
+        if self.backend == "nccl" and self.adopted:  # the script chose its device (cuda:LOCAL_RANK, torchrun style)
+            return torch.device("cuda", torch.cuda.current_device())
         if self.backend == "nccl":
             return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
         return torch.device("cpu")
@@ -148,18 +153,37 @@ class Bootstrap:
         """(Re)create the default process group for a plan epoch, with a fresh store prefix."""
         if epoch <= self.epoch:
             raise ValueError(f"epoch {epoch} is not newer than the current epoch {self.epoch}")
+        if self.epoch < 0 and dist.is_initialized():
+            return self._adopt(epoch)
         if dist.is_initialized():
             dist.destroy_process_group()
+            self.adopted = False
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         if self.backend == "gloo" and len(set(self.nodes)) == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname()
         store = PrefixStore(f"resihp/epoch{epoch}/", self._store)
         dist.init_process_group(
             self.backend, store=store, rank=self.rank, world_size=self.world_size,
             timeout=_dt.timedelta(seconds=self.timeout_s),
         )
         self.epoch = epoch
+        return self.info()
+
+    def _adopt(self, epoch: int) -> WorldInfo:
+        """The script called ``init_process_group`` itself (torchrun style, from the env://
+        variables ``resihp launch`` sets): keep its group, after checking it is MPI's world."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank, world) != (self.rank, self.world_size):
+            raise RuntimeError(
+                f"the script's process group has rank {rank} of {world} but MPI says rank {self.rank} of "
+                f"{self.world_size}; under `resihp launch` take RANK / WORLD_SIZE from the environment it sets"
+            )
+        backend = str(dist.get_backend()).lower()
+        self.backend = "nccl" if "nccl" in backend else "gloo"
+        self.adopted = True
+        self.epoch = epoch
+        log.info("rank %d reuses the script's process group (%s, %d ranks)", rank, backend, world)
         return self.info()
 
     def info(self) -> WorldInfo:
@@ -173,21 +197,11 @@ class Bootstrap:
         """Leave torch.distributed. ``barrier``: wait for every rank first (rank 0 may host the
         store, which must outlive every rank's last use of it); skip it when the store is external
         and the MPI world may have lost ranks."""
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.adopted:  # the script's own group is the script's to end
             dist.destroy_process_group()
         if barrier:
             self.comm.Barrier()
         self._hosted_store = None
-
-
-def _loopback_ifname() -> str:
-    try:
-        for _, name in socket.if_nameindex():
-            if name == "lo" or name.startswith("lo"):
-                return name
-    except OSError:
-        pass
-    return "lo"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,16 +19,23 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from resihp.coordinator.model.spec import SpecError
 from resihp.trainer_hooks.launch.hostfile import Host, HostfileError, rank_nodes, read_hostfile, used_hosts
+from resihp.trainer_hooks.launch.rank_env import loopback_ifname
+from resihp.trainer_hooks.launch.watch import RESTART_ENV, summarise
+from resihp.trainer_hooks.launch.watch import JobFinishedWatch as _JobFinishedWatch
+from resihp.trainer_hooks.launch.watch import ProgressWatch as _ProgressWatch
+from resihp.trainer_hooks.model_source import MODEL_ENV, resolve_model, spec_json
 from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, StoreProcess
 
 # One definition of the fault-tolerant mpirun flags (ULFM, detector thread, a detector
@@ -76,6 +83,17 @@ def agents_command(mpirun: str, hostfile: str, nodes: int, agent_args: Sequence[
     for name in ("RESIHP_TOKEN", "RESIHP_NODE_NAMES", "RESIHP_JOB", "RESIHP_RUN_DIR", "PYTHONUNBUFFERED"):
         out += ["-x", name]
     return out + list(extra) + list(agent_args)
+
+
+def rank_env_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` behind the shim that gives it torchrun's environment (launch/rank_env.py)."""
+    return [sys.executable, "-m", "resihp.trainer_hooks.launch.rank_env", "--", *cmd]
+
+
+def restart_command(argv: Sequence[str]) -> str:
+    """This launch's own command line, shell-quoted, run from the directory it was run from."""
+    launcher = ["resihp"] if shutil.which("resihp") else [sys.executable, "-m", "resihp.cli"]
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join([*launcher, 'launch', *argv])}"
 
 
 def head_address(given: str) -> str:
@@ -189,87 +207,6 @@ def _rank_processes(mpirun_pid: int) -> list[int]:
     return out
 
 
-class _JobFinishedWatch:
-    """Follows the coordinator's event log for ``job-finished`` (every rank said goodbye).
-
-    With ULFM's detector thread, Open MPI can hang in finalisation *inside* the rank
-    processes, so "no rank process left" never comes; a clean goodbye from every rank is
-    the other signal that the job is over.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.finished = False
-        self.aborted = False
-        self.mismatch = ""  # the coordinator's layout-mismatch, once said
-
-    def poll(self) -> bool:
-        if self.finished:
-            return True
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                chunk = fh.read()
-        except FileNotFoundError:
-            return False
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        self.finished = b'"event": "job-finished"' in complete or b'"event":"job-finished"' in complete
-        # the coordinator gave up (no layout can run, repeated failed reconfigurations): the
-        # ranks may be stuck in a broken world, so the job is over too
-        self.aborted = self.aborted or b'"to":"ABORTED"' in complete or b'"to": "ABORTED"' in complete
-        if b"layout-mismatch" in complete and not self.mismatch:
-            # the ranks run another layout than the coordinator was given: the user must hear it
-            for line in complete.splitlines():
-                if b"layout-mismatch" in line:
-                    try:
-                        self.mismatch = str(json.loads(line).get("reason", ""))
-                    except json.JSONDecodeError:
-                        continue
-                    print(f"resihp launch: {self.mismatch}", file=sys.stderr, flush=True)
-                    break
-        return self.finished or self.aborted
-
-
-class _ProgressWatch:
-    """Whether the job still makes progress: some file the job writes as it trains grew.
-
-    The coordinator writes every reported iteration to ``trace.jsonl`` (within a second),
-    the loss rank writes ``progress.jsonl``, and every command, ack and finding goes to
-    ``events.jsonl``. When none of them grew for ``timeout_s`` the ranks are stuck (for
-    example alive but hung, which MPI does not detect without ULFM's detector thread), and a
-    job that never ends is worse than one that stops with a reason. ``clock``: injected for
-    tests."""
-
-    NAMES = ("trace.jsonl", "progress.jsonl", "events.jsonl")
-
-    def __init__(self, run: Path, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.run = run
-        self.timeout_s = timeout_s
-        self.clock = clock
-        self._sizes: tuple[int, ...] = self._measure()
-        self._since = clock()
-
-    def _measure(self) -> tuple[int, ...]:
-        out = []
-        for name in self.NAMES:
-            try:
-                out.append((self.run / name).stat().st_size)
-            except OSError:
-                out.append(-1)
-        return tuple(out)
-
-    def stalled_s(self) -> float | None:
-        """Seconds without progress once past ``timeout_s`` (else None; never with timeout 0)."""
-        now, sizes = self.clock(), self._measure()
-        if sizes != self._sizes:
-            self._sizes, self._since = sizes, now
-        if self.timeout_s <= 0 or now - self._since < self.timeout_s:
-            return None
-        return now - self._since
-
-
 def main(argv: list[str]) -> int:
     if "--" in argv:
         split = argv.index("--")
@@ -285,7 +222,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nodes", type=int, default=1, help="agents to start (ranks are split evenly among them)")
     p.add_argument("--job", default="")
     p.add_argument("--run-dir", default="", help="default ./resihp-runs/JOB")
-    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--model", default="",
+                   help="the model the script trains (preset name or JSON/YAML file); each rank's init checks its "
+                        "model against it (exported as $RESIHP_MODEL). Default: learn it from the ranks")
+    p.add_argument("--torchrun-compat", action=argparse.BooleanOptionalAction, default=True,
+                   help="set RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT in every rank "
+                        "as torchrun does, so an unmodified torchrun script (init_process_group from env://) runs "
+                        "as DDP (default: on)")
     p.add_argument("--microbatches", type=int, default=0,
                    help="global micro-batches per step: the training script's (default 2 per DP replica)")
     p.add_argument("--engine", choices=["auto", "real", "rules"], default="auto")
@@ -340,9 +283,19 @@ def main(argv: list[str]) -> int:
     run.mkdir(parents=True, exist_ok=True)
     for stale in run.glob("*.json"):
         stale.unlink()
+    model_json = ""
+    if args.model:
+        try:
+            model_json = spec_json(resolve_model(args.model))
+        except SpecError as exc:
+            p.error(f"--model: {exc}")
     token = generate_token()
     write_token(run / "token", token)
-    env = {**os.environ, "RESIHP_TOKEN": token, "RESIHP_JOB": job, "RESIHP_RUN_DIR": str(run)}
+    restart = restart_command(argv)
+    env = {**os.environ, "RESIHP_TOKEN": token, "RESIHP_JOB": job, "RESIHP_RUN_DIR": str(run), RESTART_ENV: restart}
+    env.pop(MODEL_ENV, None)
+    if model_json:
+        env[MODEL_ENV] = model_json
     py = [sys.executable, "-m", "resihp.cli"]
     children: list[subprocess.Popen[bytes]] = []
     mpi: subprocess.Popen[bytes] | None = None
@@ -360,9 +313,9 @@ def main(argv: list[str]) -> int:
         coord_log = open(run / "coordinator.log", "ab")
         coord = subprocess.Popen(
             py + ["coordinator", "--run-dir", str(run), "--job", job, "-n", str(n), "--tp", str(tp), "--pp", str(pp),
-                  "--dp", str(dp), "--model", args.model, "--port", "0", "--engine", args.engine,
+                  "--dp", str(dp), "--port", "0", "--engine", args.engine,
                   "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--rank-nodes", ",".join(nodes_of_ranks)]
-            + (["--host", "0.0.0.0"] if hosts else [])
+            + (["--host", "0.0.0.0"] if hosts else []) + (["--model", args.model] if args.model else [])
             + (["--microbatches", str(args.microbatches)] if args.microbatches else []) + args.coordinator_arg,
             env=env, stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True)
         children.append(coord)
@@ -410,7 +363,19 @@ def main(argv: list[str]) -> int:
         # machines (open-mpi/ompi#6761); the hash datastore avoids it
         rank_env.setdefault("PMIX_MCA_gds", "hash")
         names = where + ["RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR", "RESIHP_WORLD_SIZE", "RESIHP_STORE",
-                         "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S"]
+                         "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S", RESTART_ENV] + ([MODEL_ENV] if model_json else [])
+        if args.torchrun_compat:
+            # torchrun's rendezvous, as torchrun itself does it: the script's env:// init joins a
+            # TCPStore its launcher hosts (TORCHELASTIC_USE_AGENT_STORE): the job's store process on
+            # this machine, at the address the nodes reach (torch prefixes its keys "default_pg");
+            # rank 0's death does not take the store down. The shim derives the rest per rank.
+            master, _, port = store_addr.rpartition(":")
+            rank_env.update(MASTER_ADDR=master, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
+            if not hosts:
+                rank_env.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
+            names += ["MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"] + (
+                [] if hosts else ["GLOO_SOCKET_IFNAME"])
+            cmd = rank_env_command(cmd)
         mca: dict[str, str] = {}
         if not hosts:
             # each job gets its own directory for Open MPI's shared-memory segments: segments left
@@ -448,18 +413,14 @@ def main(argv: list[str]) -> int:
                       f"in {run}); the ranks are stuck, ending the job (--stall-timeout-s sets how long to wait)",
                       file=sys.stderr)
                 break
-        rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
-        if stalled is not None:
-            rc = 1
-        elif finished.aborted:
-            print(f"resihp launch: the coordinator aborted the job; see {run / 'events.jsonl'}", file=sys.stderr)
-            rc = 1
-        elif rc != 0 and finished.poll() and not interrupted:
-            rc = 0  # every rank said goodbye; only mpirun's finalisation had to be ended
-        if interrupted:
-            print("resihp launch: interrupted; stopping the job", file=sys.stderr)
-            rc = 130
-        return int(rc if rc >= 0 else 128 - rc)
+        mpi_rc = _stop(mpi, 5.0, group=True) if mpi.poll() is None else mpi.returncode
+        mpi_rc = mpi_rc if mpi_rc >= 0 else 128 - mpi_rc
+        # (every rank said goodbye: a non-zero status only means mpirun's finalisation was ended)
+        finished.poll()  # the last lines of the event log
+        rc, summary = summarise(run, mpi_rc, stalled_s=stalled, interrupted=interrupted, finished=finished.finished,
+                                restart_cmd=restart)
+        print(summary, file=sys.stderr if rc else sys.stdout, flush=True)
+        return rc
     except (RuntimeError, FileNotFoundError, OSError) as exc:
         print(f"resihp launch: {exc}", file=sys.stderr)
         return 2

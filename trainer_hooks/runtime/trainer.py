@@ -32,8 +32,18 @@ from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_t
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """The runtime's training settings.
+
+    ``max_seq_len`` is the number of tokens in one micro-batch (one packed row: several
+    documents share it), which is also the size of the position table; it is not the length
+    of one document. For a plain (B, T) batch report ``seqlens=[[T]] * B``: B rows of T.
+    """
+
     seed: int = 0
-    max_seq_len: int = 64  # position table size; also the packing budget unless tokens_per_microbatch is set
+    # tokens per micro-batch (the packing budget: documents are packed into rows of this many
+    # tokens) and the position table's size; not one document's length. tokens_per_microbatch,
+    # when set, lowers the packing budget below it
+    max_seq_len: int = 64
     tokens_per_microbatch: int = 0  # 0 = max_seq_len
     lr: float = 1e-3
     weight_decay: float = 0.01

@@ -229,7 +229,7 @@ def hook_lines_added() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--healthy", type=int, default=5, help="healthy runs with default settings (+1 with a co-tenant)")
     p.add_argument("--pairs", type=int, default=3, help="interleaved torchrun / resihp pairs for the overhead")
     p.add_argument("--iters", type=int, default=150)

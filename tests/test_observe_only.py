@@ -224,3 +224,33 @@ def test_a_decision_priced_at_zero_or_non_finite_times_is_refused_not_formatted(
     with pytest.raises(SpecError, match=r"refusing a decision priced at .* s/iteration"):
         decide(cluster, spec, GlobalBatch(4, 128), Plan.uniform(1, 1, 4, spec.num_layers, 4), finding, 0.0,
                PlannerConfig(hbm_bw_Bps=1e30))
+
+
+NANO = {"name": "GPT", "num_layers": 2, "hidden": 64, "num_heads": 4, "ffn_hidden": 256, "vocab": 256}
+
+
+def test_the_coordinator_prices_the_model_the_trainers_said_they_train(tmp_path: Path) -> None:
+    core, engine = _core(tmp_path)
+    trace = tmp_path / "trace.jsonl"
+    from resihp.coordinator.service.trace_sink import TraceSink
+    core.trace = TraceSink(trace, engine.header)
+    core.register(m.Registration("n0", "job", tuple(
+        m.LocalRank(r, r, 100 + r, reshapes=False, model_json=json.dumps(NANO)) for r in range(4))))
+    assert engine.header.model.num_layers == 2 and engine.header.model.hidden == 64
+    assert core.plan.replicas[0].layers == (2,) and engine.header.plan.replicas[0].layers == (2,)
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert header["model"]["num_layers"] == 2 and header["plan"]["replicas"][0]["layers"] == [2]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    adopted = [e for e in events if e["event"] == "model-adopted"]
+    assert len(adopted) == 1 and "started with gpt-tiny" in adopted[0]["reason"]
+
+
+def test_a_model_said_after_iterations_were_judged_is_a_mismatch_not_a_switch(tmp_path: Path) -> None:
+    core, engine = _core(tmp_path)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r) for r in range(4))))
+    _step(core, conn, 0)
+    core.register(m.Registration("n1", "job", (m.LocalRank(0, 0, 200, model_json=json.dumps(NANO)),)))
+    assert engine.header.model.name == "gpt-tiny"
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    said = [e["reason"] for e in events if e["event"] == "model-mismatch"]
+    assert said and "resihp launch --model" in said[0] and "has judged iterations" in said[0]

@@ -170,6 +170,10 @@ def test_torchrun_env_from_open_mpi() -> None:
                                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")} == {
         "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "j"}
+    assert out["OMP_NUM_THREADS"] == "1"  # several ranks on the node: one thread each, as torchrun
+    assert torchrun_env({**env, "OMP_NUM_THREADS": "3"}).get("OMP_NUM_THREADS") is None  # the user's stays
+    assert "OMP_NUM_THREADS" not in torchrun_env({**env, "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+                                                  "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
     with pytest.raises(RankEnvError, match="start this under mpirun"):
         torchrun_env({})
 
@@ -267,3 +271,79 @@ def test_init_refuses_a_script_model_that_differs_from_the_launchs(tmp_path: Pat
     assert proc.returncode == 1
     assert "`resihp launch --model` describes 'gpt-tiny' (layers=8" in proc.stderr
     assert "but the script trains 'own' (layers=2" in proc.stderr
+
+
+def test_the_modules_own_forwards_and_backwards_are_timed_with_no_code_in_the_loop() -> None:
+    """init(model=module) installs ForwardTimer: each training forward is an F span, the
+    backward that follows it a B span (first output gradient to last parameter gradient);
+    eval passes, no_grad passes and passes inside the loop's own job.timed are not spans; a
+    (B, T) integer batch gives the seqlens."""
+    import torch
+
+    from resihp.trainer_hooks.own_loop import ForwardTimer
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16)
+
+        def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.head(self.emb(idx))
+            return logits, logits.float().logsumexp(-1).mean()
+
+    net = Tiny()
+    rec = ChunkRecorder()
+    timer = ForwardTimer(rec, net)
+    idx = torch.randint(0, 16, (3, 5))
+    for _ in range(2):  # two micro-batches with gradient accumulation
+        _, loss = net(idx)
+        loss.backward()
+    with torch.no_grad():
+        net(idx)
+    net.eval()
+    net(idx)
+    net.train()
+    with rec.timed("F"):
+        net(idx)  # the loop timed this one itself
+    timer.flush_backward()
+    chunks = rec.take()
+    assert [(k, mb) for k, mb, *_ in chunks] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2)]
+    assert all(end > start >= 0 for *_, start, end in chunks)
+    f0, b0 = chunks[0], chunks[1]
+    assert b0[3] >= f0[4]  # the backward starts after its forward ended
+    assert timer.take_seqlens() == ((5, 5, 5), (5, 5, 5))
+    timer.remove()
+    net(idx)[1].backward()
+    timer.flush_backward()
+    assert rec.take() == ()
+
+
+def test_the_throttle_stretches_the_modules_own_spans_not_the_step() -> None:
+    """Fault injection on an own loop: the throttle stalls inside this rank's F span (after the
+    forward) and B span (when the backward's gradients are computed), as behind a slower device;
+    the spans include the stall."""
+    import torch
+
+    from resihp.trainer_hooks.own_loop import ForwardTimer
+
+    class Stalls:
+        factor = 1.5
+
+        def __init__(self) -> None:
+            self.asked: list[float] = []
+
+        def stall_for(self, elapsed_s: float) -> float:
+            self.asked.append(elapsed_s)
+            return 0.0
+
+    net = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 4))
+    rec = ChunkRecorder()
+    throttle = Stalls()
+    timer = ForwardTimer(rec, net, throttle)
+    net(torch.randint(0, 16, (2, 3))).sum().backward()
+    timer.flush_backward()
+    (f, b) = rec.take()
+    assert [f[0], b[0]] == ["F", "B"] and len(throttle.asked) == 2 and timer.stretched
+    assert 0 < throttle.asked[0] <= f[4] - f[3]  # asked for the forward's own time, inside its span
+    assert 0 < throttle.asked[1] <= b[4] - b[3]

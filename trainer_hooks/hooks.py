@@ -45,7 +45,7 @@ from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.exit_status import EXIT_STATUS, leave_now
 from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
 from resihp.trainer_hooks.model_source import check_launch_model, resolve_model, spec_json
-from resihp.trainer_hooks.own_loop import ChunkRecorder, Span
+from resihp.trainer_hooks.own_loop import ChunkRecorder, ForwardTimer, Span
 from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
 from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
 from resihp.trainer_hooks.reconfig.live import group_timeout
@@ -114,6 +114,7 @@ class Job:
     _trace_file: IO[str] | None = None
     _closed: bool = False
     _spans: ChunkRecorder = field(default_factory=ChunkRecorder)
+    _forward_timer: ForwardTimer | None = None  # init(model=module): the module's forwards are F spans
     _exit_barrier: bool = True
 
     def __post_init__(self) -> None:
@@ -181,6 +182,8 @@ class Job:
         when ``init`` was not given ``microbatches_per_rank``. ``chunks`` default to the
         spans ``timed`` recorded in this iteration."""
         now = time.perf_counter()
+        if self._forward_timer is not None:
+            self._forward_timer.flush_backward()
         spans = self._spans.take()
         if result is None and self.resilience is not None:
             return StepOutcome(self._iteration)  # the step failed and was recovered: nothing to report
@@ -189,12 +192,21 @@ class Job:
             # a throttle stretches the whole step (the hooks do not see its compute chunks)
             it = self._iteration + 1 if iteration is None else iteration
             took = (now - self._last_step_end) if time_s is None else time_s
-            took += self.throttle.stall_for(took)
+            timer = self._forward_timer
+            if timer is not None and timer.stretched:
+                timer.stretched = False  # the throttle stretched this rank's F and B spans themselves
+            else:
+                took += self.throttle.stall_for(took)
             wall_start = time.time() - took
-            lens = tuple(tuple(int(n) for n in s) for s in (seqlens or ()))
+            seen = self._forward_timer.take_seqlens() if self._forward_timer is not None else ()
+            lens = tuple(tuple(int(n) for n in s) for s in (seqlens or seen))
             parts = tuple(chunks) or spans
+            forwards = sum(1 for c in parts if c[0] == "F")
+            if not lens and tokens and forwards:
+                # no batch shape seen: the step's tokens, spread evenly over this rank's forwards
+                lens = ((max(1, int(tokens) // (self.world_size * forwards)),),) * forwards
             if self._learn_microbatches:
-                self._learn(microbatches or len(lens) or 1)
+                self._learn(microbatches or len(lens) or forwards or 1)
         else:
             it, took, wall_start, lens, parts = (
                 result.iteration, result.time_s, result.wall_start_s, result.seqlens, tuple(result.chunks)
@@ -293,6 +305,8 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        if self._forward_timer is not None:
+            self._forward_timer.remove()
         if self._learn_microbatches:  # no step ran: the trace still needs its header
             self._learn(1)
         if self.trace is not None:
@@ -412,6 +426,8 @@ def init(
                   trace=None if learn else make_trace(plan), _trace_file=out, _learn_microbatches=learn,
                   _make_trace=make_trace if learn else None,
                   progress=ProgressLog(progress_path) if progress_path else None)
+    if plan_given is None and callable(getattr(model, "register_forward_pre_hook", None)):
+        job_obj._forward_timer = ForwardTimer(job_obj._spans, model, throttle)  # pyright: ignore[reportPrivateUsage]
     EXIT_STATUS.install()
     atexit.register(job_obj._close_at_exit)  # pyright: ignore[reportPrivateUsage]  # its own exit hook
     if job_obj.progress is not None and boot.rank == 0:

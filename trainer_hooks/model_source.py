@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from resihp.coordinator.model.spec import PRESETS, ModelSpec, SpecError, preset
+from resihp.coordinator.model.spec import PRESETS, ModelSpec, SpecError, preset, same_shape
 
 MODEL_ENV = "RESIHP_MODEL"  # the spec JSON `resihp launch --model` was given; unset = learn it from the ranks
 
@@ -28,7 +28,6 @@ _FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 _FFN = ("intermediate_size", "ffn_hidden", "n_inner", "ffn_dim", "d_ff")
 _KV_HEADS = ("num_key_value_heads", "n_kv_head", "num_kv_heads", "n_kv_heads")
-_SHAPE = ("num_layers", "hidden", "num_heads", "ffn_hidden", "vocab", "kv_heads", "gated_mlp")
 
 
 def spec_json(spec: ModelSpec) -> str:
@@ -124,11 +123,6 @@ def spec_from_module(module: object, name: str = "") -> ModelSpec:
     label = name or str(getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "")
     found["name"] = label or type(module).__name__
     return ModelSpec(**found)
-
-
-def same_shape(a: ModelSpec, b: ModelSpec) -> bool:
-    """Whether two specs describe the same model (names may differ)."""
-    return all(getattr(a, f) == getattr(b, f) for f in _SHAPE)
 
 
 def check_launch_model(spec: ModelSpec, environ: Mapping[str, str] | None = None) -> ModelSpec | None:

@@ -50,6 +50,19 @@ class DetectorConfig:
     # co-tenant load slows every rank at once, which no re-plan can route around
     peer_common_slowdown: bool = False
 
+    # noise-adaptive judging (coordinator/detector/noise.py): each rank's compute and link ratios
+    # are judged against their own healthy median and spread, relative to the iteration's peers,
+    # by a multi-scale shift test; False: the fixed thresholds above, consecutive iterations.
+    # The coordinator turns it on for an observe-only job (a user's own loop, e.g. DDP), whose
+    # per-rank forward spans on shared hosts swing by tens of per cent
+    adaptive: bool = False
+    noise_level: float = 6.0  # the shift test's level, in spreads of a √w-window mean
+    noise_window: int = 64  # healthy ratios kept per key
+    noise_clip: float = 3.0  # one iteration moves the test by at most this many spreads
+    effect_floor: float = 0.05  # and the crossing window's mean excess must be above this
+    prior_spread: float = 0.10  # a key's relative spread until it has measured its own
+    min_spread: float = 0.01  # a key's spread is never taken below this (relative)
+
     def __post_init__(self) -> None:
         for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold",
                      "probe_threshold"):
@@ -66,7 +79,14 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("link_detection", "peer_relative", "peer_common_slowdown"):
+        for name, lo, hi in (("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
+                             ("prior_spread", 1e-4, 10.0), ("min_spread", 0.0, 10.0)):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi):
+                raise ValueError(f"DetectorConfig.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        if not isinstance(self.noise_window, int) or isinstance(self.noise_window, bool) or self.noise_window < 16:
+            raise ValueError(f"DetectorConfig.noise_window must be an integer >= 16, got {self.noise_window!r}")
+        for name in ("link_detection", "peer_relative", "peer_common_slowdown", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DetectorConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.peer_common_slowdown and not self.peer_relative:

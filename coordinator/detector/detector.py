@@ -51,6 +51,7 @@ from resihp.coordinator.detector.evidence import (
 )
 from resihp.coordinator.detector.idle import IdleRankVerdicts
 from resihp.coordinator.detector.judge import IterationJudge, JobTrack
+from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.probe import ProbeBook
 from resihp.coordinator.detector.verdicts import TRANSITIONS as TRANSITIONS  # re-exported: callers import them here
@@ -104,6 +105,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._gen = 0
         self._rw_from = 0
         self._job_left = 0
+        self.noise = NoiseModel(self.index.ranks, window=c.noise_window, level=c.noise_level, clip=c.noise_clip,
+                                floor=c.effect_floor, prior_spread=c.prior_spread, min_spread=c.min_spread)
         self._alloc()
 
     # --- plan -----------------------------------------------------------------------------
@@ -141,6 +144,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._work = work
         self.index = PlanIndex(plan, self._nodes, self._tags)
         self.predictor.reindex(self.index)
+        self.noise.remap(self.index.ranks, set(changed))
         if changed or iteration is not None:
             # the switch iteration itself (state transfer, new communicators, cold caches)
             # is judged by nobody and teaches nothing

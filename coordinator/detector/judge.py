@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, PlanIndex, group_all, tp_wait_share
+from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor, fill_nan, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 
@@ -53,6 +54,7 @@ class IterationJudge:
     _pending: tuple[FloatArray, FloatArray] | None
     _job: JobTrack
     _rw_from: int
+    noise: NoiseModel  # per-key healthy spreads (config.adaptive)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
@@ -102,6 +104,11 @@ class IterationJudge:
         ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
         ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
+        adapt = None
+        if c.adaptive:
+            comp = comp / self._peer_factor(comp)
+            adapt = self._noise_test(np.stack([comp, comm], axis=1))
+            ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]
         if not c.link_detection:
             comm = np.ones_like(comm)
             ex_m = np.full_like(ex_m, -1.0)
@@ -133,7 +140,12 @@ class IterationJudge:
             ~ring | (dp_ratio < 1 + c.dp_threshold))
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
-        found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold)
+        if adapt is not None:
+            normal = self._noise_normal(adapt[1], link_slow)
+            ev["shift_spreads"] = np.where(is_comm, adapt[2][:, 1], adapt[2][:, 0])
+        found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold, adaptive=adapt is not None)
+        if adapt is not None:
+            self._noise_learn(np.stack([comp, comm], axis=1), adapt[2])
         rw = pred.rewarming
         if t.iteration % c.calib_every == 0:
             healthy = (self.state == RankState.HEALTHY) & ~suspect
@@ -143,6 +155,38 @@ class IterationJudge:
         if rw:
             self._rewarm_learn(t, tok, ssq)
         return found
+
+    # --- noise-adaptive judging (coordinator/detector/noise.py) ------------------------------
+    def _peer_factor(self, comp: FloatArray) -> float:
+        """The median compute ratio of the iteration's live ranks with evidence, both ways: a
+        slowdown (co-tenant load on a shared host) or speed-up common to the ranks is no
+        device's fault and no re-plan routes around it. Slow ranks count too: the median
+        stands while fewer than half are slow, and leaving them out would let the peers
+        dwindle to a few. 1 with fewer than three (a median of two is one of them)."""
+        peers = (self.state != RankState.DEAD) & np.isfinite(comp)
+        if int(peers.sum()) < 3:
+            return 1.0
+        common = float(np.median(comp[peers]))
+        return common if common > 0 else 1.0
+
+    def _noise_test(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """(excess over the level where a key is suspect, else -1; recent mean deviation; the
+        shift statistic), each (n, 2): compute, communication."""
+        g, excess, recent = self.noise.test(x)
+        sus = self.noise.suspect(g, excess)
+        return np.where(sus, g - self.noise.level, -1.0), recent, g
+
+    def _noise_normal(self, recent: FloatArray, link_slow: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """A slow rank counts as normal again when the recent mean deviation of the evidence
+        it was found on is within half a spread of its healthy baseline."""
+        key = np.where(link_slow, recent[:, 1], recent[:, 0])
+        return np.asarray(key < 0.5, dtype=np.bool_)
+
+    def _noise_learn(self, x: FloatArray, g: FloatArray) -> None:
+        """Every rank not found slow teaches its baselines, whatever this iteration's value:
+        learning only the calm iterations would teach a spread narrower than the noise."""
+        ok = np.broadcast_to(((self.state == RankState.HEALTHY) | (self.state == RankState.SUSPECT))[:, None], g.shape)
+        self.noise.learn(x, ok)
 
     def _common_factor(self, comp: FloatArray) -> float:
         """The median compute ratio of the ranks that may serve as peers (alive, not
@@ -175,7 +219,17 @@ class IterationJudge:
             ratio = np.where(hold, np.nan, ratio)
         suspect = fill_nan(ratio, 0.0) > 1 + c.step_threshold
         normal = fill_nan(ratio, 1.0) < 1 + c.recover_threshold
-        found = self._advance(t, suspect, normal, fill_nan(ratio, 1.0), None, {"step_ratio": ratio}, now, hold)
+        x = None
+        if c.adaptive:
+            ratio = ratio / self._peer_factor(ratio)
+            x = np.stack([ratio, np.full_like(ratio, np.nan)], axis=1)
+            ex, recent, g = self._noise_test(x)
+            suspect = ex[:, 0] > 0
+            normal = self._noise_normal(recent, np.zeros(len(ratio), dtype=np.bool_))
+        found = self._advance(t, suspect, normal, fill_nan(ratio, 1.0), None, {"step_ratio": ratio}, now, hold,
+                              adaptive=x is not None)
+        if x is not None:
+            self._noise_learn(x, g)
         healthy = (self.state == RankState.HEALTHY) & ~suspect
         pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
         if rw:
@@ -215,9 +269,12 @@ class IterationJudge:
     # --- the state machine, vectorised over ranks --------------------------------------------
     def _advance(self, t: IterationTimings, suspect: npt.NDArray[np.bool_], normal: npt.NDArray[np.bool_],
                  score: FloatArray, is_comm: npt.NDArray[np.bool_] | None,
-                 ev: dict[str, FloatArray], now: float, hold: npt.NDArray[np.bool_] | None = None) -> list[Finding]:
+                 ev: dict[str, FloatArray], now: float, hold: npt.NDArray[np.bool_] | None = None,
+                 adaptive: bool = False) -> list[Finding]:
         """``hold``: ranks whose evidence is re-warming; a slow one among them neither
-        recovers nor updates its factor (a healthy or suspect one has suspect False)."""
+        recovers nor updates its factor (a healthy or suspect one has suspect False).
+        ``adaptive``: ``suspect`` comes from the shift test, which is its own persistence
+        (one iteration cannot cross it): a suspect is confirmed at once."""
         c = self.config
         st = self.state
         live = st != RankState.DEAD
@@ -230,7 +287,8 @@ class IterationJudge:
         self.run_m = np.where(watching & sus_m, self.run_m + 1, np.where(watching, 0, self.run_m))
         st[watching & suspect & (st == RankState.HEALTHY)] = RankState.SUSPECT
         st[watching & ~suspect] = RankState.HEALTHY
-        confirm = watching & ((self.run >= c.confirm_iters) | (self.run_m >= c.confirm_iters))
+        need = 1 if adaptive else c.confirm_iters
+        confirm = watching & ((self.run >= need) | (self.run_m >= need))
         slow = live & (st == RankState.SLOW)
         if hold is not None:
             slow &= ~hold
@@ -241,6 +299,8 @@ class IterationJudge:
         out: list[Finding] = []
         if confirm.any():
             st[confirm] = RankState.SLOW
+            if adaptive:
+                self.noise.forget(confirm)
             for i in np.nonzero(confirm)[0]:
                 self._slow_at[self.index.ranks[int(i)]] = now
             self.score = np.where(confirm, score, self.score)

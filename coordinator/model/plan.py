@@ -13,7 +13,7 @@ from enum import Enum
 from itertools import chain
 from typing import Any
 
-from resihp.coordinator.model.spec import SpecError
+from resihp.coordinator.model.spec import ModelSpec, SpecError
 
 
 class Schedule(str, Enum):
@@ -292,6 +292,17 @@ def _raise_first_problem(replicas: Sequence[PipelinePlan], v: int) -> None:
                     raise SpecError(f"plan: rank {rank} appears twice (replica {r_idx} stage {s_idx})")
                 seen.add(rank)
     raise SpecError("plan: invalid layout")  # unreachable: the fast check saw a problem
+
+
+def relayer(plan: Plan, model: ModelSpec) -> Plan:
+    """``plan``'s ranks and micro-batch shares with ``model``'s layers split evenly over each
+    pipeline's stages (SpecError when the model cannot be laid out so)."""
+    data = plan.to_dict()
+    for rep in data["replicas"]:
+        rep["layers"] = even_split(model.num_layers, len(rep["stages"]) * plan.virtual_chunks)
+    out = Plan.from_dict(data)
+    out.validate_for(model.num_layers, model.num_heads)
+    return out
 
 
 def even_split(total: int, parts: int) -> list[int]:

@@ -97,6 +97,14 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+SHAPE_FIELDS = ("num_layers", "hidden", "num_heads", "ffn_hidden", "vocab", "kv_heads", "gated_mlp")
+
+
+def same_shape(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two specs describe the same model (names may differ)."""
+    return all(getattr(a, f) == getattr(b, f) for f in SHAPE_FIELDS)
+
+
 def preset(name: str) -> ModelSpec:
     try:
         return PRESETS[name]

@@ -77,6 +77,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow):
         self._agent_ids = itertools.count(1)
         self.last_finding: m.FindingInfo | None = None
         self.model_json = ""  # the ModelSpec the trainers said they train (coordinator/service/observe.py)
+        self._own_loop_detection = False  # noise-adaptive detection was set up for an observe-only job
         self._layout = LayoutCheck(open=not self.resumed and self.seq == 0)  # the trainers' layout vs the plan
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
         self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)

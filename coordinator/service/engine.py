@@ -57,6 +57,7 @@ def shrink_past_the_dead(decision: EngineDecision, plan: Plan, dead: Sequence[in
 
 
 class Engine(Protocol):
+    header: TraceHeader  # the model and layout it prices
     name: str
 
     def observe(self, record: Record, now: float) -> list[FindingInfo]: ...
@@ -70,6 +71,7 @@ class Engine(Protocol):
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
                nodes: Mapping[int, str]) -> EngineDecision: ...
     def set_plan(self, plan: Plan, iteration: int) -> None: ...
+    def set_model(self, header: TraceHeader) -> None: ...  # the trainers' model, before any iteration is judged
     def policy(self) -> dict[str, str]: ...
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]: ...
     def profile_text(self) -> str: ...  # what prices the planner's plans (admin status)
@@ -231,6 +233,9 @@ class RuleEngine:
 
     def warm_start(self, trace_lines: Iterable[str]) -> int:
         return 0  # its tracks re-warm from the live reports
+
+    def set_model(self, header: TraceHeader) -> None:
+        RuleEngine.__init__(self, header, self.config)  # nothing judged yet: start afresh
 
     def readmit(self, rank: int) -> bool:
         tr = self._tracks.get(rank)

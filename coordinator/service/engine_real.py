@@ -80,10 +80,21 @@ class RealEngine:
         # over loopback, where a P2P receive also waits for a slow sender)
         self.link_detection = True
         self.measured_profile = True
+        self.fitter = self._fitter(header)
+
+    def _fitter(self, header: TraceHeader) -> ProfileFitter:
         cfg = {**{f.name: f.default for f in fields(Cluster) if f.name != "devices"}, **self.links}
-        self.fitter = ProfileFitter(header.model, header.plan, intra_node_bw_Bps=cfg["intra_node_bw_Bps"],
-                                    inter_node_bw_Bps=cfg["inter_node_bw_Bps"],
-                                    inter_node_latency_s=cfg["inter_node_latency_s"])
+        return ProfileFitter(header.model, header.plan, intra_node_bw_Bps=cfg["intra_node_bw_Bps"],
+                             inter_node_bw_Bps=cfg["inter_node_bw_Bps"], inter_node_latency_s=cfg["inter_node_latency_s"])
+
+    def set_model(self, header: TraceHeader) -> None:
+        """Price the job as the trainers' model (their hello), before any iteration is judged:
+        detector, planner profile and rule fallback start afresh; the policy is kept."""
+        self.header = header
+        self.detector = Detector(header, self.detector.config)
+        self._rules = RuleEngine(header)
+        self.fitter = self._fitter(header)
+        self._last = None
 
     # --- detection -------------------------------------------------------------------------
     def _convert(self, found: list[Finding]) -> list[FindingInfo]:

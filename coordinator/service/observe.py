@@ -15,16 +15,22 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from resihp.coordinator.model.plan import Plan, relayer
+from resihp.coordinator.model.spec import ModelSpec, SpecError, same_shape
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.service.records import RankInfo
 
 if TYPE_CHECKING:
     from resihp.coordinator.service.config import CoordinatorConfig
-    from resihp.coordinator.service.journal import EventLog
+    from resihp.coordinator.service.engine import Engine
+    from resihp.coordinator.service.joiner import Joiner
+    from resihp.coordinator.service.journal import EventLog, Journal
     from resihp.coordinator.service.metrics import Registry
     from resihp.coordinator.service.records import AgentConn
+    from resihp.coordinator.service.trace_sink import TraceSink
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,14 @@ class ObserveFlow:
     seq: int
     t0: float
     model_json: str
+    _own_loop_detection: bool
+    plan: Plan
+    resumed: bool
+    last_iteration: int
+    joiner: Joiner
+    journal: Journal
+    engine: Engine
+    trace: TraceSink | None
 
     if TYPE_CHECKING:  # the core's methods these use (coordinator/service/core.py, planning.py)
         def _send_all(self, batch: m.CoordinatorBatch) -> None: ...
@@ -110,11 +124,72 @@ class ObserveFlow:
             self.events.emit("trainer-model", rank=lr.rank, model=json.loads(lr.model_json),
                              reason=f"rank {lr.rank} trains model {name!r}"
                                     + ("" if first else " (it differs from what another rank said)"))
+            if first:
+                self._adopt_model(lr.model_json)
         why = self.observe_only()
         self.metrics.set("resihp_observe_only", 1 if why else 0, {"job": self.config.job})
+        if said_no and not self._own_loop_detection:
+            self._adaptive_detection()
         if said_no:  # once per rank process that says it cannot be reshaped (not for a hello still to come)
             self.events.emit("observe-only", rank=lr.rank, reason=f"rank {lr.rank} runs without live reconfiguration; "
                                                                   f"the job is observe-only: {why}")
+
+    def _adaptive_detection(self) -> None:
+        """An observe-only job is a loop resihp does not run (DDP, nanoGPT): its evidence is each
+        rank's own forward spans, which on shared hosts swing by tens of per cent from one
+        iteration to the next. Judge them against each rank's own healthy spread
+        (coordinator/detector/noise.py), unless the operator chose (policy ``adaptive``)."""
+        self._own_loop_detection = True
+        if "adaptive" in self.config.policy:
+            return
+        try:
+            self.engine.set_policy({"adaptive": "on"})
+        except ValueError as exc:  # an engine without the option (the rule engine)
+            log.info("observe-only job: no noise-adaptive detection (%s)", exc)
+            return
+        self.events.emit("detection-policy", policy={"adaptive": "on"},
+                         reason="observe-only job: each rank's timings are judged against its own healthy spread "
+                                "(noise-adaptive detection; `resihp admin policy adaptive=off` to turn it off)")
+
+    def _adopt_model(self, text: str) -> None:
+        """Price the job as the model the trainers said they train (their first hello), not the
+        one the coordinator was started with, while nothing has been judged or commanded: the
+        detector's cost model, the planner and the trace header follow it. Later, a different
+        model is said loudly and left alone (the job's history was priced by the other)."""
+        try:
+            spec = ModelSpec.from_dict(json.loads(text))
+        except (SpecError, ValueError, TypeError) as exc:
+            self.events.emit("model-mismatch", reason=f"the trainers' model spec cannot be read ({exc}); this "
+                                                      f"coordinator keeps pricing {self.engine.header.model.name}")
+            return
+        header = self.engine.header
+        if same_shape(spec, header.model):
+            return
+        was = f"{header.model.name} ({header.model.num_layers} layers, hidden {header.model.hidden})"
+        said = f"{spec.name} ({spec.num_layers} layers, hidden {spec.hidden})"
+        if self.resumed or self.seq or self.last_iteration >= 0:
+            self.events.emit("model-mismatch", reason=f"the trainers train {said}, this coordinator prices {was} and "
+                                                      "has judged iterations by it; restart the job with "
+                                                      f"`resihp launch --model` naming the trainers' model")
+            return
+        try:
+            # the same depth keeps the plan's own layer split (a --plan file's may be uneven)
+            plan = self.plan if spec.num_layers == header.model.num_layers else relayer(self.plan, spec)
+        except SpecError as exc:
+            self.events.emit("model-mismatch", reason=f"the trainers train {said}, which the coordinator's layout "
+                                                      f"{self.plan.describe()} cannot hold ({exc}); it keeps pricing {was}")
+            return
+        if plan is not self.plan:
+            self.plan = plan
+            self.joiner.add_plan(plan)
+            self.journal.plan(plan)
+        new = replace(header, model=spec, plan=plan)
+        self.engine.set_model(new)
+        if self.trace is not None:
+            self.trace.replace_header(new)
+        self.events.emit("model-adopted", model=spec.to_dict(), plan=plan.to_dict(),
+                         reason=f"the trainers train {said}; this coordinator was started with {was}: it prices "
+                                "the trainers' model")
 
     def _observe(self, f: m.FindingInfo, why: str) -> None:
         """A finding on an observe-only job: logged as a decision that does not act, and told to

@@ -36,9 +36,22 @@ class TraceSink:
         self._held: list[PlanChange] = []
         self._flushed = time.monotonic()
         self._dirty = False
+        self._records = 0  # lines written after the header
         if not append:
             self._fh.write(json.dumps(header_to_dict(header), separators=(",", ":")) + "\n")
             self._fh.flush()
+
+    def replace_header(self, header: TraceHeader) -> bool:
+        """Write ``header`` in place of the first one while nothing follows it (the trainers
+        said their model before their first report); False once records were written."""
+        if self._records or self._held:
+            return False
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._fh.write(json.dumps(header_to_dict(header), separators=(",", ":")) + "\n")
+        self._fh.flush()
+        self._dp = header.plan.dp
+        return True
 
     def write(self, rec: Record, epoch: int | None = None) -> None:
         """``epoch``: for an iteration record, the plan epoch it was built with (the joiner
@@ -72,6 +85,7 @@ class TraceSink:
         try:
             self._fh.write(record_line(rec) + "\n")
             self._dirty = True
+            self._records += 1
         except (TypeError, ValueError, OSError) as exc:  # a trace problem must not stop the control plane
             log.warning("trace: could not write %s: %s", type(rec).__name__, exc)
 

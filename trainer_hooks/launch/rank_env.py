@@ -1,7 +1,8 @@
 """torchrun's environment for a rank started by ``mpirun``: ``python -m
 resihp.trainer_hooks.launch.rank_env -- CMD ...`` sets RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RUN_ID (and keeps the
-MASTER_ADDR / MASTER_PORT the launcher exported), then execs CMD in the same process (same
+LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RUN_ID, OMP_NUM_THREADS=1 where
+several ranks share a node and the user set none (as torchrun does), keeps the MASTER_ADDR /
+MASTER_PORT the launcher exported, then execs CMD in the same process (same
 pid: the node agent's pid watch sees the training process itself).
 
 A script written for torchrun (``init_process_group("gloo")`` from env://, ``int(os.environ
@@ -55,6 +56,10 @@ def torchrun_env(environ: Mapping[str, str]) -> dict[str, str]:
     for name in (MASTER_ADDR_ENV, MASTER_PORT_ENV):
         if environ.get(name):
             out[name] = environ[name]
+    if local_world > 1 and not environ.get("OMP_NUM_THREADS"):
+        # as torchrun does: several ranks on one node, each with a thread per core, fight over
+        # the cores (the user's own setting is kept)
+        out["OMP_NUM_THREADS"] = "1"
     return out
 
 

@@ -1,0 +1,205 @@
+"""Noise-adaptive judging of a rank's ratios: each evidence key learns its own healthy spread.
+
+A fixed threshold (compute 5 % above the model) is wrong in both directions: on a shared CPU
+or a busy fabric one key's ratio swings by ±30 % from one iteration to the next, on a quiet
+GPU by ±1 %. Here every key — a rank's compute ratio, its link / DP-ring ratio — keeps a
+sliding window of the ratios it showed while healthy, and judges a new ratio in units of
+that window's robust spread:
+
+- baseline ``m``: the window's median; spread ``s``: 1.4826 × its MAD (the standard
+  deviation of Gaussian noise), never below ``min_spread`` × m;
+- each iteration's deviation ``z = (x - m) / s`` is clipped at ±``clip``: one GC pause or
+  data-loader stall moves the test by at most ``clip`` (below the alarm level), however long;
+  the healthy window's own mean clipped deviation is taken off (skewed noise — stalls are
+  only ever late — has a mean above its median);
+- the test is a multi-scale mean shift (a generalised likelihood ratio over the change point):
+  ``G = max over w in 1, 2, 4 … 64 of Σ(last w z) / (s2 · √w)``, where ``s2`` is the spread of
+  the clipped deviations of the healthy window itself (heavy-tailed noise makes it > 1). A
+  slowdown beyond ``level`` spreads (× s2) in three consecutive iterations crosses at once
+  (``min`` of the three unclipped deviations: no stall can fake it), a small one (1.1× under 3 % noise) in a
+  few, a 1.3× slowdown under 30 % noise in some tens, and stationary noise — however wide —
+  seldom: at level 5 a Gaussian key crosses about once in 10⁶ iterations per scale;
+- it is a suspect only if the mean excess of the window that crossed is also above
+  ``floor`` (relative): a tiny but very stable shift is not worth a re-plan.
+
+Until a key has ``min_samples`` healthy ratios its baseline is the calibrated cost model's
+(ratio 1) and its spread ``prior_spread``, or — after a plan change moved the rank — the
+spread it had before (its noise is the device's and host's, not the layout's). The baselines
+are refreshed every ``REFRESH`` iterations (a median over the window is the expensive part).
+Pure (numpy only).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+SCALES = (1, 2, 4, 8, 16, 32, 64)
+MAD_TO_SIGMA = 1.4826
+REFRESH = 8  # iterations between baseline refreshes once a key is warm
+RECENT = 8  # iterations the recovery test averages over
+QUARANTINE = 64  # iterations a ratio waits before it may teach (the longest scale of the test)
+
+
+class NoiseModel:
+    """Healthy baselines and the multi-scale shift test for ``n`` ranks × ``kinds`` evidence."""
+
+    def __init__(self, ranks: Sequence[int], kinds: int = 2, *, window: int = 64, level: float = 6.0,
+                 clip: float = 3.0, floor: float = 0.05, prior_spread: float = 0.10, min_spread: float = 0.01,
+                 min_samples: int = 8) -> None:
+        self.ranks = tuple(ranks)
+        self.kinds = kinds
+        self.window, self.level, self.clip, self.floor = window, level, clip, floor
+        self.prior_spread, self.min_spread, self.min_samples = prior_spread, min_spread, min_samples
+        self._alloc(len(self.ranks))
+        self._prior = np.full((len(self.ranks), kinds), prior_spread)
+        self._measured = np.zeros((len(self.ranks), kinds), dtype=bool)  # the prior is a spread it had
+        self._age = 0
+
+    def _alloc(self, n: int) -> None:
+        k, zw = self.kinds, SCALES[-1]
+        self.hist = np.full((n, k, self.window), np.nan)  # healthy ratios (ring)
+        self.hpos = np.zeros((n, k), dtype=np.int64)
+        self.hcount = np.zeros((n, k), dtype=np.int64)
+        self.m = np.ones((n, k))
+        self.s = np.full((n, k), self.prior_spread)
+        self.s2 = np.ones((n, k))
+        self.zprev = np.zeros((n, k))  # the previous iteration's unclipped deviation
+        self.zprev2 = np.zeros((n, k))  # ... and the one before
+        self.mu = np.zeros((n, k))  # mean clipped deviation of the healthy window (skewed noise: not 0)
+        self.z = np.zeros((n, k, zw))  # recent clipped deviations (ring, one slot per iteration)
+        self.sums = np.zeros((len(SCALES), n, k))  # Σ of the last w z, per scale
+        self.zpos = 0
+        self._fresh = np.zeros((n, k), dtype=bool)  # got healthy samples since the last refresh
+        # ratios wait QUARANTINE iterations before they teach the baseline, and are dropped if the
+        # key is found slow meanwhile: a slowdown's onset must not become its own baseline
+        self.pending = np.full((n, k, QUARANTINE), np.nan)
+
+    # --- judging ------------------------------------------------------------------------------
+    def test(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """Push this iteration's ratios ``x`` (n, kinds; NaN = no evidence, counted as no
+        deviation) and return (G, relative excess of the crossing window, recent mean z)."""
+        raw = np.where(np.isfinite(x), (x - self.m) / self.s - self.mu, 0.0)
+        z = np.clip(raw, -self.clip - self.mu, self.clip - self.mu)
+        # persistence: three consecutive iterations all far out (unclipped) — a large slowdown
+        # found in three iterations, which no stall (nor two in a row) can fake
+        both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / self.s2
+        self.zprev2 = self.zprev
+        self.zprev = raw
+        zw = self.z.shape[2]
+        for i, w in enumerate(SCALES):
+            self.sums[i] += z - self.z[:, :, (self.zpos - w) % zw]
+        self.z[:, :, self.zpos] = z
+        self.zpos = (self.zpos + 1) % zw
+        scale = np.sqrt(np.asarray(SCALES, dtype=np.float64))[:, None, None]
+        g_all = self.sums / (self.s2[None] * scale)
+        best = np.argmax(g_all, axis=0)
+        g = np.take_along_axis(g_all, best[None], axis=0)[0]
+        widths = np.asarray(SCALES, dtype=np.float64)[best]
+        mean_z = np.take_along_axis(self.sums, best[None], axis=0)[0] / widths
+        jump = both > g
+        g = np.where(jump, both, g)
+        mean_z = np.where(jump, both * self.s2, mean_z)
+        excess = mean_z * self.s / self.m
+        recent = self.sums[SCALES.index(RECENT)] / RECENT
+        return g, excess, recent
+
+    def suspect(self, g: FloatArray, excess: FloatArray) -> BoolArray:
+        """Keys whose shift crossed the level with an excess above the floor. A key still in its
+        first ``min_samples`` healthy iterations, with no spread measured before, is not judged:
+        a job's first iterations (allocator, first touch, thread pools) teach, they do not accuse."""
+        known = (self.hcount >= self.min_samples) | self._measured
+        return np.asarray((g > self.level) & (excess > self.floor) & known, dtype=np.bool_)
+
+    # --- learning -----------------------------------------------------------------------------
+    def learn(self, x: FloatArray, ok: BoolArray) -> None:
+        """Queue this iteration's ratios; the ratios of ``QUARANTINE`` iterations ago teach the
+        windows of the keys that are ``ok`` now (not found slow). Every queued ratio teaches,
+        calm or not — learning only calm ones would teach a spread narrower than the noise —
+        but a key found slow drops its queue (``forget``)."""
+        slot = self.zpos % QUARANTINE  # test() advanced zpos: one slot per iteration
+        old = self.pending[:, :, slot].copy()
+        # a key still warming up (a job's first iterations) learns at once: nothing was slow yet
+        warm_up = (self.hcount < QUARANTINE // 2) & ~self._measured
+        self.pending[:, :, slot] = np.where(warm_up, np.nan, x)
+        x = np.where(warm_up, x, old)
+        take = ok & np.isfinite(x)
+        if not take.any():
+            return
+        r, k = np.nonzero(take)
+        self.hist[r, k, self.hpos[r, k]] = x[r, k]
+        self.hpos[r, k] = (self.hpos[r, k] + 1) % self.window
+        self.hcount[r, k] += 1
+        self._fresh |= take
+        self._age += 1
+        warming = take & (self.hcount <= 2 * self.min_samples)
+        if warming.any() or self._age >= REFRESH:
+            self._refresh(self._fresh if self._age >= REFRESH else warming)
+
+    def forget(self, rows: BoolArray) -> None:
+        """Drop the queued ratios of ranks (``rows`` (n,)) just found slow: their slowdown began
+        some iterations before it was confirmed."""
+        self.pending[rows] = np.nan
+
+    def _refresh(self, rows: BoolArray) -> None:
+        self._age = 0
+        r, k = np.nonzero(rows & (self.hcount >= self.min_samples))
+        self._fresh &= ~rows  # (after reading rows: it may be this very array)
+        if len(r) == 0:
+            return
+        h = self.hist[r, k]  # (q, window)
+        m = _nanmedian_rows(h)
+        mad = _nanmedian_rows(np.abs(h - m[:, None]))
+        # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
+        few = np.sqrt(1.0 + self.min_samples / np.maximum(self.hcount[r, k], 1))
+        s = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
+        zc = np.clip((h - m[:, None]) / s[:, None], -self.clip, self.clip)
+        with np.errstate(invalid="ignore"):
+            mu = np.nanmean(zc, axis=1)
+            s2 = np.sqrt(np.nanmean((zc - mu[:, None]) ** 2, axis=1))
+        self.m[r, k] = m
+        self.s[r, k] = s
+        self.mu[r, k] = np.nan_to_num(mu)
+        self.s2[r, k] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
+
+    # --- plan changes -------------------------------------------------------------------------
+    def remap(self, ranks: Sequence[int], moved: set[int]) -> None:
+        """The plan's ranks are now ``ranks``; those in ``moved`` changed work: their ratios
+        start again from the cost model's prediction with the spread they had (their noise
+        is their device's and host's), and their recent deviations are forgotten."""
+        old = {r: i for i, r in enumerate(self.ranks)}
+        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "z", "pending")}
+        sums, prior, zpos, measured = self.sums, self._prior, self.zpos, self._measured
+        self.ranks = tuple(ranks)
+        self._alloc(len(self.ranks))
+        self.zpos = zpos
+        self._prior = np.full((len(self.ranks), self.kinds), self.prior_spread)
+        self._measured = np.zeros((len(self.ranks), self.kinds), dtype=bool)
+        for i, r in enumerate(self.ranks):
+            j = old.get(r)
+            if j is None:
+                continue
+            if r in moved:
+                warm = keep["hcount"][j] >= self.min_samples
+                self._prior[i] = np.where(warm, keep["s"][j] / np.maximum(keep["m"][j], 1e-9), prior[j])
+                self.s[i] = self._prior[i]
+                self._measured[i] = warm | measured[j]
+                continue
+            self._measured[i] = measured[j]
+            for name, arr in keep.items():
+                getattr(self, name)[i] = arr[j]
+            self.sums[:, i] = sums[:, j]
+
+
+def _nanmedian_rows(a: FloatArray) -> FloatArray:
+    """Row medians ignoring NaN (rows have at least one finite value)."""
+    srt = np.sort(a, axis=1)  # NaN last
+    n = np.isfinite(a).sum(axis=1)
+    lo = np.maximum((n - 1) // 2, 0)
+    hi = np.maximum(n // 2, 0)
+    rows = np.arange(a.shape[0])
+    return np.asarray(0.5 * (srt[rows, lo] + srt[rows, hi]), dtype=np.float64)

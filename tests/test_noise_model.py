@@ -1,0 +1,95 @@
+"""Noise-adaptive judging (coordinator/detector/noise.py): each key learns its own healthy spread,
+a shift is judged in units of it, stalls cannot fake a slowdown, a slowdown's onset does not
+become its baseline. Pure logic, seeded noise."""
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from resihp.coordinator.detector.noise import QUARANTINE, NoiseModel
+
+
+def _run(model: NoiseModel, xs: npt.NDArray[np.float64], learn: bool = True) -> list[int]:
+    """Feed ratios xs[t, n] (compute key only); the iterations where some key is suspect."""
+    alarms = []
+    for t, x in enumerate(xs):
+        both = np.stack([x, np.full_like(x, np.nan)], axis=1)
+        g, excess, _ = model.test(both)
+        if model.suspect(g, excess).any():
+            alarms.append(t)
+        if learn:
+            model.learn(both, np.ones_like(both, dtype=bool))
+    return alarms
+
+
+@pytest.mark.parametrize("spread", [0.01, 0.05, 0.3])
+def test_stationary_noise_of_any_width_raises_no_alarm(spread: float) -> None:
+    rng = np.random.default_rng(7)
+    xs = 1.0 + spread * rng.standard_normal((2000, 16))
+    assert _run(NoiseModel(range(16)), xs) == []
+
+
+def test_heavy_tailed_stalls_raise_no_alarm() -> None:
+    """Lognormal jitter plus one-iteration stalls (GC pauses, data-loader waits) of 2-20x."""
+    rng = np.random.default_rng(3)
+    xs = rng.lognormal(0.0, 0.2, (1500, 16))
+    stall = rng.random((1500, 16)) < 0.01
+    xs = np.where(stall, xs * rng.uniform(2, 20, (1500, 16)), xs)
+    assert _run(NoiseModel(range(16)), xs) == []
+
+
+@pytest.mark.parametrize(("spread", "factor", "within"), [(0.03, 1.25, 3), (0.03, 1.1, 10), (0.01, 1.5, 3)])
+def test_a_slowdown_is_found_on_its_key_within_a_few_iterations(spread: float, factor: float, within: int) -> None:
+    rng = np.random.default_rng(11)
+    xs = 1.0 + spread * rng.standard_normal((200, 8))
+    xs[120:, 5] *= factor
+    model = NoiseModel(range(8))
+    first = None
+    for t, x in enumerate(xs):
+        both = np.stack([x, np.full_like(x, np.nan)], axis=1)
+        g, excess, _ = model.test(both)
+        sus = model.suspect(g, excess)[:, 0]
+        if t >= 120 and sus.any():
+            first = t
+            assert np.nonzero(sus)[0].tolist() == [5]
+            break
+        assert not sus.any(), f"alarm at {t} before the slowdown"
+        model.learn(both, np.ones_like(both, dtype=bool))
+    assert first is not None and first - 120 + 1 <= within
+
+
+def test_a_shift_below_the_effect_floor_is_not_a_suspect() -> None:
+    """A tiny but very stable key (0.1 % noise): a 3 % shift is far out in spreads, but below
+    the 5 % floor it is not worth acting on."""
+    rng = np.random.default_rng(5)
+    xs = 1.0 + 0.001 * rng.standard_normal((300, 4))
+    xs[150:, 1] *= 1.03
+    assert _run(NoiseModel(range(4), min_spread=0.0), xs) == []
+
+
+def test_a_slow_onset_waits_in_quarantine_and_does_not_become_the_baseline() -> None:
+    """A slowdown too small to cross at once (1.15x under 10 % noise) keeps the key's baseline
+    at its healthy median while the test accumulates evidence."""
+    rng = np.random.default_rng(2)
+    xs = 1.0 + 0.1 * rng.standard_normal((400, 4))
+    xs[200:, 2] *= 1.15
+    model = NoiseModel(range(4))
+    _run(model, xs[:200 + QUARANTINE // 2])
+    assert model.m[2, 0] == pytest.approx(1.0, abs=0.03)
+
+
+def test_remap_keeps_unmoved_keys_and_gives_moved_ones_their_old_spread() -> None:
+    rng = np.random.default_rng(1)
+    model = NoiseModel([0, 1, 2])
+    _run(model, 1.0 + np.array([0.01, 0.2, 0.05]) * rng.standard_normal((100, 3)))
+    s_before = model.s[:, 0].copy()
+    model.remap([0, 1, 2, 3], moved={1})
+    assert model.s[0, 0] == s_before[0] and model.s[2, 0] == s_before[2]
+    assert model.m[1, 0] == 1.0 and model.hcount[1, 0] == 0
+    assert model.s[1, 0] == pytest.approx(s_before[1], rel=0.1)  # its own noise, relative to a baseline of 1
+    assert model.hcount[3, 0] == 0 and model.s[3, 0] == model.prior_spread
+    # a moved key with a measured spread is judged at once (it is not in a first warm-up)
+    for _ in range(3):  # three iterations far out: the persistence test
+        g, excess, _ = model.test(np.array([[1.0, np.nan], [3.0, np.nan], [1.0, np.nan], [1.0, np.nan]]))
+    assert model.suspect(g, excess)[:, 0].tolist() == [False, True, False, False]

@@ -31,6 +31,7 @@ from resihp.sim.detect_baselines import BocdBaseline, ThresholdBaseline
 from resihp.sim.workload import Fault, WorkloadConfig, generate, make_header
 
 MODEL = preset("llama2-7b")
+IMPACT_FLOOR = DetectorConfig().impact_floor  # a slowdown costing less is `degraded`, not acted on
 PLANS = {
     "1f1b-tp2pp4dp4": Plan.uniform(2, 4, 4, 32, 16),
     "1f1b-tp8pp4dp2": Plan.uniform(8, 4, 2, 32, 16),
@@ -50,6 +51,8 @@ class RunResult:
     evidence: str
     mtp_err: list[float] = field(default_factory=list)
     itp_err: list[float] = field(default_factory=list)
+    times: dict[int, float] = field(default_factory=dict)  # iteration -> its time
+    cost_share: list[float] = field(default_factory=list)  # per fault: what it really cost (healthy twin)
 
 
 def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
@@ -73,6 +76,7 @@ def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
             continue
         now = t.start_s + t.time_s
         res.iterations += 1
+        res.times[t.iteration] = t.time_s
         if th.observe(t.iteration, t.time_s):
             res.threshold.append(t.iteration)
         if bo.observe(t.iteration, t.time_s):
@@ -91,6 +95,20 @@ def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
             if predicted is not None:
                 res.itp_err.append(abs(predicted - t.time_s) / t.time_s)
     return res
+
+
+def true_costs(res: RunResult, cfg: WorkloadConfig) -> None:
+    """What each injected slowdown really cost: the run's iteration times over the fault's
+    window against the same run without it (same seed: the same batches and noise), as a
+    share of the healthy twin's. Fail-stops cost everything (1.0)."""
+    twin = {t.iteration: t.time_s for t in _timings(replace(cfg, faults=()))}
+    for f in cfg.faults:
+        if f.kind == "stop":
+            res.cost_share.append(1.0)
+            continue
+        end = f.end_iter if f.end_iter is not None else cfg.iterations
+        its = [i for i in range(f.start_iter, end) if i in res.times and i in twin]
+        res.cost_share.append(float(np.mean([res.times[i] / twin[i] - 1.0 for i in its])) if its else float("nan"))
 
 
 def _timings(cfg: WorkloadConfig) -> Iterator[IterationTimings]:
@@ -165,16 +183,17 @@ def _window(f: Fault, iterations: int) -> tuple[int, int]:
 
 def score_resihp(runs: list[RunResult]) -> dict[str, float]:
     tp = fp = fn = 0
+    cheap_n = cheap_degraded = dear_degraded = 0  # found slowdowns costing under / over the floor
     latencies: list[tuple[float, int]] = []
     loc_ok = loc_n = 0
     for r in runs:
         used: set[int] = set()
         for f in r.faults:
             lo, hi = _window(f, r.iterations + 5)
-            want = "fail-stop" if f.kind == "stop" else "fail-slow"
+            want = ("fail-stop",) if f.kind == "stop" else ("fail-slow", "degraded")
             hit = None
             for i, x in enumerate(r.findings):
-                if i in used or x.kind != want or not (lo <= x.iteration <= hi):
+                if i in used or x.kind not in want or not (lo <= x.iteration <= hi):
                     continue
                 if f.rank in x.ranks or not x.ranks:
                     hit = i
@@ -187,6 +206,13 @@ def score_resihp(runs: list[RunResult]) -> dict[str, float]:
             used.add(hit)
             tp += 1
             x = r.findings[hit]
+            cost = r.cost_share[r.faults.index(f)] if len(r.cost_share) == len(r.faults) else float("nan")
+            if f.kind != "stop" and np.isfinite(cost):
+                if cost < IMPACT_FLOOR:
+                    cheap_n += 1
+                    cheap_degraded += int(x.kind == "degraded")
+                elif x.kind == "degraded":
+                    dear_degraded += 1
             if f.kind != "stop":
                 latencies.append((f.factor, x.iteration - f.start_iter))
             loc_n += 1
@@ -203,6 +229,8 @@ def score_resihp(runs: list[RunResult]) -> dict[str, float]:
         "p95": float(np.percentile(big, 95)) if big else float("nan"),
         "frac11": float(np.mean([lat <= 10 for lat in small])) if small else float("nan"),
         "loc": loc_ok / loc_n if loc_n else float("nan"),
+        "cheap": cheap_n, "degraded_ok": cheap_degraded / cheap_n if cheap_n else float("nan"),
+        "dear_degraded": dear_degraded,
     }
 
 
@@ -292,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     healthy = [run(n, c, measure=True) for n, c in healthy_runs(args.quick)]
-    faulty = [run(n, c) for n, c in fault_runs(args.quick)]
+    faulty = []
+    for n, c in fault_runs(args.quick):
+        faulty.append(run(n, c))
+        true_costs(faulty[-1], c)
     everything = healthy + faulty
     n_h = len(healthy)
     ours = score_resihp(everything)
@@ -316,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     print("(baselines are scored on fail-slow faults only; resihp on fail-slow and fail-stop)")
     print(f"resihp detection latency p95 (>=1.25x): {ours['p95']:.1f} iterations; 1.1x detected within 10: "
           f"{ours['frac11']:.3f}; localisation accuracy: {ours['loc']:.3f}")
+    print(f"found slowdowns costing < {IMPACT_FLOOR:.0%} of the iteration (healthy twin): {ours['cheap']}, reported "
+          f"`degraded` (not acted on): {ours['degraded_ok']:.3f}; costing more but reported degraded: "
+          f"{ours['dear_degraded']}")
     print(f"micro-batch time predictor MAPE {mtp:.4f}; iteration time predictor MAPE {itp:.4f} (held-out iterations)")
     print(f"detector online cost per iteration (CPU time of this process): {ms256:.2f} ms at 256 ranks, "
           f"{ms4096:.2f} ms at 4096 ranks; wall clock {wall256:.2f} / {wall4096:.2f} ms on this (shared) machine; "
@@ -328,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         if missed:
             print(f"  missed in {r.name}: {missed}")
     for r in everything:
-        extra = [x for x in r.findings if x.kind == "fail-slow" and not any(f.rank in x.ranks for f in r.faults)]
+        extra = [x for x in r.findings if x.kind in ("fail-slow", "degraded")
+                 and not any(f.rank in x.ranks for f in r.faults)]
         for x in extra:
-            print(f"  false alarm in {r.name}: it {x.iteration} {x.ranks} {x.cause} {x.factor:.3f}")
+            print(f"  false alarm in {r.name}: it {x.iteration} {x.kind} {x.ranks} {x.cause} {x.factor:.3f}")
     print(f"wall time {time.perf_counter() - t_start:.1f} s")
     print(json.dumps({
         "f1": round(ours["f1"], 4),
@@ -340,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         "detect_latency_iters_p95": round(ours["p95"], 2),
         "detected_fraction_1_1x": round(ours["frac11"], 4),
         "localisation_accuracy": round(ours["loc"], 4),
+        "degraded_not_acted_fraction": None if not ours["cheap"] else round(ours["degraded_ok"], 4),
+        "degraded_cheap_slowdowns": ours["cheap"],
+        "degraded_but_costly": ours["dear_degraded"],
         "mtp_mape": round(mtp, 5),
         "itp_mape": round(itp, 5),
         "detect_ms_per_iter_256": round(ms256, 3),

@@ -164,6 +164,9 @@ class Noise:
     comm_jitter: float = 0.04  # lognormal sigma of one transfer
     comm_spike_prob: float = 0.01  # per transfer: congestion
     comm_spike_max: float = 1.5  # ... up to this factor longer
+    # a DP all-reduce span as a real runtime times it: from when *this* rank entered the
+    # collective (its own pipeline end), so it holds the wait for the ring's last arriver
+    dp_skew_wait: bool = True
 
     @classmethod
     def quiet(cls) -> Noise:

@@ -202,17 +202,38 @@ class GroundTruth:
                 dp[mem_a] = t * float(self._comm_noise((1,))[0]) * slow
         opt = self.layers_of * self.layer_params / ix.tp_size * 16.0 / cfg.hardware.hbm_Bps
         opt = opt * np.exp(rng.normal(0.0, nz.op_jitter, n)) * comp_slow / speed
-        end_all = pipe_end + dp + opt
+        # each rank enters its ring's all-reduce at its own pipeline end; the transfer starts
+        # when the ring's last member arrives (without dp_skew_wait: everyone at the global end)
+        own_end = np.full(n, pipe_end)
+        if nz.dp_skew_wait:
+            for d, _, end in spans:
+                dev = ix.program_gather(ix.rep_program[d])[1]
+                for s_idx, g in enumerate(self.plan.replicas[d].stages):
+                    mine = end[dev == s_idx]
+                    if len(mine):
+                        own_end[[ix.pos[r] for r in g]] = float(mine.max())
+        ring_start = np.zeros(n)
+        for mem_a in self.dp_groups.values():
+            ring_start[mem_a] = own_end[mem_a].max()
+        ring_end = ring_start + dp
+        for mem_a in self.dp_groups.values():
+            ring_end[mem_a] = ring_end[mem_a].max()  # the collective ends together for its members
+        end_all = ring_end + opt
         time_s = float(end_all.max())
         if nz.checkpoint_every and it > 0 and it % nz.checkpoint_every == 0:
             time_s += float(rng.uniform(*nz.checkpoint_s))
         self.last_time_s = time_s
         self._spans = spans
         self._pipe_end = pipe_end
+        self._dp_start, self._dp_end = own_end, ring_end
         out = IterationTimings(it, start_s, time_s, seqlens)
         if cfg.evidence == "chunks":
-            out.compute, out.p2p, out.dp, out.opt = compute, p2p, (dp if self.plan.dp > 1 else None), opt
+            # the DP span as timed: from this rank's entry to the ring's end (wait included)
+            out.compute, out.p2p, out.opt = compute, p2p, opt
+            if self.plan.dp > 1:
+                out.dp, out.dp_start = ring_end - own_end, own_end
         elif cfg.evidence == "rank_step":
+            # busy time without waits (docs/trace-format.md: rank_step_s), so the DP transfer only
             step = np.nansum(compute, axis=(1, 2, 3)) + np.nansum(p2p, axis=(1, 2, 3)) + dp + opt
             out.rank_step = step
         return out
@@ -242,12 +263,11 @@ def to_record(t: IterationTimings, truth: GroundTruth) -> IterationRecord:
                         ready = float(end[prog.dep[o]])
                         chunks.append(ChunkTiming(r, "P2P", m, v, ready, ready + h))
                     chunks.append(ChunkTiming(r, names[k], m, v, st, st + float(t.compute[i, v, k, m])))
-        base = truth._pipe_end
         for i, r in enumerate(ranks):
-            dp = float(t.dp[i]) if t.dp is not None else 0.0
+            begin, done = float(truth._dp_start[i]), float(truth._dp_end[i])
             if t.dp is not None:
-                chunks.append(ChunkTiming(r, "DP", -1, 0, base, base + dp))
+                chunks.append(ChunkTiming(r, "DP", -1, 0, begin, done))
             if t.opt is not None:
-                chunks.append(ChunkTiming(r, "OPT", -1, 0, base + dp, base + dp + float(t.opt[i])))
+                chunks.append(ChunkTiming(r, "OPT", -1, 0, done, done + float(t.opt[i])))
     steps = {} if t.rank_step is None else {r: float(t.rank_step[i]) for i, r in enumerate(ix.ranks)}
     return IterationRecord(t.iteration, t.start_s, t.time_s, t.seqlens, tuple(chunks), steps)

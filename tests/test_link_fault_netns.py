@@ -63,7 +63,7 @@ def test_the_rank_behind_the_slow_link_is_found_link_slow_within_a_few_iteration
     assert f["stage"] == 1 and f["replica"] == 1, f
     # persistence: 3 slow iterations; the admin status that timed the throttle lags a few
     assert throttled["throttled_at"] <= f["iteration"] <= throttled["throttled_at"] + 12, (throttled["throttled_at"], f)
-    assert "P2P transfers (in and out) ran" in f["reason"]
+    assert "its P2P link's transfers (in and out) ran" in f["reason"]
 
 
 def test_the_slowdown_estimate_is_the_bulk_transfers(throttled: dict[str, Any]) -> None:

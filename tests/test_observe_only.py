@@ -254,3 +254,18 @@ def test_a_model_said_after_iterations_were_judged_is_a_mismatch_not_a_switch(tm
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     said = [e["reason"] for e in events if e["event"] == "model-mismatch"]
     assert said and "resihp launch --model" in said[0] and "has judged iterations" in said[0]
+
+
+def test_a_degraded_finding_is_logged_and_counted_but_never_planned_on(tmp_path: Path) -> None:
+    core, engine = _core(tmp_path)
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True)
+                                                               for r in range(4))))
+    engine.script[3] = m.FindingInfo(3, "degraded", (2,), "communication", 2.0, "rank 2: costs 0.3 %", 5.0,
+                                     stage=0, replica=2, extra={"evidence": {"cost_share": 0.003}})
+    for it in range(6):
+        _step(core, conn, it)
+    assert engine.decisions == 0 and core.state is State.RUNNING
+    assert not [c for c in _sent(conn) if not isinstance(c, m.NoticeCommand)]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events if e["event"] == "finding"] == ["degraded"]
+    assert core.metrics.render().count('resihp_findings_total{job="job",kind="degraded"} 1') == 1

@@ -312,3 +312,18 @@ def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_repl
     finding = SimpleNamespace(kind="fail-slow", ranks=(2,), factor=1.96, cause="compute", time_s=0.0)
     d = decide(cluster, spec, GlobalBatch(8, 128), current, finding, 0.0, cfg)
     assert d.level == "full-replan" and d.plan.describe() == res.plan.describe(), d.reason
+
+
+def test_a_re_plan_wins_back_at_most_what_the_finding_says_the_fault_costs(healthy: tuple[Cluster, Plan]) -> None:
+    """The detector prices each fail-slow finding (evidence.cost_share: the schedule with that
+    rank slow against all healthy). A 3x slow device whose finding says it costs the job 0.1 %
+    of the iteration is not worth moving state for, whatever the planner's own pricing says."""
+    cluster, current = healthy
+    assert decide(cluster, SPEC, BATCH, current, slow(factor=3.0), 0.0).act
+    cheap = slow(factor=3.0)
+    cheap.extra = {"evidence": {"cost_share": 0.001}}
+    d = decide(cluster, SPEC, BATCH, current, cheap, 0.0)
+    assert not d.act and "gains only" in d.reason
+    dear = slow(factor=3.0)
+    dear.extra = {"evidence": {"cost_share": 2.0}}
+    assert decide(cluster, SPEC, BATCH, current, dear, 0.0).act

@@ -50,6 +50,10 @@ class DetectorConfig:
     # co-tenant load slows every rank at once, which no re-plan can route around
     peer_common_slowdown: bool = False
 
+    # a fail-slow finding whose predicted cost (seconds per iteration the job loses to it, from
+    # the schedule simulation, over the healthy iteration) is below this share is `degraded`:
+    # logged and counted, but no re-plan is asked for (moving state costs more than it saves)
+    impact_floor: float = 0.01
     # noise-adaptive judging (coordinator/detector/noise.py): each rank's compute and link ratios
     # are judged against their own healthy median and spread, relative to the iteration's peers,
     # by a multi-scale shift test; False: the fixed thresholds above, consecutive iterations.
@@ -79,7 +83,7 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
-        for name, lo, hi in (("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
+        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
                              ("prior_spread", 1e-4, 10.0), ("min_spread", 0.0, 10.0)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi):

@@ -37,6 +37,7 @@ Pure: numpy only, deterministic, time comes in as ``now``.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +48,7 @@ from resihp.coordinator.detector.evidence import (
     PlanIndex,
     batch_features,
     rank_work,
+    split_dp_wait,
     timings_from_record,
 )
 from resihp.coordinator.detector.idle import IdleRankVerdicts
@@ -97,6 +99,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1
         self._pending: tuple[FloatArray, FloatArray] | None = None
+        self._recent: deque[tuple[FloatArray, FloatArray]] = deque(maxlen=8)  # for a finding's cost
         self.last: dict[str, float] = {}  # the latest iteration's predictions (for tools and benchmarks)
         # re-warming: each rank's work and calibration tag, the plan generation, the first
         # iteration re-warming keys learn from, the job-level key's learning iterations left
@@ -145,6 +148,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self.index = PlanIndex(plan, self._nodes, self._tags)
         self.predictor.reindex(self.index)
         self.noise.remap(self.index.ranks, set(changed))
+        self._recent.clear()  # shaped by the old plan
         if changed or iteration is not None:
             # the switch iteration itself (state transfer, new communicators, cold caches)
             # is judged by nobody and teaches nothing
@@ -233,6 +237,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._last_iter = t.iteration
         self._set_clock(now)
         ix, pred = self.index, self.predictor
+        split_dp_wait(t, ix)  # the DP ring is judged by its transfer, not by a late replica's wait
         tok, ssq = batch_features(t.seqlens, ix.M)
         level = "chunks" if t.compute is not None else "rank_step" if t.rank_step is not None else "iteration"
         if level != self._level:

@@ -33,6 +33,8 @@ class IterationTimings:
     compute[n, v, k, m]: rank n's own busy time of kind k (F, B, W) of chunk v, micro-batch m.
     p2p[n, v, d, m]: the inbound transfer before that F (d=0) or B (d=1) on rank n.
     dp[n], opt[n]: gradient all-reduce and optimizer step; rank_step[n]: whole-step busy time.
+    dp_start[n]: when rank n entered the all-reduce; dp_wait[n]: how long of its span it
+    waited for the ring's last member (``split_dp_wait`` sets it and leaves dp the transfer).
     tp_wait[n]: seconds rank n's compute spans spent inside TP collectives (its ``TP``
     chunks); None when no rank recorded any.
     """
@@ -47,6 +49,10 @@ class IterationTimings:
     opt: FloatArray | None = None
     rank_step: FloatArray | None = None
     tp_wait: FloatArray | None = None
+    # when each rank entered its DP all-reduce (from the iteration's start); with it the span's
+    # wait for the ring's last arriver is told from the transfer (``split_dp_wait``)
+    dp_start: FloatArray | None = None
+    dp_wait: FloatArray | None = None
 
 
 class PlanIndex:
@@ -149,6 +155,11 @@ class PlanIndex:
         for i, p in enumerate(positions):
             self.group_of[i] = groups.setdefault((p.replica, p.stage), len(groups))
         self.n_groups = len(groups)
+        # DP rings: the ranks of one (stage, TP index) across replicas all-reduce together
+        rings: dict[tuple[int, int], int] = {}
+        self.ring = np.array([rings.setdefault((p.stage, p.tp_index), len(rings)) for p in positions],
+                             dtype=np.int64)
+        self.n_rings = max(1, len(rings))
         self.group_key = list(groups)
         self.group_leader = np.zeros(self.n_groups, dtype=np.int64)
         for (r_idx, s_idx), g_id in groups.items():
@@ -184,6 +195,7 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
         compute = np.full((n, V, 3, M), np.nan)
         p2p = np.full((n, V, 2, M), np.nan)
         dp = np.full(n, np.nan)
+        dp_start = np.full(n, np.nan)
         opt = np.full(n, np.nan)
         pending: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
         tp_wait: FloatArray | None = None
@@ -195,6 +207,7 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
             kind = c.kind
             if kind == "DP":
                 dp[i] = c.end_s - c.start_s
+                dp_start[i] = c.start_s
             elif kind == "OPT":
                 opt[i] = c.end_s - c.start_s
             elif kind == "TP":
@@ -221,6 +234,7 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
                 d = FWD if has_f else BWD
                 p2p[i, v, d, m] = spans[0][1] - spans[0][0]
         out.compute, out.p2p, out.dp, out.opt, out.tp_wait = compute, p2p, dp, opt, tp_wait
+        out.dp_start = dp_start if np.isfinite(dp_start).any() else None
     if rec.rank_step_s:
         steps = np.full(n, np.nan)
         for r, t in rec.rank_step_s.items():
@@ -229,6 +243,25 @@ def timings_from_record(rec: IterationRecord, index: PlanIndex) -> IterationTimi
                 steps[i] = t
         out.rank_step = steps
     return out
+
+
+def split_dp_wait(t: IterationTimings, index: PlanIndex) -> None:
+    """A DP all-reduce span timed from when *this* rank entered it holds the wait for the
+    ring's last arriver; only what follows that arrival is the ring's transfer. Sets
+    ``t.dp`` to the transfer and ``t.dp_wait`` to the wait (evidence against the late
+    replica, not the ring). Rings are the ranks of one (stage, TP index); a ring with one
+    timed member, or spans without starts, are left as they are."""
+    if t.dp is None or t.dp_start is None or t.dp_wait is not None:
+        return
+    start = np.where(np.isfinite(t.dp) & np.isfinite(t.dp_start), t.dp_start, np.nan)
+    last = np.full(index.n_rings, -np.inf)
+    np.fmax.at(last, index.ring, np.nan_to_num(start, nan=-np.inf))
+    counts = np.bincount(index.ring, weights=np.isfinite(start).astype(np.float64), minlength=index.n_rings)
+    arrived = last[index.ring]
+    ok = np.isfinite(start) & (counts[index.ring] >= 2)
+    wait = np.where(ok, np.clip(arrived - start, 0.0, t.dp), 0.0)
+    t.dp_wait = wait
+    t.dp = t.dp - wait
 
 
 def group_all(mask: npt.NDArray[np.bool_], index: PlanIndex) -> npt.NDArray[np.bool_]:

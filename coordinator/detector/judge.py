@@ -9,6 +9,7 @@ inherits this; it is split out only to keep modules small. Pure.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,9 @@ class IterationJudge:
     _job: JobTrack
     _rw_from: int
     noise: NoiseModel  # per-key healthy spreads (config.adaptive)
+    _recent: deque[tuple[FloatArray, FloatArray]]  # the last judged iterations' predictions
+    _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
+    _level_name: str = ""  # the evidence level of the latest judged iteration
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
@@ -63,6 +67,8 @@ class IterationJudge:
         p_p2p = pred.p2p(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
+        self._tp_evidence = t.tp_wait is not None
+        self._level_name = "chunks"
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
             comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
         if c.peer_relative:
@@ -100,6 +106,7 @@ class IterationJudge:
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
         self._pending = (p_comp, p_p2p)
+        self._recent.append(self._pending)  # what a finding's cost is averaged over
         self.last = {"observed_iteration_s": t.time_s}
         ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
@@ -209,6 +216,7 @@ class IterationJudge:
     def _judge_steps(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.rank_step is not None
         c = self.config
+        self._level_name = "rank_step"
         pred = self.predictor
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = t.rank_step / pred.rank_step(tok, ssq)
@@ -354,17 +362,78 @@ class IterationJudge:
                           f"(was {self._cause_text(cause)} {self._factor_text(members)})")
                 f = Finding(t.iteration, kind, ranks, stage, rep_opt, group_opt, 1.0, cause, reason, evidence, now)
             else:
-                what = {"compute": "F/B/W compute ran", "communication": "P2P transfers (in and out) ran",
-                        "unknown": "step took"}[cause]
+                what = self._evidence_text(cause, members)
                 reason = (f"{who}: {what} {factor:.2f}x the time the calibrated cost model predicts for the "
                           f"batches it ran, for {int(evidence['suspect_iterations'])} consecutive iterations")
                 if "predicted_iteration_s" in self.last:
                     reason += (f"; iteration {t.time_s:.2f} s vs {self.last['predicted_iteration_s']:.2f} s predicted "
                                f"with every device healthy")
-                f = Finding(t.iteration, kind, ranks, stage, rep_opt, group_opt, factor, cause, reason, evidence, now)
+                cost = self._impact(members, factor, cause, rep_opt is None, evidence.get("dp_ratio", 1.0))
+                said: FindingKind = kind
+                if cost is not None:
+                    evidence["cost_s"], evidence["cost_share"] = cost
+                    reason += f"; it costs the job {cost[0] * 1e3:.1f} ms per iteration ({cost[1]:.1%})"
+                    if cost[1] < self.config.impact_floor:
+                        said = "degraded"
+                        reason += f", below the {self.config.impact_floor:.0%} floor: degraded, not worth a re-plan"
+                f = Finding(t.iteration, said, ranks, stage, rep_opt, group_opt, factor, cause, reason, evidence, now)
             log.info("%s -> %s: %s", ranks, "SLOW" if kind == "fail-slow" else "HEALTHY", f.reason)
             out.append(f)
         return out
+
+    def _impact(self, members: list[int], factor: float, cause: str, ring: bool,
+                dp_ratio: float = 1.0) -> tuple[float, float] | None:
+        """(seconds per iteration the job loses to ``members`` running at ``factor``, that over
+        the healthy iteration), averaged over the last judged iterations' batches (which
+        replica is the longest changes with the batch): the compiled schedule over the
+        predicted op and transfer times, each rank's DP all-reduce and optimizer step after
+        its own last op, with the members' ops (compute) or transfers (link: in and out, and
+        their DP rings by the ratio measured on them; DP ring: its all-reduce) stretched,
+        against every device healthy. None without per-op predictions (coarser evidence)."""
+        if not self._recent or cause not in ("compute", "communication"):
+            return None
+        ix, pred = self.index, self.predictor
+        idx = np.asarray(members, dtype=np.int64)
+        # the schedule reads each TP group's op from its leader's row: a group's op lasts as
+        # long as its slowest member
+        lead = ix.group_leader[ix.group_of[idx]]
+        dp, opt = np.nan_to_num(pred.dp()), np.nan_to_num(pred.opt())
+        rings = np.isin(ix.ring, ix.ring[idx])  # an all-reduce is as slow as its slowest member
+        costs, shares = [], []
+        for p_comp, p_p2p in self._recent:
+            healthy = pred.iteration_by_rank(p_comp, p_p2p, dp, opt)
+            if not np.isfinite(healthy) or healthy <= 0:
+                continue
+            if cause == "compute":
+                c2 = p_comp.copy()
+                c2[lead] *= factor
+                slow = pred.iteration_by_rank(c2, p_p2p, dp, opt)
+            elif ring:
+                slow = pred.iteration_by_rank(p_comp, p_p2p, np.where(rings, dp * factor, dp), opt)
+            else:
+                p2 = p_p2p.copy()
+                touched = np.concatenate([idx, ix.fwd_recv[idx], ix.bwd_recv[idx]])
+                touched = touched[touched >= 0]
+                p2[ix.group_leader[ix.group_of[touched]]] *= factor
+                # a slow NIC slows its rank's DP ring as well, by the ratio measured on it
+                ratio = dp_ratio if np.isfinite(dp_ratio) and dp_ratio > 1.0 else 1.0
+                slow = pred.iteration_by_rank(p_comp, p2, np.where(rings, dp * ratio, dp), opt)
+            costs.append(max(0.0, slow - healthy))
+            shares.append(costs[-1] / healthy)
+        if not costs:
+            return None
+        return float(np.mean(costs)), float(np.mean(shares))
+
+    def _evidence_text(self, cause: str, members: list[int]) -> str:
+        """What the finding rests on, named: compute (with TP collective waits taken off), the
+        P2P link, the DP ring's transfer (from its last member's arrival), or the step alone."""
+        if cause == "compute":
+            return "compute (F/B/W ops" + (", TP collective waits taken off)" if self._tp_evidence else ")") + " ran"
+        if cause == "communication":
+            if all(self._dp_only[i] for i in members):
+                return "its DP ring's all-reduce (the transfer after the last member arrived) ran"
+            return "its P2P link's transfers (in and out) ran"
+        return "its step (no per-op timings) took" if self._level_name == "rank_step" else "its step took"
 
     def _cause_text(self, cause: str) -> str:
         return {"compute": "compute-slow", "communication": "link-slow"}.get(cause, "slow")

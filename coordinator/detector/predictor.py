@@ -438,6 +438,22 @@ class Predictor:
         self._gather_cache = out
         return out
 
+    def iteration_by_rank(self, pred_compute: FloatArray, pred_p2p: FloatArray, dp: FloatArray,
+                          opt: FloatArray) -> float:
+        """Predicted iteration seconds with each rank's own tail: the latest over ranks of
+        (its TP group's last op end in the schedule + its DP all-reduce + its optimizer step).
+        Finer than ``iteration`` (which adds the largest tail to the longest pipeline), for
+        pricing a slowdown whose ring or stage has slack."""
+        ix = self.index
+        ends = np.zeros(ix.n)
+        for _shape, (prog, _reps, rows, chunk, kind, mb, dirs) in self._gathers().items():
+            dur = pred_compute[rows, chunk, kind, mb]
+            hop = np.nan_to_num(pred_p2p[rows, chunk, dirs, mb])
+            _, end = prog.evaluate(np.nan_to_num(dur), hop)
+            np.maximum.at(ends, rows.ravel(), end.ravel())
+        ends = ends[ix.group_leader[ix.group_of]]
+        return float(np.max(ends + np.nan_to_num(dp) + np.nan_to_num(opt)))
+
     def iteration(self, pred_compute: FloatArray, pred_p2p: FloatArray) -> tuple[float, FloatArray]:
         """(predicted iteration seconds, predicted pipeline makespan per replica) with every
         device healthy: the schedule over predicted op and hop times, then DP and optimizer."""

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Literal
 
-FindingKind = Literal["fail-slow", "fail-stop", "recovered"]
+# degraded: a fail-slow whose predicted cost is below DetectorConfig.impact_floor (not acted on)
+FindingKind = Literal["fail-slow", "fail-stop", "recovered", "degraded"]
 
 
 class RankState(IntEnum):

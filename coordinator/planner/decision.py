@@ -264,6 +264,18 @@ def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig
     return res.plan, res.move, res.iteration_s
 
 
+def _finding_cost_cap(finding: Any | None) -> float | None:
+    """The most a re-plan can gain against a fail-slow finding that says what it costs
+    (``evidence.cost_share`` s: the iteration is 1 + s times the healthy one, so at most
+    s / (1 + s) of it can be won back); None when it does not say."""
+    extra = getattr(finding, "extra", None)
+    evidence = extra.get("evidence") if isinstance(extra, dict) else None
+    share = evidence.get("cost_share") if isinstance(evidence, dict) else None
+    if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+        return None
+    return float(share) / (1.0 + float(share))
+
+
 def decide(
     cluster: Cluster,
     model: ModelSpec,
@@ -310,9 +322,14 @@ def decide(
             raise SpecError(f"planner: {what}, and no layout of the healthy devices can run the model")
         return keep(f"{what}; no alternative layout is feasible, keeping the current plan")
     must_act = bool(problems)
+    # the detector's price of the finding (the schedule simulation with that rank slow against
+    # all healthy): routing around the fault wins back at most what it costs
+    cap = _finding_cost_cap(finding)
     scored = []
     for c in cands:
         gain = 1.0 if before == INF else max(0.0, 1.0 - c.iteration_s / before)
+        if not must_act and cap is not None:
+            gain = min(gain, cap)
         scored.append((c, gain, gain * remaining - c.cost_s * (1.0 + undo)))
     if must_act:
         # after a fail-stop: the fastest plan, the cheaper rung on near-ties (ladder order)

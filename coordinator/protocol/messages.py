@@ -261,7 +261,7 @@ class FindingInfo:
     Decoupled from the detector's own type so the service works with any engine."""
 
     iteration: int
-    kind: str  # fail-slow | fail-stop | recovered
+    kind: str  # fail-slow | fail-stop | recovered | degraded (a fail-slow under the impact floor)
     ranks: tuple[int, ...]
     cause: str = "unknown"
     factor: float = 1.0

@@ -437,6 +437,8 @@ class CoordinatorCore(PlanFlow, ObserveFlow):
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
+            if f.kind == "degraded":  # costs under the floor: logged and counted, not worth moving state for
+                continue
             observe_only = self.observe_only()
             if observe_only:  # reported, never acted on: no plan, no command, no abort
                 self._observe(f, observe_only)

@@ -204,6 +204,7 @@ class WorkloadConfig:
     faults: tuple[Fault, ...] = ()
     heartbeats: bool = True
     heartbeat_timeout_s: float = 30.0  # how long the trace runs on after a silent stop
+    heartbeat_interval_s: float = 1.0  # a rank's heartbeats while the job hangs (the hooks beat every second)
     documents: tuple[int, ...] | None = None  # document lengths to pack (default: the stdlib's .py files)
 
     def __post_init__(self) -> None:
@@ -241,7 +242,7 @@ def generate(cfg: WorkloadConfig) -> Iterator[IterationRecord | HeartbeatEvent |
             if stop.exit_event:
                 yield ExitEvent(stop.rank, t_die, -9)
             if cfg.heartbeats:  # the others keep beating while the job hangs
-                beat = 0.25 * cfg.heartbeat_timeout_s
+                beat = cfg.heartbeat_interval_s
                 t = now
                 while t < t_die + 1.5 * cfg.heartbeat_timeout_s:
                     t += beat

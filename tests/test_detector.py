@@ -148,9 +148,36 @@ def test_heartbeat_timeout_uses_the_injected_clock() -> None:
 
 
 def test_silent_stop_in_a_generated_trace() -> None:
+    """A rank stops without exiting (SIGSTOP, a frozen host): the job makes no progress, its
+    peers beat on. It is named within two iterations and a second of its stop, long before
+    the heartbeat timeout (30 s), cause no-progress."""
     cfg = _cfg((Fault("stop", 4, 15, exit_event=False),), heartbeats=True)
+    recs = records_list(cfg)
+    its = [r for r in recs if isinstance(r, IterationRecord)]
+    usual = sorted(r.time_s for r in its)[len(its) // 2]
+    died = its[-1].start_s + its[-1].time_s + 0.4 * its[-1].time_s  # the generator's stop time
     _, found, _ = _replay(cfg)
-    assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-stop", (4,), "heartbeat")]
+    assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-stop", (4,), "no-progress")]
+    assert found[0].time_s - died <= 2 * usual + 1.0
+    assert "heartbeats stopped" in found[0].reason and "peers' go on" in found[0].reason
+
+
+def test_no_progress_with_every_rank_beating_names_nobody() -> None:
+    """A long stall in which every rank keeps beating (a checkpoint, a collective stuck
+    everywhere) is not pinned on anyone by the heartbeats: only the timeout rules it."""
+    det = Detector(make_header(_cfg()), DetectorConfig())
+    for it in range(3):
+        det.observe_timings(_flat_timings(det, it, 2.0), now=2.0 * (it + 1))
+    for t in range(7, 20):
+        for r in PLAN.ranks():
+            det.observe(HeartbeatEvent(r, float(t)), now=float(t))
+        assert det.tick(float(t)) == []
+
+
+def _flat_timings(det: Detector, it: int, time_s: float) -> Any:
+    from resihp.coordinator.detector.evidence import IterationTimings
+
+    return IterationTimings(it, 2.0 * it, time_s, tuple(((1024,),) * rep.microbatches for rep in PLAN.replicas))
 
 
 def test_rank_speed_and_plan_change_keep_state() -> None:

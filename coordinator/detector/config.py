@@ -33,6 +33,11 @@ class DetectorConfig:
     # at one micro-batch per iteration that is min_samples, and one odd iteration is 1/8 of a robust fit
     rewarm_iters: int = 8
     heartbeat_timeout_s: float = 30.0
+    # no progress (no iteration) for max(hang_iters x the iteration's usual time, hang_floor_s):
+    # a rank whose heartbeats stopped while its peers' go on holds the job up (SIGSTOP, a frozen
+    # host) and is declared fail-stop, cause no-progress, long before heartbeat_timeout_s
+    hang_iters: float = 2.0
+    hang_floor_s: float = 1.0
     # how long the slow verdict of a rank a re-plan left out stands when nothing observes it (a
     # rank that does not probe, or one slow because of its links): Greyhound's mean compute
     # fail-slow lasts 10 minutes. After it the next re-plan may use the rank again and its
@@ -83,7 +88,7 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
-        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
+        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("hang_iters", 1.0, 1000.0), ("hang_floor_s", 0.0, 3600.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
                              ("prior_spread", 1e-4, 10.0), ("min_spread", 0.0, 10.0)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi):

@@ -100,6 +100,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._last_iter = -1
         self._pending: tuple[FloatArray, FloatArray] | None = None
         self._recent: deque[tuple[FloatArray, FloatArray]] = deque(maxlen=8)  # for a finding's cost
+        self._progress_at: float | None = None  # when the latest iteration was observed
+        self._iter_times: deque[float] = deque(maxlen=16)  # the latest iterations' times
         self.last: dict[str, float] = {}  # the latest iteration's predictions (for tools and benchmarks)
         # re-warming: each rank's work and calibration tag, the plan generation, the first
         # iteration re-warming keys learn from, the job-level key's learning iterations left
@@ -173,6 +175,12 @@ class Detector(IterationJudge, IdleRankVerdicts):
             return []
         raise TypeError(f"Detector.observe: not a trace record: {record!r}")
 
+    def _progress(self, time_s: float, now: float) -> None:
+        """An iteration ended at ``now``: the job makes progress."""
+        self._progress_at = now
+        if np.isfinite(time_s) and time_s > 0:
+            self._iter_times.append(float(time_s))
+
     def _beat(self, rank: int, t: float) -> None:
         if not self._beats_on:  # heartbeats are on for this job: every rank starts its clock now
             self._beats_on = True
@@ -188,6 +196,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._lapsed = []
         if not self._beats_on:
             return out
+        out += self._no_progress(now)
         timeout = self.config.heartbeat_timeout_s
         for i, r in enumerate(self.index.ranks):
             last = self._last_beat.get(r)
@@ -197,6 +206,47 @@ class Detector(IterationJudge, IdleRankVerdicts):
             out.append(self._stop_finding(r, "heartbeat", now,
                                           f"no heartbeat from rank {r} for {now - last:.1f} s (timeout {timeout:g} s)",
                                           {"silence_s": now - last, "timeout_s": timeout}))
+        return out
+
+    def hang_after_s(self) -> float:
+        """How long without an iteration is a hang: ``hang_iters`` times the usual iteration
+        (the median of the latest observed ones), at least ``hang_floor_s``."""
+        usual = float(np.median(self._iter_times)) if self._iter_times else 0.0
+        return max(self.config.hang_iters * usual, self.config.hang_floor_s)
+
+    def _no_progress(self, now: float) -> list[Finding]:
+        """A job with no iteration for ``hang_after_s`` is stuck. In a synchronous job every
+        rank stops reporting at once, so the rank that holds it up is the one whose heartbeats
+        stopped while its peers' go on: heartbeats come from a thread beside the training
+        loop, so a rank stuck in a collective keeps beating, a stopped process (SIGSTOP) or a
+        frozen host does not. It is declared fail-stop, cause no-progress. When every rank
+        beats on (a stuck kernel or collective with no silent rank) nothing is named here."""
+        if self._progress_at is None or not self._iter_times:
+            return []
+        stalled = now - self._progress_at
+        wait = self.hang_after_s()
+        if stalled <= wait:
+            return []
+        alive = [(i, r) for i, r in enumerate(self.index.ranks)
+                 if self.state[i] != RankState.DEAD and r in self._last_beat]
+        if len(alive) < 2:
+            return []
+        quiet = {r: now - self._last_beat[r] for _, r in alive}
+        usual = float(np.median(list(quiet.values())))  # most ranks beat on
+        # silent well beyond the usual beat gap, since about when the job stopped
+        margin = max(1.0, 0.5 * wait)
+        held = [(i, r) for i, r in alive if quiet[r] > usual + margin and quiet[r] >= 0.5 * stalled]
+        if not held or len(held) * 2 > len(alive):
+            return []
+        out = []
+        for i, r in held:
+            self.state[i] = RankState.DEAD
+            out.append(self._stop_finding(
+                r, "no-progress", now,
+                f"no iteration for {stalled:.1f} s ({self.config.hang_iters:g} iterations of {wait / self.config.hang_iters:.2f} s"
+                f" or {self.config.hang_floor_s:g} s); rank {r}'s heartbeats stopped {quiet[r]:.1f} s ago while its "
+                f"peers' go on (last {usual:.1f} s ago): a stopped process or frozen host holds the job up",
+                {"stalled_s": stalled, "silence_s": quiet[r], "peers_silence_s": usual, "hang_after_s": wait}))
         return out
 
     def _exit(self, ev: ExitEvent, now: float) -> list[Finding]:
@@ -236,6 +286,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         """The detector's per-iteration work on dense arrays (what ``observe`` converts to)."""
         self._last_iter = t.iteration
         self._set_clock(now)
+        self._progress(t.time_s, now)
         ix, pred = self.index, self.predictor
         split_dp_wait(t, ix)  # the DP ring is judged by its transfer, not by a late replica's wait
         tok, ssq = batch_features(t.seqlens, ix.M)

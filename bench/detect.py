@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer runs (a smoke test, not the reported numbers)")
     ap.add_argument("--adaptive", action="store_true",
                     help="judge with noise-adaptive thresholds (DetectorConfig.adaptive; docs/detector.md)")
+    ap.add_argument("--sweep-runs", type=int, default=None,
+                    help="runs per cell of the noise x fault sweep (default 3, 1 with --quick, 0 = no sweep)")
     args = ap.parse_args(argv)
     global DETECTOR
     DETECTOR = DetectorConfig(adaptive=args.adaptive)
@@ -391,6 +393,17 @@ def main(argv: list[str] | None = None) -> int:
                  and not any(f.rank in x.ranks for f in r.faults)]
         for x in extra:
             print(f"  false alarm in {r.name}: it {x.iteration} {x.kind} {x.ranks} {x.cause} {x.factor:.3f}")
+    per_cell = args.sweep_runs if args.sweep_runs is not None else (1 if args.quick else 3)
+    worst: dict[str, object] = {}
+    if per_cell > 0:
+        import detect_sweep
+
+        cells: dict[tuple[str, str], detect_sweep.Cell] = {}
+        for noise, kind, cfg in detect_sweep.configs(MODEL, PLANS, per_cell):
+            r = run(f"sweep/{noise}/{kind}", cfg)
+            detect_sweep.score(cells, noise, kind, cfg.faults, r.findings, r.iterations)
+        print(f"robustness sweep ({per_cell} run(s) per cell, faults from iteration {detect_sweep.START}):")
+        worst = detect_sweep.table(cells)
     print(f"wall time {time.perf_counter() - t_start:.1f} s")
     print(json.dumps({
         "f1": round(ours["f1"], 4),
@@ -411,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         "detect_ms_per_iter_4096": round(ms4096, 3),
         "probe_startup_us_16k": round(probe_us, 2),
         "probe_idle_ms_16k": round(idle_ms, 2),
+        "detector": "adaptive" if args.adaptive else "fixed thresholds",
+        **worst,
     }))
     return 0
 

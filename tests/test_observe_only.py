@@ -269,3 +269,44 @@ def test_a_degraded_finding_is_logged_and_counted_but_never_planned_on(tmp_path:
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in events if e["event"] == "finding"] == ["degraded"]
     assert core.metrics.render().count('resihp_findings_total{job="job",kind="degraded"} 1') == 1
+
+
+def test_a_stopped_rank_that_holds_the_job_up_is_named_in_seconds_not_at_the_heartbeat_timeout(
+        tmp_path: Path) -> None:
+    """SIGSTOP of one rank: no iteration comes, its heartbeats stop while its peers' go on. The
+    coordinator names it fail-stop, cause no-progress, once the stall exceeds the hang time
+    (2 usual iterations, at least 1 s) and its silence stands out — not after the heartbeat
+    timeout (30 s here) — and an observe-only job's trainers get a peer-failure notice."""
+    clock = [1000.0]
+    cfg = CoordinatorConfig(world_size=4, pp=1, run_dir=str(tmp_path), apply_lead_s=0.01, heartbeat_timeout_s=30.0)
+    plan = Plan.uniform(1, 1, 4, 4, 4)
+    engine = ScriptedEngine(plan, 4)
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: clock[0])
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=False)
+                                                               for r in range(4))))
+
+    def beat(ranks: tuple[int, ...]) -> None:
+        core.on_batch(conn, m.AgentBatch(heartbeat=m.AgentHeartbeat(
+            clock[0], tuple(m.RankHeartbeat(r, clock[0], 5) for r in ranks))))
+
+    for it in range(6):  # 0.2 s iterations
+        clock[0] += 0.2
+        core.on_batch(conn, m.AgentBatch(reports=tuple(
+            m.RankReport(r, 0, it, clock[0] - 0.2, 0.2, ((64, 64),)) for r in range(4))))
+        core.tick()
+    stopped_at = clock[0]
+    found: list[m.Command] = []
+    while clock[0] < stopped_at + 10.0:
+        clock[0] += 0.5
+        beat((0, 1, 3))  # rank 2 is stopped
+        core.tick()
+        found = [c for c in _sent(conn) if isinstance(c, m.NoticeCommand) and c.kind == "peer-failure"]
+        if found:
+            break
+    assert found and found[0].rank == 2 and found[0].cause == "no-progress"
+    assert clock[0] - stopped_at <= 3.0  # hang time 1 s + silence beyond the peers' by 1 s, on 0.5 s ticks
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    stop = [e for e in events if e["event"] == "finding" and e["kind"] == "fail-stop"]
+    assert [(s["ranks"], s["cause"]) for s in stop] == [([2], "no-progress")]
+    assert "while its peers beat on" in stop[0]["reason"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -74,6 +75,21 @@ from resihp.coordinator.model.trace import (
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
+
+
+def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float]) -> list[int]:
+    """The ranks that hold up a job with no iteration for ``stalled_s`` (a hang once it
+    exceeds ``wait_s``), from how long each live rank has been silent: silent for more than
+    max(1 s, half the wait) beyond the ranks' usual silence (their median: most beat on) and
+    for at least half the stall. None when the job is not stalled, when fewer than two ranks
+    are heard, or when as many as half are silent (that is not one rank holding the rest).
+    Pure: the detector and the coordinator's own liveness clock both use it."""
+    if stalled_s <= wait_s or len(silence_s) < 2:
+        return []
+    usual = float(np.median(list(silence_s.values())))
+    margin = max(1.0, 0.5 * wait_s)
+    held = sorted(r for r, q in silence_s.items() if q > usual + margin and q >= 0.5 * stalled_s)
+    return held if 2 * len(held) < len(silence_s) else []
 
 
 class Detector(IterationJudge, IdleRankVerdicts):
@@ -227,19 +243,12 @@ class Detector(IterationJudge, IdleRankVerdicts):
         wait = self.hang_after_s()
         if stalled <= wait:
             return []
-        alive = [(i, r) for i, r in enumerate(self.index.ranks)
-                 if self.state[i] != RankState.DEAD and r in self._last_beat]
-        if len(alive) < 2:
-            return []
-        quiet = {r: now - self._last_beat[r] for _, r in alive}
-        usual = float(np.median(list(quiet.values())))  # most ranks beat on
-        # silent well beyond the usual beat gap, since about when the job stopped
-        margin = max(1.0, 0.5 * wait)
-        held = [(i, r) for i, r in alive if quiet[r] > usual + margin and quiet[r] >= 0.5 * stalled]
-        if not held or len(held) * 2 > len(alive):
-            return []
+        quiet = {r: now - self._last_beat[r] for i, r in enumerate(self.index.ranks)
+                 if self.state[i] != RankState.DEAD and r in self._last_beat}
+        usual = float(np.median(list(quiet.values()))) if quiet else 0.0
         out = []
-        for i, r in held:
+        for r in hang_culprits(stalled, wait, quiet):
+            i = self.index.pos[r]
             self.state[i] = RankState.DEAD
             out.append(self._stop_finding(
                 r, "no-progress", now,

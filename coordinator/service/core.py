@@ -24,6 +24,7 @@ from resihp.coordinator.service.config import CoordinatorConfig
 from resihp.coordinator.service.engine import Engine
 from resihp.coordinator.service.joiner import Joiner, LayoutCheck
 from resihp.coordinator.service.journal import EventLog, Journal, JournalState
+from resihp.coordinator.service.liveness import LivenessFlow
 from resihp.coordinator.service.metrics import Registry
 from resihp.coordinator.service.observe import ObserveFlow
 from resihp.coordinator.service.planning import PlanFlow
@@ -34,7 +35,7 @@ from resihp.coordinator.service.trace_sink import TraceSink
 log = logging.getLogger(__name__)
 
 
-class CoordinatorCore(PlanFlow, ObserveFlow):
+class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
     def __init__(self, config: CoordinatorConfig, plan: Plan, engine: Engine, journal: Journal, events_path: Any,
                  registry: Registry, clock: Callable[[], float]) -> None:
         self.config = config
@@ -78,6 +79,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow):
         self.last_finding: m.FindingInfo | None = None
         self.model_json = ""  # the ModelSpec the trainers said they train (coordinator/service/observe.py)
         self._own_loop_detection = False  # noise-adaptive detection was set up for an observe-only job
+        self._progress_at: float | None = None  # when the latest iteration record was joined
         self._layout = LayoutCheck(open=not self.resumed and self.seq == 0)  # the trainers' layout vs the plan
         self.listeners: list[Callable[[str, Any], None]] = []  # tests and the bench observe findings here
         self.trace: TraceSink | None = None  # the job's joined trace (service.py opens <run-dir>/trace.jsonl)
@@ -351,6 +353,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow):
         return False
 
     def _on_record(self, rec: Any, now: float) -> None:
+        self._progress_at = now  # the job makes progress (hang detection)
         built = self.joiner.epoch_of.pop(rec.iteration, None)  # the plan epoch the record was built with
         judge = self._judgeable(rec, built, now)
         if self.trace is not None:
@@ -467,6 +470,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow):
         with self.lock:
             now = self.now()
             found = self.engine.tick(now)
+            found += self._hung(now)
             timeout = float(self.policy["heartbeat_timeout_s"])
             for r, info in self.ranks.items():
                 if info.dead or info.finished or info.last_seen is None:

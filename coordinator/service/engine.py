@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -72,6 +73,7 @@ class Engine(Protocol):
                nodes: Mapping[int, str]) -> EngineDecision: ...
     def set_plan(self, plan: Plan, iteration: int) -> None: ...
     def set_model(self, header: TraceHeader) -> None: ...  # the trainers' model, before any iteration is judged
+    def hang_after_s(self) -> float: ...  # no iteration for this long is a hang (detector "Hangs")
     def policy(self) -> dict[str, str]: ...
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]: ...
     def profile_text(self) -> str: ...  # what prices the planner's plans (admin status)
@@ -117,6 +119,7 @@ class RuleEngine:
         self.plan = header.plan
         self._tracks: dict[int, _RankTrack] = {d.rank: _RankTrack() for d in header.devices}
         self._since_plan = 0
+        self._iter_times: deque[float] = deque(maxlen=16)  # the latest iterations' times (hang_after_s)
 
     # --- detection --------------------------------------------------------------------
     def _track(self, rank: int) -> _RankTrack:
@@ -139,6 +142,8 @@ class RuleEngine:
         return self._iteration(record, now)
 
     def _iteration(self, rec: IterationRecord, now: float) -> list[FindingInfo]:
+        if rec.time_s > 0:
+            self._iter_times.append(rec.time_s)
         for rank in rec.rank_step_s:
             self._track(rank).last_seen = now
         self._since_plan += 1
@@ -236,6 +241,10 @@ class RuleEngine:
 
     def set_model(self, header: TraceHeader) -> None:
         RuleEngine.__init__(self, header, self.config)  # nothing judged yet: start afresh
+
+    def hang_after_s(self) -> float:
+        times = sorted(self._iter_times)
+        return max(2.0 * times[len(times) // 2], 1.0) if times else float("inf")
 
     def readmit(self, rank: int) -> bool:
         tr = self._tracks.get(rank)

@@ -87,6 +87,10 @@ class RealEngine:
         return ProfileFitter(header.model, header.plan, intra_node_bw_Bps=cfg["intra_node_bw_Bps"],
                              inter_node_bw_Bps=cfg["inter_node_bw_Bps"], inter_node_latency_s=cfg["inter_node_latency_s"])
 
+    def hang_after_s(self) -> float:
+        wait = self.detector.hang_after_s()
+        return wait if self.detector._iter_times else float("inf")  # pyright: ignore[reportPrivateUsage]
+
     def set_model(self, header: TraceHeader) -> None:
         """Price the job as the trainers' model (their hello), before any iteration is judged:
         detector, planner profile and rule fallback start afresh; the policy is kept."""

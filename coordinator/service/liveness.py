@@ -1,0 +1,50 @@
+"""Hang detection on the coordinator's own liveness clock: a job with no iteration for the
+engine's hang time, with a rank of the plan silent while its peers beat on, is held up by that
+rank (a stopped process, a frozen host). A part of ``CoordinatorCore``
+(coordinator/service/core.py), kept in its own module; every method runs under the core's lock.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from resihp.coordinator.detector.detector import hang_culprits
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.trace import ExitEvent
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.service.records import RankInfo
+
+if TYPE_CHECKING:
+    from resihp.coordinator.service.engine import Engine
+
+
+class LivenessFlow:
+    """Mixed into ``CoordinatorCore``: the method below uses its state."""
+
+    ranks: dict[int, RankInfo]
+    plan: Plan
+    engine: Engine
+    last_iteration: int
+    _progress_at: float | None
+
+    if TYPE_CHECKING:
+        def _where(self, rank: int) -> dict[str, Any]: ...
+
+    def _hung(self, now: float) -> list[m.FindingInfo]:
+        """No iteration for the engine's hang time, with a rank of the plan silent while its
+        peers beat on: that rank holds the job up (stopped, frozen host). Fail-stop, cause
+        no-progress, long before the heartbeat timeout (coordinator/detector/detector.py,
+        hang_culprits; liveness is this process's own clock of when each rank was heard)."""
+        if self._progress_at is None:
+            return []
+        silence = {r: now - info.last_seen for r, info in self.ranks.items()
+                   if not info.dead and not info.finished and info.last_seen is not None and self.plan.has_rank(r)}
+        stalled, wait = now - self._progress_at, self.engine.hang_after_s()
+        out = []
+        for r in hang_culprits(stalled, wait, silence):
+            self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too
+            out.append(m.FindingInfo(
+                self.last_iteration, "fail-stop", (r,), "no-progress", 1.0,
+                f"no iteration for {stalled:.1f} s (hang after {wait:.1f} s); rank {r} silent for {silence[r]:.1f} s while "
+                f"its peers beat on: a stopped process or frozen host holds the job up; node {self.ranks[r].node or '?'}",
+                now, **self._where(r)))
+        return out

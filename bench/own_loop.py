@@ -9,7 +9,8 @@ Runs, each from a fresh start, 4 ranks of DDP on CPU (gloo):
   inside by the hooks' throttle, RESIHP_THROTTLE): the finding must name that rank alone; and
   the same slowdown from outside (SIGSTOP / SIGCONT duty cycling), reported beside it;
 - one run with `kill -9` of a rank: every survivor must exit within seconds (not hang in gloo),
-  the launcher must exit non-zero, and no process may be left behind;
+  the launcher must exit non-zero, and no process may be left behind; the same with SIGSTOP
+  (a rank that holds the job up without exiting: found by no progress, not the heartbeat timeout);
 - interleaved pairs of the same script under `torchrun` (train_plain.py) and `resihp launch`
   (train.py): the per-iteration time ratio (the overhead of the two calls and the sidecars).
 
@@ -212,6 +213,27 @@ def kill_one_rank(at_step: int) -> Any:
     return inject
 
 
+def stop_one_rank(at_step: int) -> Any:
+    """SIGSTOP (never continued) of a rank: it holds the job up without exiting."""
+    def inject(run_dir: Path, proc: subprocess.Popen[str]) -> dict[str, Any]:
+        if not _wait_for(lambda: _steps_done(run_dir) >= at_step, 300, proc):
+            return {"stopped": False}
+        pids = _rank_pids(run_dir)
+        if KILL_RANK not in pids:
+            return {"stopped": False}
+        survivors = [psutil.Process(p) for r, p in pids.items() if r != KILL_RANK]
+        os.kill(pids[KILL_RANK], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, alive = psutil.wait_procs(survivors, timeout=60)
+        took = time.monotonic() - stopped if not alive else None
+        try:  # the stopped rank itself: continue it so the launcher can end it
+            os.kill(pids[KILL_RANK], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        return {"stopped": True, "survivors_exit_s": took, "survivors_alive": len(alive)}
+    return inject
+
+
 def busy_co_tenant() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
@@ -284,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         orphans = _left_behind(kill.run_dir) if kill.run_dir else []
         rows.append(("kill -9 rank 2", f"survivors exited after {kill.extra.get('survivors_exit_s')} s; "
                      f"launcher rc {kill.rc}; orphans {len(orphans)}"))
+        hung = resihp_run("sigstop-hang", root, args.iters, during=stop_one_rank(at_step=40))
+        time.sleep(1.0)
+        hung_orphans = _left_behind(hung.run_dir) if hung.run_dir else []
+        stop_finding = next((f for f in hung.events if f.get("event") == "finding" and f.get("kind") == "fail-stop"), {})
+        rows.append(("SIGSTOP rank 2 (hang)", f"survivors exited after {hung.extra.get('survivors_exit_s')} s; "
+                     f"finding {stop_finding.get('cause')} on {stop_finding.get('ranks')}; launcher rc {hung.rc}; "
+                     f"orphans {len(hung_orphans)}"))
         ratios = []
         for i in range(args.pairs):
             plain = torchrun_run(f"torchrun{i}", args.iters)
@@ -292,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratios.append(statistics.median(hooked.iter_ms[10:]) / statistics.median(plain.iter_ms[10:]))
             rows.append((f"pair {i}", f"torchrun {statistics.median(plain.iter_ms[10:] or [0]):.1f} ms/iter, "
                          f"resihp {statistics.median(hooked.iter_ms[10:] or [0]):.1f} ms/iter"))
-        left = sum(len(r.extra.get("left_behind", [])) for r in healthy) + len(orphans)
+        left = sum(len(r.extra.get("left_behind", [])) for r in healthy) + len(orphans) + len(hung_orphans)
     width = max(len(k) for k, _ in rows)
     print(f"{'run':<{width}}  result")
     print("-" * (width + 60))
@@ -308,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         "sigstop_detect_iters": sig_iters,
         "kill_survivors_exit_s": kill.extra.get("survivors_exit_s"),
         "launcher_rc_after_kill": kill.rc,
+        "hang_survivors_exit_s": hung.extra.get("survivors_exit_s"),
+        "hang_cause": stop_finding.get("cause"),
+        "launcher_rc_after_hang": hung.rc,
         "orphans": left,
         "hook_lines_added": hook_lines_added(),
         "overhead_ratio": round(statistics.mean(ratios), 4) if ratios else None,

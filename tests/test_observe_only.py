@@ -296,7 +296,7 @@ def test_a_stopped_rank_that_holds_the_job_up_is_named_in_seconds_not_at_the_hea
             m.RankReport(r, 0, it, clock[0] - 0.2, 0.2, ((64, 64),)) for r in range(4))))
         core.tick()
     stopped_at = clock[0]
-    found: list[m.Command] = []
+    found: list[m.NoticeCommand] = []
     while clock[0] < stopped_at + 10.0:
         clock[0] += 0.5
         beat((0, 1, 3))  # rank 2 is stopped

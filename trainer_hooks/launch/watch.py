@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from resihp.trainer_hooks.reporting.notices import PEER_FAILURE_EXIT_CODE
+
 
 class JobFinishedWatch:
     """Follows the coordinator's event log for ``job-finished`` (every rank said goodbye).
@@ -131,6 +133,7 @@ def summarise(run: Path, mpirun_rc: int, *, stalled_s: float | None = None, inte
     failures: list[str] = []
     seen: set[int] = set()
     last_failure = -1
+    left_on_notice: list[int] = []  # survivors that ended themselves on a peer-failure notice
     for i, ev in enumerate(events):
         if ev.get("event") == "finding" and ev.get("kind") == "fail-stop":
             last_failure = i
@@ -138,6 +141,9 @@ def summarise(run: Path, mpirun_rc: int, *, stalled_s: float | None = None, inte
             for r in ranks if isinstance(ranks, list) else []:  # pyright: ignore[reportUnknownVariableType]
                 if isinstance(r, int) and r not in seen:
                     seen.add(r)
+                    if failures and f"exited with code {PEER_FAILURE_EXIT_CODE} " in str(ev.get("reason", "")):
+                        left_on_notice.append(r)
+                        continue
                     failures.append(f"rank {r}: {ev.get('reason', 'failed')} (at {_clock(ev.get('time'))}, "
                                     f"iteration {ev.get('iteration', '?')})")
     # an operator's drain ends the job on purpose (ABORTED too, by its reason): not a failure
@@ -149,6 +155,9 @@ def summarise(run: Path, mpirun_rc: int, *, stalled_s: float | None = None, inte
         return 0, "\n".join([f"resihp launch: job finished; it survived {len(failures)} failed rank(s):",
                               *(f"  {line}" for line in failures), f"  logs: {run} (events.jsonl)"])
     lines: list[str] = list(failures)
+    if left_on_notice and not survived:
+        lines.append(f"ranks {', '.join(map(str, left_on_notice))}: told of the failure, left at once "
+                     f"(exit {PEER_FAILURE_EXIT_CODE}) instead of waiting in a collective")
     for ev in aborted[:1]:
         lines.append(f"the coordinator aborted the job at {_clock(ev.get('time'))}: {ev.get('reason', '')}")
     if stalled_s is not None:

@@ -197,40 +197,26 @@ def slow_one_rank(start_step: int) -> Any:
     return inject
 
 
-def kill_one_rank(at_step: int) -> Any:
+def signal_one_rank(at_step: int, sig: signal.Signals) -> Any:
+    """At ``at_step``, send ``sig`` to rank KILL_RANK (SIGKILL: it dies; SIGSTOP, never
+    continued: it holds the job up without exiting) and time until every survivor has exited."""
     def inject(run_dir: Path, proc: subprocess.Popen[str]) -> dict[str, Any]:
         if not _wait_for(lambda: _steps_done(run_dir) >= at_step, 300, proc):
-            return {"killed": False}
+            return {"signalled": False}
         pids = _rank_pids(run_dir)
         if KILL_RANK not in pids:
-            return {"killed": False}
+            return {"signalled": False}
         survivors = [psutil.Process(p) for r, p in pids.items() if r != KILL_RANK]
-        os.kill(pids[KILL_RANK], signal.SIGKILL)
-        killed = time.monotonic()
-        gone, alive = psutil.wait_procs(survivors, timeout=60)
-        return {"killed": True, "survivors_exit_s": time.monotonic() - killed if not alive else None,
-                "survivors_alive": len(alive)}
-    return inject
-
-
-def stop_one_rank(at_step: int) -> Any:
-    """SIGSTOP (never continued) of a rank: it holds the job up without exiting."""
-    def inject(run_dir: Path, proc: subprocess.Popen[str]) -> dict[str, Any]:
-        if not _wait_for(lambda: _steps_done(run_dir) >= at_step, 300, proc):
-            return {"stopped": False}
-        pids = _rank_pids(run_dir)
-        if KILL_RANK not in pids:
-            return {"stopped": False}
-        survivors = [psutil.Process(p) for r, p in pids.items() if r != KILL_RANK]
-        os.kill(pids[KILL_RANK], signal.SIGSTOP)
-        stopped = time.monotonic()
+        os.kill(pids[KILL_RANK], sig)
+        sent = time.monotonic()
         _, alive = psutil.wait_procs(survivors, timeout=60)
-        took = time.monotonic() - stopped if not alive else None
-        try:  # the stopped rank itself: continue it so the launcher can end it
-            os.kill(pids[KILL_RANK], signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        return {"stopped": True, "survivors_exit_s": took, "survivors_alive": len(alive)}
+        took = time.monotonic() - sent if not alive else None
+        if sig == signal.SIGSTOP:
+            try:  # the stopped rank itself: continue it so the launcher can end it
+                os.kill(pids[KILL_RANK], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        return {"signalled": True, "survivors_exit_s": took, "survivors_alive": len(alive)}
     return inject
 
 
@@ -301,12 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         sig_localised, sig_iters, sig_ranks, sig_before = judge_slow(stopped, first if first is not None else SLOW_FROM)
         rows.append((f"slow rank {SLOW_RANK} x1.3 (SIGSTOP)", f"from iteration {first}; findings after it on ranks "
                      f"{sig_ranks}, before it {sig_before}; first after {sig_iters} iterations; rc {stopped.rc}"))
-        kill = resihp_run("kill", root, args.iters, during=kill_one_rank(at_step=40))
+        kill = resihp_run("kill", root, args.iters, during=signal_one_rank(40, signal.SIGKILL))
         time.sleep(1.0)  # let the launcher's own cleanup finish before counting what is left
         orphans = _left_behind(kill.run_dir) if kill.run_dir else []
         rows.append(("kill -9 rank 2", f"survivors exited after {kill.extra.get('survivors_exit_s')} s; "
                      f"launcher rc {kill.rc}; orphans {len(orphans)}"))
-        hung = resihp_run("sigstop-hang", root, args.iters, during=stop_one_rank(at_step=40))
+        hung = resihp_run("sigstop-hang", root, args.iters, during=signal_one_rank(40, signal.SIGSTOP))
         time.sleep(1.0)
         hung_orphans = _left_behind(hung.run_dir) if hung.run_dir else []
         stop_finding = next((f for f in hung.events if f.get("event") == "finding" and f.get("kind") == "fail-stop"), {})

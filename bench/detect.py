@@ -282,7 +282,7 @@ def time_detector(ranks_target: int) -> tuple[float, float, float]:
     plan = Plan.uniform(8, 8, dp, model.num_layers, 8 * dp)
     cfg = WorkloadConfig(model, plan, budget=32768, seed=7, iterations=16, heartbeats=False)
     truth = GroundTruth(cfg)
-    det = Detector(make_header(cfg), DetectorConfig(warmup_iters=8))
+    det = Detector(make_header(cfg), replace(DETECTOR, warmup_iters=8))
     timings = []
     t0 = 0.0
     for it in range(13):

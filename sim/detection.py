@@ -43,6 +43,7 @@ class SlowDetection:
     recover_iters: int | None  # iterations after the end until "recovered"
     ranks_found: tuple[int, ...] = ()
     bocd_iters: int | None = None  # the Greyhound-style BOCD baseline on the same iteration times
+    degraded: bool = False  # found, but costing less than the impact floor: reported, never acted on
 
 
 @dataclass
@@ -98,7 +99,7 @@ class DetectionOracle:
             for f in det.observe(rec, rec.start_s + rec.time_s):
                 if victim not in f.ranks:
                     continue  # a false alarm elsewhere; the benchmark of the detector counts those
-                if f.kind == "fail-slow" and found is None and rec.iteration >= start:
+                if f.kind in ("fail-slow", "degraded") and found is None and rec.iteration >= start:
                     found = f
                 elif f.kind == "recovered" and found is not None and recovered_at is None:
                     recovered_at = rec.iteration
@@ -109,6 +110,7 @@ class DetectionOracle:
             out = SlowDetection(
                 found.iteration - start + 1, float(found.factor), found.cause,
                 None if recovered_at is None else recovered_at - end + 1, tuple(found.ranks), bocd_iters,
+                degraded=found.kind == "degraded",
             )
         self._cache[key] = out
         return out

@@ -64,7 +64,9 @@ def test_sigkill_is_fail_stop_within_1s_and_a_hung_rank_within_the_heartbeat_tim
         assert stop["time"] - t_kill < 1.0, f"fail-stop reported {stop['time'] - t_kill:.3f} s after SIGKILL"
         hang = wait_until(lambda: [e for e in c.trainer_log("c") if e["event"] == "hang"], 60, "rank 3 hanging")[0]
         hung = wait_until(lambda: [f for f in c.events("finding") if f["ranks"] == [3]], 60, "rank 3 declared dead")[0]
-        assert hung["kind"] == "fail-stop" and hung["cause"] == "heartbeat", hung
+        # the heartbeat timeout (1.5 s here), or the no-progress rule if it comes first: the joined
+        # iterations stop with rank 3 while the others beat on (coordinator/service/liveness.py)
+        assert hung["kind"] == "fail-stop" and hung["cause"] in ("heartbeat", "no-progress"), hung
         # silent since its last heartbeat (≤ one hook heartbeat before the hang) → timeout + scan slack
         assert hung["time"] - hang["time"] < 1.5 + 1.0 + 0.6, hung["time"] - hang["time"]
         st = c.status()

@@ -93,3 +93,20 @@ def test_remap_keeps_unmoved_keys_and_gives_moved_ones_their_old_spread() -> Non
     for _ in range(3):  # three iterations far out: the persistence test
         g, excess, _ = model.test(np.array([[1.0, np.nan], [3.0, np.nan], [1.0, np.nan], [1.0, np.nan]]))
     assert model.suspect(g, excess)[:, 0].tolist() == [False, True, False, False]
+
+
+def test_a_recovered_key_starts_its_shift_test_afresh() -> None:
+    """After a transient slowdown ends and the rank recovers, the slow period's deviations
+    still in the long windows must not make it a suspect again."""
+    rng = np.random.default_rng(4)
+    xs = 1.0 + 0.02 * rng.standard_normal((200, 4))
+    xs[100:115, 1] *= 1.5
+    model = NoiseModel(range(4))
+    for t, x in enumerate(xs[:120]):
+        both = np.stack([x, np.full_like(x, np.nan)], axis=1)
+        g, excess, _ = model.test(both)
+        model.learn(both, np.ones_like(both, dtype=bool) & (t < 100))
+    assert model.suspect(g, excess)[1, 0]  # the windows still hold the slow period
+    model.clear_windows(np.array([False, True, False, False]))
+    alarms = _run(model, xs[120:])
+    assert alarms == []

@@ -317,6 +317,8 @@ class IterationJudge:
             out += self._group(t, np.nonzero(confirm)[0], "fail-slow", is_comm is None, ev, now)
         if recover.any():
             st[recover] = RankState.HEALTHY
+            if adaptive:
+                self.noise.clear_windows(recover)
             out += self._group(t, np.nonzero(recover)[0], "recovered", is_comm is None, ev, now)
             self.ok_run[recover] = 0
             self.run[recover] = 0

@@ -19,8 +19,8 @@ that window's robust spread:
   (``min`` of the three unclipped deviations: no stall can fake it), a small one (1.1× under 3 % noise) in a
   few, a 1.3× slowdown under 30 % noise in some tens, and stationary noise — however wide —
   seldom: at level 5 a Gaussian key crosses about once in 10⁶ iterations per scale;
-- it is a suspect only if the mean excess of the window that crossed is also above
-  ``floor`` (relative): a tiny but very stable shift is not worth a re-plan.
+- it is a suspect only if the mean relative excess (x − m) / m of the window that crossed,
+  unclipped, is also above ``floor``: a tiny but very stable shift is not worth a re-plan.
 
 Until a key has ``min_samples`` healthy ratios its baseline is the calibrated cost model's
 (ratio 1) and its spread ``prior_spread``, or — after a plan change moved the rank — the
@@ -70,6 +70,10 @@ class NoiseModel:
         self.s2 = np.ones((n, k))
         self.zprev = np.zeros((n, k))  # the previous iteration's unclipped deviation
         self.zprev2 = np.zeros((n, k))  # ... and the one before
+        self.e = np.zeros((n, k, zw))  # recent relative excesses (ring, like z)
+        self.esums = np.zeros((len(SCALES), n, k))
+        self.eprev = np.zeros((n, k))
+        self.eprev2 = np.zeros((n, k))
         self.mu = np.zeros((n, k))  # mean clipped deviation of the healthy window (skewed noise: not 0)
         self.z = np.zeros((n, k, zw))  # recent clipped deviations (ring, one slot per iteration)
         self.sums = np.zeros((len(SCALES), n, k))  # Σ of the last w z, per scale
@@ -85,26 +89,32 @@ class NoiseModel:
         deviation) and return (G, relative excess of the crossing window, recent mean z)."""
         raw = np.where(np.isfinite(x), (x - self.m) / self.s - self.mu, 0.0)
         z = np.clip(raw, -self.clip - self.mu, self.clip - self.mu)
+        # the relative excess itself, unclipped (the effect floor is judged on it: clipped
+        # deviations of a very stable key could never show a 5 % excess)
+        rel = np.where(np.isfinite(x), np.clip((x - self.m) / self.m, -1.0, 10.0), 0.0)
         # persistence: three consecutive iterations all far out (unclipped) — a large slowdown
         # found in three iterations, which no stall (nor two in a row) can fake
         both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / self.s2
-        self.zprev2 = self.zprev
-        self.zprev = raw
+        both_rel = np.minimum(np.minimum(rel, self.eprev), self.eprev2)
+        self.zprev2, self.zprev = self.zprev, raw
+        self.eprev2, self.eprev = self.eprev, rel
         zw = self.z.shape[2]
         for i, w in enumerate(SCALES):
-            self.sums[i] += z - self.z[:, :, (self.zpos - w) % zw]
+            old = (self.zpos - w) % zw
+            self.sums[i] += z - self.z[:, :, old]
+            self.esums[i] += rel - self.e[:, :, old]
         self.z[:, :, self.zpos] = z
+        self.e[:, :, self.zpos] = rel
         self.zpos = (self.zpos + 1) % zw
         scale = np.sqrt(np.asarray(SCALES, dtype=np.float64))[:, None, None]
         g_all = self.sums / (self.s2[None] * scale)
         best = np.argmax(g_all, axis=0)
         g = np.take_along_axis(g_all, best[None], axis=0)[0]
         widths = np.asarray(SCALES, dtype=np.float64)[best]
-        mean_z = np.take_along_axis(self.sums, best[None], axis=0)[0] / widths
+        excess = np.take_along_axis(self.esums, best[None], axis=0)[0] / widths
         jump = both > g
         g = np.where(jump, both, g)
-        mean_z = np.where(jump, both * self.s2, mean_z)
-        excess = mean_z * self.s / self.m
+        excess = np.where(jump, both_rel, excess)
         recent = self.sums[SCALES.index(RECENT)] / RECENT
         return g, excess, recent
 
@@ -140,6 +150,17 @@ class NoiseModel:
         if warming.any() or self._age >= REFRESH:
             self._refresh(self._fresh if self._age >= REFRESH else warming)
 
+    def clear_windows(self, rows: BoolArray) -> None:
+        """Start the shift test afresh for ranks (``rows`` (n,)) just recovered: the slow
+        period's deviations in their windows were evidence of the fault that ended, not of
+        a new one."""
+        self.z[rows] = 0.0
+        self.e[rows] = 0.0
+        self.sums[:, rows] = 0.0
+        self.esums[:, rows] = 0.0
+        for prev in (self.zprev, self.zprev2, self.eprev, self.eprev2):
+            prev[rows] = 0.0
+
     def forget(self, rows: BoolArray) -> None:
         """Drop the queued ratios of ranks (``rows`` (n,)) just found slow: their slowdown began
         some iterations before it was confirmed."""
@@ -151,7 +172,9 @@ class NoiseModel:
         self._fresh &= ~rows  # (after reading rows: it may be this very array)
         if len(r) == 0:
             return
-        h = self.hist[r, k]  # (q, window)
+        # a window fills from slot 0: while few are filled, sort only those columns
+        filled = int(min(self.window, int(self.hcount[r, k].max())))
+        h = self.hist[r, k, :filled]  # (q, filled)
         m = _nanmedian_rows(h)
         mad = _nanmedian_rows(np.abs(h - m[:, None]))
         # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
@@ -172,8 +195,9 @@ class NoiseModel:
         start again from the cost model's prediction with the spread they had (their noise
         is their device's and host's), and their recent deviations are forgotten."""
         old = {r: i for i, r in enumerate(self.ranks)}
-        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "z", "pending")}
-        sums, prior, zpos, measured = self.sums, self._prior, self.zpos, self._measured
+        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "z", "e",
+                                                      "pending", "zprev", "zprev2", "eprev", "eprev2")}
+        sums, esums, prior, zpos, measured = self.sums, self.esums, self._prior, self.zpos, self._measured
         self.ranks = tuple(ranks)
         self._alloc(len(self.ranks))
         self.zpos = zpos
@@ -193,6 +217,7 @@ class NoiseModel:
             for name, arr in keep.items():
                 getattr(self, name)[i] = arr[j]
             self.sums[:, i] = sums[:, j]
+            self.esums[:, i] = esums[:, j]
 
 
 def _nanmedian_rows(a: FloatArray) -> FloatArray:

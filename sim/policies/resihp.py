@@ -203,6 +203,8 @@ class ResiHP(Policy):
         if ev.start:
             if det.detect_iters is None:
                 return self.steady(f"{ev.label}: not detected")
+            if det.degraded:  # below the detector's impact floor: reported, the planner is not asked
+                return self.steady(f"{ev.label}: degraded (costs under the impact floor), keeps the plan")
             if kind == "compute" and self.probe_every_s is not None and not any(self.plan.has_rank(r) for r in f.ranks):
                 # idle devices: their probes find it (confirm_iters slow probes)
                 confirm = self.detector_config.confirm_iters

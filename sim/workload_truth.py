@@ -53,10 +53,8 @@ class GroundTruth:
                 dev = ix.program_gather(ix.rep_program[d])[1]
                 self.op_members[d] = np.stack([self.members[(d, int(s))] for s in dev])
         # static: DP rings (stage, TP index) and per-rank optimizer work
-        self.dp_groups: dict[tuple[int, int], np.ndarray] = {}
-        for i in range(ix.n):
-            key = (int(ix.stage[i]), int(ix.tp_idx[i]))
-            self.dp_groups[key] = np.append(self.dp_groups.get(key, np.zeros(0, dtype=np.int64)), i)
+        self.dp_groups: dict[int, np.ndarray] = {
+            int(g): np.nonzero(ix.ring == g)[0] for g in np.unique(ix.ring)}  # PlanIndex's DP rings
         stage_layers = {
             (d, s): sum(hi - lo for j, (lo, hi) in enumerate(rep.layer_ranges()) if j % rep.pp == s)
             for d, rep in enumerate(self.plan.replicas) for s in range(rep.pp)
@@ -191,7 +189,7 @@ class GroundTruth:
         dp = np.zeros(n)
         if self.plan.dp > 1:
             hw = cfg.hardware
-            for (_, _), mem_a in self.dp_groups.items():
+            for mem_a in self.dp_groups.values():
                 first = int(mem_a[0])
                 nbytes = 2.0 * self.layers_of[first] * self.layer_params / int(ix.tp_size[first])
                 k = len(mem_a)

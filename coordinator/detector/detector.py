@@ -226,9 +226,11 @@ class Detector(IterationJudge, IdleRankVerdicts):
 
     def hang_after_s(self) -> float:
         """How long without an iteration is a hang: ``hang_iters`` times the usual iteration
-        (the median of the latest observed ones), at least ``hang_floor_s``."""
-        usual = float(np.median(self._iter_times)) if self._iter_times else 0.0
-        return max(self.config.hang_iters * usual, self.config.hang_floor_s)
+        (the median of the latest observed ones), at least ``hang_floor_s``; infinite before
+        the first iteration (a job still starting up is not hung)."""
+        if not self._iter_times:
+            return float("inf")
+        return max(self.config.hang_iters * float(np.median(self._iter_times)), self.config.hang_floor_s)
 
     def _no_progress(self, now: float) -> list[Finding]:
         """A job with no iteration for ``hang_after_s`` is stuck. In a synchronous job every
@@ -237,7 +239,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         loop, so a rank stuck in a collective keeps beating, a stopped process (SIGSTOP) or a
         frozen host does not. It is declared fail-stop, cause no-progress. When every rank
         beats on (a stuck kernel or collective with no silent rank) nothing is named here."""
-        if self._progress_at is None or not self._iter_times:
+        if self._progress_at is None:
             return []
         stalled = now - self._progress_at
         wait = self.hang_after_s()

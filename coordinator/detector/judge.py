@@ -58,7 +58,7 @@ class IterationJudge:
     noise: NoiseModel  # per-key healthy spreads (config.adaptive)
     _recent: deque[tuple[FloatArray, FloatArray]]  # the last judged iterations' predictions
     _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
-    _level_name: str = ""  # the evidence level of the latest judged iteration
+    _level: str  # the evidence level being judged (chunks, rank_step, iteration)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
@@ -68,7 +68,6 @@ class IterationJudge:
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
         self._tp_evidence = t.tp_wait is not None
-        self._level_name = "chunks"
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
             comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
         if c.peer_relative:
@@ -216,7 +215,6 @@ class IterationJudge:
     def _judge_steps(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.rank_step is not None
         c = self.config
-        self._level_name = "rank_step"
         pred = self.predictor
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = t.rank_step / pred.rank_step(tok, ssq)
@@ -435,7 +433,7 @@ class IterationJudge:
             if all(self._dp_only[i] for i in members):
                 return "its DP ring's all-reduce (the transfer after the last member arrived) ran"
             return "its P2P link's transfers (in and out) ran"
-        return "its step (no per-op timings) took" if self._level_name == "rank_step" else "its step took"
+        return "its step (no per-op timings) took" if self._level == "rank_step" else "its step took"
 
     def _cause_text(self, cause: str) -> str:
         return {"compute": "compute-slow", "communication": "link-slow"}.get(cause, "slow")

@@ -19,7 +19,7 @@ Pure (numpy only), deterministic.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -438,6 +438,15 @@ class Predictor:
         self._gather_cache = out
         return out
 
+    def _schedule_ends(self, pred_compute: FloatArray, pred_p2p: FloatArray) -> Iterator[tuple[IntArray, IntArray, FloatArray]]:
+        """Per compiled schedule: (its replicas, each op's TP-leader row, each op's end time)
+        with the given op and transfer times."""
+        for _shape, (prog, reps, rows, chunk, kind, mb, dirs) in self._gathers().items():
+            dur = pred_compute[rows, chunk, kind, mb]
+            hop = np.nan_to_num(pred_p2p[rows, chunk, dirs, mb])
+            _, end = prog.evaluate(np.nan_to_num(dur), hop)
+            yield reps, rows, end
+
     def iteration_by_rank(self, pred_compute: FloatArray, pred_p2p: FloatArray, dp: FloatArray,
                           opt: FloatArray) -> float:
         """Predicted iteration seconds with each rank's own tail: the latest over ranks of
@@ -446,10 +455,7 @@ class Predictor:
         pricing a slowdown whose ring or stage has slack."""
         ix = self.index
         ends = np.zeros(ix.n)
-        for _shape, (prog, _reps, rows, chunk, kind, mb, dirs) in self._gathers().items():
-            dur = pred_compute[rows, chunk, kind, mb]
-            hop = np.nan_to_num(pred_p2p[rows, chunk, dirs, mb])
-            _, end = prog.evaluate(np.nan_to_num(dur), hop)
+        for _reps, rows, end in self._schedule_ends(pred_compute, pred_p2p):
             np.maximum.at(ends, rows.ravel(), end.ravel())
         ends = ends[ix.group_leader[ix.group_of]]
         return float(np.max(ends + np.nan_to_num(dp) + np.nan_to_num(opt)))
@@ -457,12 +463,8 @@ class Predictor:
     def iteration(self, pred_compute: FloatArray, pred_p2p: FloatArray) -> tuple[float, FloatArray]:
         """(predicted iteration seconds, predicted pipeline makespan per replica) with every
         device healthy: the schedule over predicted op and hop times, then DP and optimizer."""
-        ix = self.index
-        span = np.zeros(len(ix.plan.replicas))
-        for _shape, (prog, reps, rows, chunk, kind, mb, dirs) in self._gathers().items():
-            dur = pred_compute[rows, chunk, kind, mb]
-            hop = np.nan_to_num(pred_p2p[rows, chunk, dirs, mb])
-            _, end = prog.evaluate(np.nan_to_num(dur), hop)
+        span = np.zeros(len(self.index.plan.replicas))
+        for reps, _rows, end in self._schedule_ends(pred_compute, pred_p2p):
             span[reps] = end.max(axis=1)
         tail = np.nan_to_num(self.dp()) + np.nan_to_num(self.opt())
         return float(span.max() + tail.max()), span

@@ -88,8 +88,7 @@ class RealEngine:
                              inter_node_bw_Bps=cfg["inter_node_bw_Bps"], inter_node_latency_s=cfg["inter_node_latency_s"])
 
     def hang_after_s(self) -> float:
-        wait = self.detector.hang_after_s()
-        return wait if self.detector._iter_times else float("inf")  # pyright: ignore[reportPrivateUsage]
+        return self.detector.hang_after_s()
 
     def set_model(self, header: TraceHeader) -> None:
         """Price the job as the trainers' model (their hello), before any iteration is judged:

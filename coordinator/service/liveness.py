@@ -36,9 +36,11 @@ class LivenessFlow:
         hang_culprits; liveness is this process's own clock of when each rank was heard)."""
         if self._progress_at is None:
             return []
+        stalled, wait = now - self._progress_at, self.engine.hang_after_s()
+        if stalled <= wait:  # every tick: no per-rank work while iterations come
+            return []
         silence = {r: now - info.last_seen for r, info in self.ranks.items()
                    if not info.dead and not info.finished and info.last_seen is not None and self.plan.has_rank(r)}
-        stalled, wait = now - self._progress_at, self.engine.hang_after_s()
         out = []
         for r in hang_culprits(stalled, wait, silence):
             self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too

@@ -1,6 +1,6 @@
 """Where every tensor of the reference GPT lives under a Plan.
 
-The contract (docs/reshard.md, /work/notes/api_layout.md): logical, unsharded parameter
+The contract (docs/reshard.md, and this module's table): logical, unsharded parameter
 names and shapes; which pipeline position holds each; which dimension tensor parallelism
 splits. The runtime names its ``nn.Parameter``s exactly so, and the reshard planner reads
 the same table, so both agree on what "slice [a, b) of ``layers.3.mlp.fc1.weight``" means.

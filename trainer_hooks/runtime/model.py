@@ -1,7 +1,7 @@
 """A GPT built from tensor-parallel layers; a pipeline stage is a contiguous layer range.
 
 Pre-LayerNorm, learned absolute positions, GELU MLP, untied LM head. Parameter names
-follow the layout contract (/work/notes/api_layout.md, mirrored in docs/runtime.md):
+follow the layout contract (trainer_hooks/runtime/layout.py, described in docs/runtime.md):
 ``embed``, ``pos_embed``, ``layers.{i}.…`` with the GLOBAL layer index i, ``final_ln``,
 ``lm_head``. One micro-batch is one packed row of T tokens holding several documents;
 attention is causal within each document only and positions restart per document.

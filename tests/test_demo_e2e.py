@@ -88,11 +88,13 @@ def test_the_killed_rank_is_survived_with_the_coordinators_plan(run: Path) -> No
     in_force = [c for c in commands if c["time"] < killed_at]
     members = set(Plan.from_dict(in_force[-1]["plan"]).ranks()) if in_force else set(range(8))
     assert killed in members and (killed == 5 or 5 not in members), (killed, sorted(members))
-    # resumed after the last step every replica finished before the SIGKILL, not from a
-    # checkpoint. Not KILL_AT + small: the kill lands when the demo's driver has seen step
-    # KILL_AT and called `resihp admin inject`, steps later when the re-plan made steps fast
+    # resumed from the survivors' last common step, not from a checkpoint. The logged step
+    # comes from a last-stage rank, which may be one step ahead of the dead rank's TP
+    # partner (StepGuard): then that step is re-run, so the resume step is `done` itself.
+    # Not KILL_AT + small: the kill lands when the demo's driver has seen step KILL_AT and
+    # called `resihp admin inject`, steps later when the re-plan made steps fast
     done = max(x["step"] for x in _progress(run) if x["type"] == "step" and x["time"] < killed_at)
-    assert done + 1 <= failstop[0].step <= done + 2, (done, failstop[0].step)
+    assert done <= failstop[0].step <= done + 2, (done, failstop[0].step)
     acked = [e for e in _events(run) if e["event"] == "state" and e.get("trigger") == "acked"]
     assert acked, "the coordinator never saw its plan acknowledged"
     assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -53,7 +53,7 @@ class DetectionOracle:
     tokens_per_microbatch: int = 8192
     config: DetectorConfig = field(default_factory=DetectorConfig)
     seed: int = 0
-    onset_iter: int = 12  # warm-up + calibration iterations before the fault
+    onset_iter: int | None = None  # iterations before the fault; None: 4 after the detector judges
     window: int = 12  # iterations the fault lasts in the probe, and the recovery window
     runs: int = 0  # detector runs so far (the benchmark reports it)
     _cache: dict[tuple[object, ...], SlowDetection] = field(default_factory=dict)
@@ -79,7 +79,8 @@ class DetectionOracle:
             return hit
         plan = self._proxy_plan()
         victim = plan.replicas[0].stages[1][0]  # stage 1 of replica 0
-        start, end = self.onset_iter, self.onset_iter + self.window
+        start = self.onset_iter if self.onset_iter is not None else self.config.judged_from + 4
+        end = start + self.window
         wf = WorkloadFault("compute" if kind == "compute" else "link", victim, start, fb, end)
         cfg = WorkloadConfig(
             self.model, plan, budget=self.tokens_per_microbatch, seed=self.seed, iterations=end + self.window + 4,

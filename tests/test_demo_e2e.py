@@ -15,7 +15,7 @@ from resihp.coordinator.model.plan import Plan
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
-STEPS, SLOW_AT, KILL_AT = 30, 8, 20
+STEPS, SLOW_AT, KILL_AT = 36, 8, 20  # 16 steps after the kill: after the re-plan a step takes ~0.1 s
 # 3x, not the demo's 2x: a sleeping throttle hands its core to the other ranks, and on a
 # loaded 2-core machine a 2x throttle stretched rank 2's chunks only 1.3-1.5x against its
 # calibration. The demo's peer-relative policy reads that as 1.6-1.9x (docs/detector.md),

@@ -37,7 +37,7 @@ def _cfg(faults: tuple[Fault, ...] = (), iterations: int = 24, plan: Plan = PLAN
 
 
 def _replay(cfg: WorkloadConfig, det: Detector | None = None) -> tuple[Detector, list[Finding], list[dict[int, str]]]:
-    det = det or Detector(make_header(cfg), DetectorConfig())
+    det = det or Detector(make_header(cfg), DetectorConfig(adaptive=False))
     found: list[Finding] = []
     states: list[dict[int, str]] = []
     for rec in records_list(cfg):
@@ -99,7 +99,7 @@ def test_link_fault_localised_to_the_rank_with_the_slow_nic() -> None:
                          hardware=Hardware(gpus_per_node=2), faults=(Fault("link", 3, 12, 2.0),))
     # small activations over a 2x slow NIC cost well under 1 % of the iteration: judged with no
     # floor here, since this is about where the fault is (the cost test is further down)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(impact_floor=0.0)))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False, impact_floor=0.0)))
     assert [(f.kind, f.ranks, f.cause, f.stage, f.replica) for f in found] == [
         ("fail-slow", (3,), "communication", 1, 0)
     ]
@@ -121,7 +121,7 @@ def test_iteration_time_only_gives_a_job_level_finding() -> None:
 
 def test_exit_event_is_an_immediate_fail_stop() -> None:
     cfg = _cfg()
-    det = Detector(make_header(cfg))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False))
     out = det.observe(ExitEvent(3, 12.5, -9), now=12.5)
     assert len(out) == 1
     f = out[0]
@@ -133,7 +133,7 @@ def test_exit_event_is_an_immediate_fail_stop() -> None:
 
 def test_heartbeat_timeout_uses_the_injected_clock() -> None:
     cfg = _cfg()
-    det = Detector(make_header(cfg), DetectorConfig(heartbeat_timeout_s=10.0))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, heartbeat_timeout_s=10.0))
     assert det.tick(1000.0) == []  # no heartbeats seen yet: nothing to time out
     for r in PLAN.ranks():
         det.observe(HeartbeatEvent(r, 0.0), now=0.0)
@@ -200,7 +200,7 @@ def test_finding_json_has_the_documented_keys() -> None:
 
 
 def test_observe_rejects_non_records() -> None:
-    det = Detector(make_header(_cfg()))
+    det = Detector(make_header(_cfg()), DetectorConfig(adaptive=False))
     bad: Record = "iteration"  # type: ignore[assignment]
     with pytest.raises(TypeError, match="not a trace record"):
         det.observe(bad, 0.0)
@@ -211,7 +211,7 @@ def test_detection_continues_across_a_plan_change_record() -> None:
 
 
     cfg = _cfg((Fault("compute", 3, 16, 2.0),), iterations=22)
-    det = Detector(make_header(cfg))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False))
     found: list[Finding] = []
     for rec in records_list(cfg):
         if isinstance(rec, IterationRecord) and rec.iteration == 12:
@@ -243,7 +243,7 @@ def test_peer_relative_compute_sees_a_throttle_whose_cpu_went_to_its_peers(
     # the throttled rank runs 1.35x its calibrated time, its peers 0.72x: against the model
     # it is under the 40 % threshold; against its peers of the same iteration it is 1.9x
     cfg = _cfg((Fault("compute", 2, 12, 1.35),), iterations=24)
-    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.4, confirm_iters=3, recover_threshold=0.1,
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, slow_threshold=0.4, confirm_iters=3, recover_threshold=0.1,
                                                     peer_relative=peer_relative))
     found: list[Finding] = []
     for rec in _shared_cpu_records(cfg, 2, 12, 0.72):
@@ -260,7 +260,7 @@ def test_peer_relative_keeps_a_slowdown_common_to_every_rank_unless_told_otherwi
     # (peer_common_slowdown) it is co-tenant load, and no finding is made
     faults = tuple(Fault("compute", r, 12, 1.5) for r in range(8))
     cfg = _cfg(faults, iterations=20)
-    found = {mode: _replay(cfg, Detector(make_header(cfg), DetectorConfig(peer_relative=mode != "off",
+    found = {mode: _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False, peer_relative=mode != "off",
                                                                           peer_common_slowdown=mode == "common")))[1]
              for mode in ("off", "capped", "common")}
     assert sorted(r for f in found["capped"] for r in f.ranks) == list(range(8))
@@ -272,7 +272,7 @@ def test_peer_common_slowdown_still_finds_the_one_rank_slower_than_its_slowed_pe
     # every rank 1.3x (load), rank 6 2.6x: only rank 6 stands out from its peers, by 2x
     faults = tuple(Fault("compute", r, 12, 2.6 if r == 6 else 1.3) for r in range(8))
     cfg = _cfg(faults, iterations=20)
-    det = Detector(make_header(cfg), DetectorConfig(peer_relative=True, peer_common_slowdown=True))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, peer_relative=True, peer_common_slowdown=True))
     _, found, _ = _replay(cfg, det)
     assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (6,), 13)]
     assert found[0].factor == pytest.approx(2.0, rel=0.03)
@@ -280,7 +280,7 @@ def test_peer_common_slowdown_still_finds_the_one_rank_slower_than_its_slowed_pe
 
 def test_peer_relative_changes_nothing_on_a_healthy_noisy_run() -> None:
     _, found, states = _replay(_cfg(noise=Noise()), Detector(make_header(_cfg(noise=Noise())),
-                                                              DetectorConfig(peer_relative=True)))
+                                                              DetectorConfig(adaptive=False, peer_relative=True)))
     assert found == [] and set(states[-1].values()) == {"healthy"}
 
 
@@ -357,7 +357,7 @@ def test_tp_chunks_name_the_slow_member_whose_partner_waited(with_tp_chunks: boo
     # the finding names rank 5 alone; without, the TP group, as before
     cfg = _cfg((Fault("compute", 5, 12, 1.8, end_iter=18),), iterations=30)
     records = _tp_coupled_records(cfg, comm_s=0.002, with_tp_chunks=with_tp_chunks)
-    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
     found, states = _observe_all(det, records)
     slow = [f for f in found if f.kind == "fail-slow"]
     assert [(f.ranks, f.iteration) for f in slow] == [(named, 14)]
@@ -389,7 +389,7 @@ def test_a_tp_member_that_waited_for_a_late_partner_is_not_slow() -> None:
                 chunks.append(c)
             rec = dataclasses.replace(rec, chunks=tuple(chunks))  # type: ignore[arg-type]
         records.append(rec)
-    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
     found, states = _observe_all(det, records)
     assert found == [] and states[-1][4] == "healthy", found
 
@@ -398,14 +398,14 @@ def test_tp_chunks_keep_a_whole_slow_tp_group_in_the_finding() -> None:
     # both members slow (a slow TP link, or two sick devices): no member waits for the other
     faults = (Fault("compute", 4, 12, 1.8), Fault("compute", 5, 12, 1.8))
     cfg = _cfg(faults, iterations=20)
-    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
     found, _ = _observe_all(det, _tp_coupled_records(cfg, comm_s=0.002))
     assert [(f.kind, f.ranks, f.iteration) for f in found] == [("fail-slow", (4, 5), 14)]
 
 
 def test_tp_chunks_leave_a_healthy_noisy_run_clean() -> None:
     cfg = _cfg(noise=Noise(), iterations=30)
-    det = Detector(make_header(cfg), DetectorConfig())
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False))
     found, states = _observe_all(det, _tp_coupled_records(cfg, comm_s=0.002))
     assert found == [] and set(states[-1].values()) == {"healthy"}
 
@@ -417,7 +417,7 @@ def test_a_tp_partner_that_waited_teaches_the_cost_model_nothing() -> None:
     plan = Plan.uniform(2, 2, 1, 32, 8)
     cfg = _cfg((Fault("compute", 1, 12, 1.8),), iterations=40, plan=plan)
     records = _tp_coupled_records(cfg, comm_s=0.002)
-    det = Detector(make_header(cfg), DetectorConfig(slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
+    det = Detector(make_header(cfg), DetectorConfig(adaptive=False, slow_threshold=0.25, confirm_iters=3, recover_threshold=0.1))
     cal = det.predictor.cal
     _observe_all(det, records[:13])
     first_stage = [k for k in cal.keys() if _fields(k)[0] == "compute" and _fields(k)[4] == "first"]
@@ -460,7 +460,7 @@ def test_a_link_slow_rank_recovers_on_its_links_whatever_its_compute_jitter() ->
     cfg = WorkloadConfig(MODEL, plan, budget=8192, seed=3, iterations=30, noise=Noise.quiet(), heartbeats=False,
                          hardware=Hardware(gpus_per_node=2),
                          faults=(Fault("link", 3, 12, 2.0, end_iter=18), Fault("compute", 3, 18, 1.06)))
-    _, found, states = _replay(cfg, Detector(make_header(cfg), DetectorConfig(slow_threshold=0.10, impact_floor=0.0)))
+    _, found, states = _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False, slow_threshold=0.10, impact_floor=0.0)))
     assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-slow", (3,), "communication"),
                                                             ("recovered", (3,), "communication")]
     assert 18 < found[1].iteration <= 22 and states[-1][3] == "healthy"

@@ -23,7 +23,7 @@ def _flat_timings(det: Detector, it: int, time_s: float) -> Any:
 def test_no_progress_with_every_rank_beating_names_nobody() -> None:
     """A long stall in which every rank keeps beating (a checkpoint, a collective stuck
     everywhere) is not pinned on anyone by the heartbeats: only the timeout rules it."""
-    det = Detector(make_header(_cfg()), DetectorConfig())
+    det = Detector(make_header(_cfg()), DetectorConfig(adaptive=False))
     for it in range(3):
         det.observe_timings(_flat_timings(det, it, 2.0), now=2.0 * (it + 1))
     for t in range(7, 20):
@@ -69,5 +69,5 @@ def test_every_fail_slow_finding_says_what_it_costs_and_a_cheap_one_is_degraded(
     assert all(f.cause == "communication" and f.evidence["cost_share"] < 0.01 for f in found)
     assert all("degraded, not worth a re-plan" in f.reason for f in found)
     # the floor is the operator's: at 0 every slowdown is worth a look
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(impact_floor=0.0)))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False, impact_floor=0.0)))
     assert {f.kind for f in found} == {"fail-slow"}

@@ -22,7 +22,7 @@ ALONE = Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5,
 
 def _excluded(config: DetectorConfig | None = None) -> Detector:
     """Rank 5 confirmed 2x slow at t = 135 s, then left idle with ranks 4, 6, 7."""
-    det = Detector(_header(), config)
+    det = Detector(_header(), config or DetectorConfig(adaptive=False))
     for r in range(8):
         assert det.observe_probe(r, PROBE_S * (1 + 0.01 * (r % 3)), now=1.0) == []
     assert _slow(_run(det, 0, CHANGE, slow_from={5: (12, 2.0)})) == [(13, (5,))]
@@ -56,7 +56,7 @@ def test_one_slow_probe_breaks_the_run_of_normal_ones() -> None:
 
 
 def test_slow_probes_renew_the_verdict_so_it_does_not_lapse() -> None:
-    det = _excluded(DetectorConfig(spare_verdict_s=100.0))
+    det = _excluded(DetectorConfig(adaptive=False, spare_verdict_s=100.0))
     assert det.observe_probe(5, PROBE_S * 1.6, now=200.0) == []  # 65 s after the verdict: renewed
     assert det.tick(290.0) == []  # 155 s after the verdict, 90 s after the renewal: stands
     assert det.suspects()[5] == "slow"
@@ -119,7 +119,7 @@ def test_bad_probes_are_refused_and_change_nothing(rank: int, probe_s: float, me
 
 def test_probe_threshold_is_validated() -> None:
     with pytest.raises(ValueError, match="DetectorConfig.probe_threshold must be a relative excess"):
-        DetectorConfig(probe_threshold=0.0)
+        DetectorConfig(adaptive=False, probe_threshold=0.0)
 
 
 @pytest.mark.parametrize("was_slow, slow_probe, run, action", [
@@ -129,6 +129,6 @@ def test_probe_threshold_is_validated() -> None:
 def test_one_rule_for_the_detector_and_the_simulator(was_slow: bool, slow_probe: bool, run: int, action: str) -> None:
     from resihp.coordinator.detector.probe import is_slow_probe, judge_probe
 
-    cfg = DetectorConfig()  # confirm_iters 2, recover_iters 3, probe_threshold 0.10
+    cfg = DetectorConfig(adaptive=False)  # confirm_iters 2, recover_iters 3, probe_threshold 0.10
     assert judge_probe(was_slow, slow_probe, run, cfg) == action
     assert is_slow_probe(1.11, cfg) and not is_slow_probe(1.10, cfg)

@@ -24,7 +24,7 @@ MODEL = preset("llama2-7b")
 OLD = Plan.uniform(2, 2, 2, 32, 8)  # replicas [[0,1],[2,3]] and [[4,5],[6,7]], 4 micro-batches each
 ALPHA, BETA, GAMMA, DP_S = 2e-6, 4e-11, 1e-4, 0.02
 CHANGE = 20  # the first iteration under the new plan
-K = DetectorConfig().rewarm_iters
+K = DetectorConfig(adaptive=False).rewarm_iters
 WINDOW_END = CHANGE + 1 + K  # the switch iteration is not learned from, then K iterations are
 
 
@@ -90,12 +90,12 @@ def test_same_keys_new_share_slower_than_flops_no_false_alarm() -> None:
     # ranks 4-7 now run 6 micro-batches; on a shared CPU each op runs 1.7x slower than its
     # FLOPs say (the layer range, hence the cost key, is the same as before the change)
     new = {4: 1.7, 5: 1.7, 6: 1.7, 7: 1.7}
-    control = Detector(_header())  # the plan change is never told: calibration carries over
+    control = Detector(_header(), DetectorConfig(adaptive=False))  # the plan change is never told: calibration carries over
     _warm(control)
     found = _run(control, CHANGE, CHANGE + 6, mult=new)
     assert sorted(r for _, ranks in _slow(found) for r in ranks) == [4, 5, 6, 7]  # the false alarm
 
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)
     det.set_plan(SHARES)
     rw_c, rw_m, _ = det.predictor.rank_rewarm()  # replica 1's compute and DP ring re-learn; replica 0's too
@@ -109,7 +109,7 @@ def test_same_keys_new_share_slower_than_flops_no_false_alarm() -> None:
 def test_exclusion_new_layer_range_first_iteration_unlike_the_rest() -> None:
     # ranks 0, 1 now hold all 32 layers; the switch iteration runs at the FLOPs-scaled time,
     # every later one 1.7x slower (the old detector learnt the new key from that first one)
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)
     det.set_plan(EXCLUDED)
     found = _run(det, CHANGE, CHANGE + 1)
@@ -119,7 +119,7 @@ def test_exclusion_new_layer_range_first_iteration_unlike_the_rest() -> None:
 
 
 def test_changed_rank_slow_after_the_window_is_confirmed() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)
     det.set_plan(SHARES)
     new = {4: 1.7, 5: 1.7, 6: 1.7, 7: 1.7}
@@ -132,7 +132,7 @@ def test_changed_rank_slow_after_the_window_is_confirmed() -> None:
 
 
 def test_unchanged_rank_slow_right_after_the_change_is_caught_at_once() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)
     det.set_plan(EXCLUDED)  # replica 1 (ranks 4-7) keeps its place and work
     found = _run(det, CHANGE, CHANGE + 4, mult={0: 1.7, 1: 1.7}, slow_from={6: (CHANGE, 2.0)})
@@ -142,7 +142,7 @@ def test_unchanged_rank_slow_right_after_the_change_is_caught_at_once() -> None:
 
 
 def test_changed_ranks_cannot_be_suspects_in_the_window() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)
     det.set_plan(EXCLUDED)
     for it in range(CHANGE, WINDOW_END):
@@ -151,7 +151,7 @@ def test_changed_ranks_cannot_be_suspects_in_the_window() -> None:
 
 
 def test_heartbeat_loss_and_exit_in_the_window_are_fail_stops() -> None:
-    det = Detector(_header(), DetectorConfig(heartbeat_timeout_s=10.0))
+    det = Detector(_header(), DetectorConfig(adaptive=False, heartbeat_timeout_s=10.0))
     _warm(det)
     det.set_plan(EXCLUDED)
     t = CHANGE * 10.0
@@ -169,7 +169,7 @@ def test_heartbeat_loss_and_exit_in_the_window_are_fail_stops() -> None:
 
 
 def test_confirmed_slow_rank_that_stays_in_place_keeps_its_finding() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
     assert _slow(found) == [(13, (5,))]
     det.set_plan(EXCLUDED)  # rank 5's replica is unchanged
@@ -180,7 +180,7 @@ def test_confirmed_slow_rank_that_stays_in_place_keeps_its_finding() -> None:
 
 @pytest.mark.parametrize("still_slow", [True, False])
 def test_confirmed_slow_rank_that_moves_stays_slow_through_the_window(still_slow: bool) -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
     assert _slow(found) == [(13, (5,))]
     det.set_plan(SHARES)  # dp-shares moves work off rank 5's replica: its keys re-warm
@@ -200,7 +200,7 @@ def test_confirmed_slow_rank_alone_in_its_place_learns_it_at_healthy_speed() -> 
     # TP1: the slow rank has no healthy partner to teach its new key; its own times divided
     # by its confirmed factor do, so a device still 2x slow stays slow after the window
     tp1 = Plan.uniform(1, 2, 4, 32, 8)  # replicas [0,1] [2,3] [4,5] [6,7], 2 micro-batches each
-    det = Detector(_header(tp1))
+    det = Detector(_header(tp1), DetectorConfig(adaptive=False))
     found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
     assert _slow(found) == [(13, (5,))]
     reps = list(tp1.replicas)
@@ -215,7 +215,7 @@ def test_confirmed_slow_rank_alone_in_its_place_learns_it_at_healthy_speed() -> 
 
 
 def test_readmitted_spare_rewarms_and_the_repeated_plan_change_record_restarts_nothing() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)
     det.set_plan(EXCLUDED)
     _run(det, CHANGE, WINDOW_END + 2, mult={0: 1.7, 1: 1.7})
@@ -230,7 +230,7 @@ def test_readmitted_spare_rewarms_and_the_repeated_plan_change_record_restarts_n
 
 
 def test_iteration_only_evidence_rewarms_the_job_key() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     out: list[Finding] = []
 
     def it_only(it: int, mult: float) -> IterationTimings:
@@ -253,7 +253,7 @@ def test_iteration_only_evidence_rewarms_the_job_key() -> None:
 
 
 def test_rank_step_evidence_rewarms_the_changed_ranks_step_keys() -> None:
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
 
     def steps(it: int, mult: Mapping[int, float]) -> IterationTimings:
         t = _timings(det, it, mult)
@@ -274,7 +274,7 @@ def test_rank_step_evidence_rewarms_the_changed_ranks_step_keys() -> None:
 
 def test_rewarm_iters_is_validated() -> None:
     with pytest.raises(ValueError, match="rewarm_iters must be a positive integer"):
-        DetectorConfig(rewarm_iters=0)
+        DetectorConfig(adaptive=False, rewarm_iters=0)
 
 
 # --- the planner's wording: an operator's exclusion is not a failure ---------------------------
@@ -315,7 +315,7 @@ def test_confirmed_slow_rank_left_out_of_the_plan_stays_slow_until_readmitted() 
     # nothing observes a spare: forgetting its verdict handed the still-throttled rank back to
     # the next re-plan as healthy (bench/e2e.py, 2026-11-30: the fail-stop's re-plan took the
     # 2x slow spare over three healthy ones)
-    det = Detector(_header())
+    det = Detector(_header(), DetectorConfig(adaptive=False))
     found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
     assert _slow(found) == [(13, (5,))]
     alone = Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1)
@@ -333,7 +333,7 @@ def test_confirmed_slow_rank_left_out_of_the_plan_stays_slow_until_readmitted() 
 
 
 def test_slow_verdict_of_a_rank_out_of_the_plan_lapses_after_spare_verdict_s() -> None:
-    det = Detector(_header(), DetectorConfig(spare_verdict_s=100.0))
+    det = Detector(_header(), DetectorConfig(adaptive=False, spare_verdict_s=100.0))
     found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
     assert _slow(found) == [(13, (5,))]  # at t = 135 s (_run: iteration i at 10 i + 5 s)
     det.set_plan(Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1))
@@ -353,4 +353,4 @@ def test_slow_verdict_of_a_rank_out_of_the_plan_lapses_after_spare_verdict_s() -
 
 def test_spare_verdict_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="spare_verdict_s must be > 0 seconds"):
-        DetectorConfig(spare_verdict_s=0.0)
+        DetectorConfig(adaptive=False, spare_verdict_s=0.0)

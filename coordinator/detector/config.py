@@ -59,18 +59,25 @@ class DetectorConfig:
     # the schedule simulation, over the healthy iteration) is below this share is `degraded`:
     # logged and counted, but no re-plan is asked for (moving state costs more than it saves)
     impact_floor: float = 0.01
-    # noise-adaptive judging (coordinator/detector/noise.py): each rank's compute and link ratios
-    # are judged against their own healthy median and spread, relative to the iteration's peers,
-    # by a multi-scale shift test; False: the fixed thresholds above, consecutive iterations.
-    # The coordinator turns it on for an observe-only job (a user's own loop, e.g. DDP), whose
-    # per-rank forward spans on shared hosts swing by tens of per cent
-    adaptive: bool = False
+    # noise-adaptive judging (coordinator/detector/noise.py), the default: each rank's compute and
+    # link ratios are judged against their own healthy median and spread, relative to the
+    # iteration's peers, by a multi-scale shift test. False: the fixed thresholds above, for
+    # consecutive iterations — quick on a quiet, well-calibrated cluster, but on shared hosts and
+    # busy fabrics (spans that swing by tens of per cent) a source of false alarms
+    adaptive: bool = True
     noise_level: float = 6.0  # the shift test's level, in spreads of a √w-window mean
     noise_window: int = 64  # healthy ratios kept per key
     noise_clip: float = 3.0  # one iteration moves the test by at most this many spreads
     effect_floor: float = 0.05  # and the crossing window's mean excess must be above this
     prior_spread: float = 0.10  # a key's relative spread until it has measured its own
     min_spread: float = 0.01  # a key's spread is never taken below this (relative)
+    noise_min_samples: int = 8  # healthy ratios a key learns after warm-up before it is judged
+
+    @property
+    def judged_from(self) -> int:
+        """Iterations a job runs before the detector can find a fail-slow: the cost model's
+        warm-up, then, adaptive, the healthy samples every key learns first."""
+        return self.warmup_iters + (self.noise_min_samples if self.adaptive else 0)
 
     def __post_init__(self) -> None:
         for name in ("slow_threshold", "comm_threshold", "dp_threshold", "step_threshold", "iteration_threshold",
@@ -84,7 +91,7 @@ class DetectorConfig:
                 f"({self.slow_threshold})]: a rank cannot count as recovered while it still looks slow"
             )
         for name in ("confirm_iters", "recover_iters", "warmup_iters", "refit_every", "calib_every",
-                     "calib_samples_per_key", "rewarm_iters"):
+                     "calib_samples_per_key", "rewarm_iters", "noise_min_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")

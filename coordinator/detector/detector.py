@@ -127,7 +127,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._rw_from = 0
         self._job_left = 0
         self.noise = NoiseModel(self.index.ranks, window=c.noise_window, level=c.noise_level, clip=c.noise_clip,
-                                floor=c.effect_floor, prior_spread=c.prior_spread, min_spread=c.min_spread)
+                                floor=c.effect_floor, prior_spread=c.prior_spread, min_spread=c.min_spread,
+                                min_samples=c.noise_min_samples)
         self._alloc()
 
     # --- plan -----------------------------------------------------------------------------

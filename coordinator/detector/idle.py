@@ -105,6 +105,8 @@ class IdleRankVerdicts:
         after it was given (a fail-slow's expected duration), queued for ``tick`` to report
         as a recovery; a plan that uses the rank again lets its own timings judge it."""
         self._now = max(self._now, now)
+        if not self._slow_at:  # no verdict to lapse (and the idle set costs 0.4 ms at 4096 ranks)
+            return
         for r in self._left_slow():
             age = self._now - self._slow_at.get(r, self._now)
             if age >= self.config.spare_verdict_s:

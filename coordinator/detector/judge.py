@@ -184,9 +184,10 @@ class IterationJudge:
 
     def _noise_normal(self, recent: FloatArray, link_slow: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """A slow rank counts as normal again when the recent mean deviation of the evidence
-        it was found on is within half a spread of its healthy baseline."""
+        it was found on is within half a spread of its healthy baseline, over RECENT iterations
+        judged since its windows were last emptied (a plan change that moved it empties them)."""
         key = np.where(link_slow, recent[:, 1], recent[:, 0])
-        return np.asarray(key < 0.5, dtype=np.bool_)
+        return np.asarray((key < 0.5) & self.noise.recent_known(), dtype=np.bool_)
 
     def _noise_learn(self, x: FloatArray, g: FloatArray) -> None:
         """Every rank not found slow teaches its baselines, whatever this iteration's value:

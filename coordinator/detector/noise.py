@@ -25,7 +25,9 @@ that window's robust spread:
 Until a key has ``min_samples`` healthy ratios its baseline is the calibrated cost model's
 (ratio 1) and its spread ``prior_spread``, or — after a plan change moved the rank — the
 spread it had before (its noise is the device's and host's, not the layout's). The baselines
-are refreshed every ``REFRESH`` iterations (a median over the window is the expensive part).
+are refreshed every ``REFRESH`` iterations, a sixteenth of the ranks at a time (a median over
+the window is the expensive part: at 4096 ranks the whole set at once took 20 ms). The ring
+buffers keep the iteration axis first, so that one iteration's slot is contiguous.
 Pure (numpy only).
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 SCALES = (1, 2, 4, 8, 16, 32, 64)
 MAD_TO_SIGMA = 1.4826
-REFRESH = 8  # iterations between baseline refreshes once a key is warm
+REFRESH = 16  # iterations between baseline refreshes once a key is warm (a window of 64 moves little in 16)
 RECENT = 8  # iterations the recovery test averages over
 QUARANTINE = 64  # iterations a ratio waits before it may teach (the longest scale of the test)
 
@@ -58,7 +60,7 @@ class NoiseModel:
         self._alloc(len(self.ranks))
         self._prior = np.full((len(self.ranks), kinds), prior_spread)
         self._measured = np.zeros((len(self.ranks), kinds), dtype=bool)  # the prior is a spread it had
-        self._age = 0
+        self._turn = 0
 
     def _alloc(self, n: int) -> None:
         k, zw = self.kinds, SCALES[-1]
@@ -70,23 +72,28 @@ class NoiseModel:
         self.s2 = np.ones((n, k))
         self.zprev = np.zeros((n, k))  # the previous iteration's unclipped deviation
         self.zprev2 = np.zeros((n, k))  # ... and the one before
-        self.e = np.zeros((n, k, zw))  # recent relative excesses (ring, like z)
+        self.e = np.zeros((zw, n, k))  # recent relative excesses (ring, like z)
         self.esums = np.zeros((len(SCALES), n, k))
         self.eprev = np.zeros((n, k))
         self.eprev2 = np.zeros((n, k))
         self.mu = np.zeros((n, k))  # mean clipped deviation of the healthy window (skewed noise: not 0)
-        self.z = np.zeros((n, k, zw))  # recent clipped deviations (ring, one slot per iteration)
+        self.z = np.zeros((zw, n, k))  # recent clipped deviations (ring, one slot per iteration)
         self.sums = np.zeros((len(SCALES), n, k))  # Σ of the last w z, per scale
         self.zpos = 0
+        # iterations tested since a rank's windows were last emptied (a plan change moved it, or
+        # it recovered): its recent mean deviation speaks only once RECENT of them are in
+        self.since = np.zeros(n, dtype=np.int64)
         self._fresh = np.zeros((n, k), dtype=bool)  # got healthy samples since the last refresh
         # ratios wait QUARANTINE iterations before they teach the baseline, and are dropped if the
         # key is found slow meanwhile: a slowdown's onset must not become its own baseline
-        self.pending = np.full((n, k, QUARANTINE), np.nan)
+        self.pending = np.full((QUARANTINE, n, k), np.nan)
+        self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
     # --- judging ------------------------------------------------------------------------------
     def test(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Push this iteration's ratios ``x`` (n, kinds; NaN = no evidence, counted as no
-        deviation) and return (G, relative excess of the crossing window, recent mean z)."""
+        deviation) and return (G, relative excess of the crossing window — 0 where G is not
+        above the level —, recent mean z)."""
         raw = np.where(np.isfinite(x), (x - self.m) / self.s - self.mu, 0.0)
         z = np.clip(raw, -self.clip - self.mu, self.clip - self.mu)
         # the relative excess itself, unclipped (the effect floor is judged on it: clipped
@@ -98,22 +105,26 @@ class NoiseModel:
         both_rel = np.minimum(np.minimum(rel, self.eprev), self.eprev2)
         self.zprev2, self.zprev = self.zprev, raw
         self.eprev2, self.eprev = self.eprev, rel
-        zw = self.z.shape[2]
-        for i, w in enumerate(SCALES):
-            old = (self.zpos - w) % zw
-            self.sums[i] += z - self.z[:, :, old]
-            self.esums[i] += rel - self.e[:, :, old]
-        self.z[:, :, self.zpos] = z
-        self.e[:, :, self.zpos] = rel
+        zw = self.z.shape[0]
+        old = (self.zpos - np.asarray(SCALES)) % zw  # the slot each scale's window lets go of
+        self.sums += z[None] - self.z[old]
+        self.esums += rel[None] - self.e[old]
+        self.z[self.zpos] = z
+        self.e[self.zpos] = rel
+        self.since += 1
         self.zpos = (self.zpos + 1) % zw
         scale = np.sqrt(np.asarray(SCALES, dtype=np.float64))[:, None, None]
         g_all = self.sums / (self.s2[None] * scale)
-        best = np.argmax(g_all, axis=0)
-        g = np.take_along_axis(g_all, best[None], axis=0)[0]
-        widths = np.asarray(SCALES, dtype=np.float64)[best]
-        excess = np.take_along_axis(self.esums, best[None], axis=0)[0] / widths
+        g = g_all.max(axis=0)
         jump = both > g
         g = np.where(jump, both, g)
+        # the excess of the window that crossed, only where one did (few keys: the argmax over
+        # the scales of every key is most of this function's time at 4096 ranks)
+        excess = np.zeros_like(g)
+        r, k = np.nonzero((g > self.level) & ~jump)
+        if len(r):
+            best = g_all[:, r, k].argmax(axis=0)
+            excess[r, k] = self.esums[best, r, k] / np.asarray(SCALES, dtype=np.float64)[best]
         excess = np.where(jump, both_rel, excess)
         recent = self.sums[SCALES.index(RECENT)] / RECENT
         return g, excess, recent
@@ -132,62 +143,76 @@ class NoiseModel:
         calm or not — learning only calm ones would teach a spread narrower than the noise —
         but a key found slow drops its queue (``forget``)."""
         slot = self.zpos % QUARANTINE  # test() advanced zpos: one slot per iteration
-        old = self.pending[:, :, slot].copy()
+        old = self.pending[slot].copy()
         # a key still warming up (a job's first iterations) learns at once: nothing was slow yet
         warm_up = (self.hcount < QUARANTINE // 2) & ~self._measured
-        self.pending[:, :, slot] = np.where(warm_up, np.nan, x)
+        self.pending[slot] = np.where(warm_up, np.nan, x)
         x = np.where(warm_up, x, old)
         take = ok & np.isfinite(x)
-        if not take.any():
-            return
-        r, k = np.nonzero(take)
-        self.hist[r, k, self.hpos[r, k]] = x[r, k]
-        self.hpos[r, k] = (self.hpos[r, k] + 1) % self.window
-        self.hcount[r, k] += 1
-        self._fresh |= take
-        self._age += 1
-        warming = take & (self.hcount <= 2 * self.min_samples)
-        if warming.any() or self._age >= REFRESH:
-            self._refresh(self._fresh if self._age >= REFRESH else warming)
+        self._turn = (self._turn + 1) % REFRESH
+        if take.any():  # on flat views: one index array instead of three
+            flat = np.flatnonzero(take)
+            pos = self.hpos.reshape(-1)[flat]
+            self.hist.reshape(-1, self.window)[flat, pos] = x.reshape(-1)[flat]
+            self.hpos.reshape(-1)[flat] = (pos + 1) % self.window
+            self.hcount.reshape(-1)[flat] += 1
+            self._fresh |= take
+        # a warming key refreshes on every other sample (its baseline is still moving); the
+        # others once in REFRESH iterations, each rank on its own turn
+        warming = take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
+        rows = warming | (self._fresh & (self._phase == self._turn))
+        if rows.any():
+            self._refresh(rows)
 
     def clear_windows(self, rows: BoolArray) -> None:
         """Start the shift test afresh for ranks (``rows`` (n,)) just recovered: the slow
         period's deviations in their windows were evidence of the fault that ended, not of
         a new one."""
-        self.z[rows] = 0.0
-        self.e[rows] = 0.0
+        self.z[:, rows] = 0.0
+        self.e[:, rows] = 0.0
         self.sums[:, rows] = 0.0
         self.esums[:, rows] = 0.0
         for prev in (self.zprev, self.zprev2, self.eprev, self.eprev2):
             prev[rows] = 0.0
+        self.since[rows] = 0
+
+    def recent_known(self) -> BoolArray:
+        """Ranks whose recent mean deviation rests on RECENT tested iterations: a rank whose
+        windows were just emptied reads 0 there, which is no evidence that it is back."""
+        return np.asarray(self.since >= RECENT, dtype=np.bool_)
 
     def forget(self, rows: BoolArray) -> None:
         """Drop the queued ratios of ranks (``rows`` (n,)) just found slow: their slowdown began
         some iterations before it was confirmed."""
-        self.pending[rows] = np.nan
+        self.pending[:, rows] = np.nan
 
     def _refresh(self, rows: BoolArray) -> None:
-        self._age = 0
         r, k = np.nonzero(rows & (self.hcount >= self.min_samples))
         self._fresh &= ~rows  # (after reading rows: it may be this very array)
         if len(r) == 0:
             return
-        # a window fills from slot 0: while few are filled, sort only those columns
-        filled = int(min(self.window, int(self.hcount[r, k].max())))
-        h = self.hist[r, k, :filled]  # (q, filled)
-        m = _nanmedian_rows(h)
-        mad = _nanmedian_rows(np.abs(h - m[:, None]))
-        # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
-        few = np.sqrt(1.0 + self.min_samples / np.maximum(self.hcount[r, k], 1))
-        s = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
-        zc = np.clip((h - m[:, None]) / s[:, None], -self.clip, self.clip)
-        with np.errstate(invalid="ignore"):
-            mu = np.nanmean(zc, axis=1)
-            s2 = np.sqrt(np.nanmean((zc - mu[:, None]) ** 2, axis=1))
-        self.m[r, k] = m
-        self.s[r, k] = s
-        self.mu[r, k] = np.nan_to_num(mu)
-        self.s2[r, k] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
+        full = self.hcount[r, k] >= self.window
+        for part in (full, ~full):  # full windows (most, once warm) need no NaN handling
+            if not part.any():
+                continue
+            pr, pk = r[part], k[part]
+            # a window fills from slot 0: while few are filled, sort only those columns
+            filled = int(min(self.window, int(self.hcount[pr, pk].max())))
+            h = self.hist[pr, pk, :filled]  # (q, filled)
+            m = _median_rows(h, bool(part is full))
+            mad = _median_rows(np.abs(h - m[:, None]), bool(part is full))
+            # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
+            few = np.sqrt(1.0 + self.min_samples / np.maximum(self.hcount[pr, pk], 1))
+            sp = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
+            zc = np.clip((h - m[:, None]) / sp[:, None], -self.clip, self.clip)
+            with np.errstate(invalid="ignore"):
+                mu = np.nanmean(zc, axis=1) if part is not full else zc.mean(axis=1)
+                dev2 = (zc - mu[:, None]) ** 2
+                s2 = np.sqrt(np.nanmean(dev2, axis=1) if part is not full else dev2.mean(axis=1))
+            self.m[pr, pk] = m
+            self.s[pr, pk] = sp
+            self.mu[pr, pk] = np.nan_to_num(mu)
+            self.s2[pr, pk] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
 
     # --- plan changes -------------------------------------------------------------------------
     def remap(self, ranks: Sequence[int], moved: set[int]) -> None:
@@ -195,8 +220,9 @@ class NoiseModel:
         start again from the cost model's prediction with the spread they had (their noise
         is their device's and host's), and their recent deviations are forgotten."""
         old = {r: i for i, r in enumerate(self.ranks)}
-        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "z", "e",
-                                                      "pending", "zprev", "zprev2", "eprev", "eprev2")}
+        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "zprev",
+                                                      "zprev2", "eprev", "eprev2", "_fresh", "since")}
+        rings = {name: getattr(self, name) for name in ("z", "e", "pending")}  # iteration axis first
         sums, esums, prior, zpos, measured = self.sums, self.esums, self._prior, self.zpos, self._measured
         self.ranks = tuple(ranks)
         self._alloc(len(self.ranks))
@@ -216,15 +242,22 @@ class NoiseModel:
             self._measured[i] = measured[j]
             for name, arr in keep.items():
                 getattr(self, name)[i] = arr[j]
+            for name, arr in rings.items():
+                getattr(self, name)[:, i] = arr[:, j]
             self.sums[:, i] = sums[:, j]
             self.esums[:, i] = esums[:, j]
 
 
-def _nanmedian_rows(a: FloatArray) -> FloatArray:
-    """Row medians ignoring NaN (rows have at least one finite value)."""
+def _median_rows(a: FloatArray, full: bool) -> FloatArray:
+    """Row medians; ``full``: no NaN (a partial selection then does), else NaN are ignored
+    (rows have at least one finite value)."""
+    n_cols = a.shape[1]
+    if full:  # the lower median: one partition point is half the work of two
+        lo = (n_cols - 1) // 2
+        return np.asarray(np.partition(a, lo, axis=1)[:, lo], dtype=np.float64)
     srt = np.sort(a, axis=1)  # NaN last
     n = np.isfinite(a).sum(axis=1)
-    lo = np.maximum((n - 1) // 2, 0)
-    hi = np.maximum(n // 2, 0)
+    lo_i = np.maximum((n - 1) // 2, 0)
+    hi_i = np.maximum(n // 2, 0)
     rows = np.arange(a.shape[0])
-    return np.asarray(0.5 * (srt[rows, lo] + srt[rows, hi]), dtype=np.float64)
+    return np.asarray(0.5 * (srt[rows, lo_i] + srt[rows, hi_i]), dtype=np.float64)

@@ -1,0 +1,181 @@
+"""Real-run check of the detector (issue #25, item 6): healthy CPU jobs under ``resihp launch``
+raise no fail-slow finding and no reconfiguration; a 1.3x throttle of one rank is found on
+that rank.
+
+Two layouts of ``examples/train_gpt.py`` (gpt-tiny, 8 micro-batches of 128 tokens):
+
+- ``pp2dp2``: ``resihp launch -n 4 --pp 2 --dp 2 --nodes 2 -- python examples/train_gpt.py
+  --tp 1 --pp 2 --dp 2 --steps 300``;
+- ``tp2pp2dp2``: the same with 8 ranks, ``--tp 2``.
+
+Each layout runs ``--runs`` healthy jobs of ``--steps`` steps; in the last one a busy
+co-tenant process spins on one core for the middle third of the run. Then one job per layout
+is throttled: ``resihp admin inject slow --rank R --factor 1.3`` at ``--slow-at``, and the
+iterations from the throttle to the first finding naming rank R are counted. Every job uses
+the coordinator's defaults (noise-adaptive detection), nothing tuned to this machine.
+
+Prints a table, then one JSON line: ``real_false_findings`` (fail-slow findings and
+reconfigurations over all healthy runs), ``real_slow_detect_iters`` (the worst throttled
+run; null where it was not found), per-run details. ``bench/detect.py`` runs it unless
+``--skip-real``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+LAYOUTS = {"pp2dp2": (1, 2, 2), "tp2pp2dp2": (2, 2, 2)}
+SLOW_RANK = {"pp2dp2": 2, "tp2pp2dp2": 5}  # a stage-1 rank of replica 0 / a TP member of replica 1
+
+
+@dataclass
+class RealRun:
+    layout: str
+    kind: str  # healthy | co-tenant | slow
+    rc: int
+    wall_s: float
+    steps: int
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    reconfigs: int = 0
+    slow_at: int | None = None
+    detect_iters: int | None = None
+    found_ranks: list[int] = field(default_factory=list)
+
+    def row(self) -> str:
+        kinds = ",".join(f"{f['kind']}:{f.get('ranks')}@{f.get('iteration')}" for f in self.findings) or "-"
+        det = "" if self.kind != "slow" else f" detect {self.detect_iters} it"
+        return (f"{self.layout:10s} {self.kind:10s} rc {self.rc:3d} {self.steps:4d} steps {self.wall_s:6.1f} s "
+                f"reconfigs {self.reconfigs}  findings {kinds}{det}")
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written when the job ended
+    return out
+
+
+def _resihp(*args: str) -> list[str]:
+    return [sys.executable, "-m", "resihp.cli", *args]
+
+
+def _last_step(run: Path) -> int:
+    steps = [int(r["step"]) for r in _jsonl(run / "progress.jsonl") if r.get("type") == "step"]
+    return max(steps) if steps else -1
+
+
+def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor: float,
+            timeout_s: float) -> RealRun:
+    tp, pp, dp = LAYOUTS[layout]
+    n = tp * pp * dp
+    run = root / f"{layout}-{kind}-{time.monotonic_ns()}"
+    run.mkdir(parents=True)
+    cmd = _resihp("launch", "-n", str(n), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--nodes", "2",
+                  "--run-dir", str(run), "--", sys.executable, str(EXAMPLE), "--tp", str(tp), "--pp", str(pp),
+                  "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000")
+    t0 = time.monotonic()
+    with open(run / "launch.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        tenant: subprocess.Popen[bytes] | None = None
+        injected: int | None = None
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - t0 > timeout_s:
+                    proc.terminate()
+                    break
+                step = _last_step(run)
+                if kind == "co-tenant" and tenant is None and step >= steps // 3:
+                    tenant = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                if tenant is not None and step >= 2 * steps // 3 and tenant.poll() is None:
+                    tenant.kill()
+                if kind == "slow" and injected is None and step + 1 >= slow_at:
+                    subprocess.run(_resihp("admin", "inject", "slow", "--rank", str(SLOW_RANK[layout]), "--factor",
+                                           str(factor), "--run-dir", str(run)), capture_output=True, timeout=60)
+                    injected = _last_step(run) + 1  # the first step the throttle can slow
+                time.sleep(0.2)
+            proc.wait(60)
+        finally:
+            if tenant is not None and tenant.poll() is None:
+                tenant.kill()
+            if proc.poll() is None:
+                proc.kill()
+    events = _jsonl(run / "events.jsonl")
+    findings = [e for e in events if e.get("event") == "finding" and e.get("kind") in ("fail-slow", "fail-stop")]
+    reconfigs = sum(1 for e in events if e.get("event") == "command" and e.get("kind") == "reconfigure")
+    out = RealRun(layout, kind, proc.returncode, time.monotonic() - t0, _last_step(run) + 1, findings, reconfigs)
+    if kind == "slow" and injected is not None:
+        # the first iteration the rank ran throttled, as the rank logged it (the command takes
+        # a step or two to arrive); the step after the admin call where the log lacks it
+        began = re.search(rf"rank {SLOW_RANK[layout]} compute throttled to \S+ speed from iteration (\d+)",
+                          (run / "launch.log").read_text(errors="replace"))
+        injected = int(began.group(1)) if began else injected
+        out.slow_at = injected
+        after = [f for f in findings if f["kind"] == "fail-slow" and int(f.get("iteration", -1)) >= injected]
+        hit = next((f for f in after if SLOW_RANK[layout] in f.get("ranks", [])), None)
+        out.found_ranks = sorted({r for f in after for r in f.get("ranks", [])})
+        out.detect_iters = int(hit["iteration"]) - injected + 1 if hit is not None else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5, help="healthy runs per layout (the last with a co-tenant)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {sorted(LAYOUTS)}")
+    ap.add_argument("--slow-at", type=int, default=60, help="step of the throttle in the slow runs")
+    ap.add_argument("--slow-steps", type=int, default=120, help="steps of a throttled run")
+    ap.add_argument("--factor", type=float, default=1.3)
+    ap.add_argument("--timeout-s", type=float, default=1200.0, help="per job")
+    ap.add_argument("--keep", default="", help="keep the run directories here (default: a temporary one)")
+    args = ap.parse_args(argv)
+    layouts = [x for x in args.layouts.split(",") if x]
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layout(s) {unknown}; known: {sorted(LAYOUTS)}")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    with tempfile.TemporaryDirectory(prefix="resihp-real-") as tmp:
+        root = Path(args.keep) if args.keep else Path(tmp)
+        runs: list[RealRun] = []
+        for layout in layouts:
+            for i in range(args.runs):
+                kind = "co-tenant" if i == args.runs - 1 else "healthy"
+                runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s))
+                print(runs[-1].row(), flush=True)
+            runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s))
+            print(runs[-1].row(), flush=True)
+    healthy = [r for r in runs if r.kind != "slow"]
+    slow = [r for r in runs if r.kind == "slow"]
+    false = sum(len([f for f in r.findings if f["kind"] == "fail-slow"]) + r.reconfigs for r in healthy)
+    iters = [r.detect_iters for r in slow]
+    worst = None if not iters or any(i is None for i in iters) else max(i for i in iters if i is not None)
+    print(f"\nhealthy runs {len(healthy)} (failed {sum(r.rc != 0 for r in healthy)}), false fail-slow findings + "
+          f"reconfigurations {false}; throttled x{args.factor}: detect iterations {iters}, ranks "
+          f"{[r.found_ranks for r in slow]}")
+    print(json.dumps({
+        "real_false_findings": false, "real_slow_detect_iters": worst,
+        "real_healthy_runs": len(healthy), "real_runs_failed": sum(r.rc != 0 for r in runs),
+        "real_slow_localised": all(r.found_ranks == [SLOW_RANK[r.layout]] for r in slow) if slow else None,
+        "runs": [{"layout": r.layout, "kind": r.kind, "rc": r.rc, "steps": r.steps, "wall_s": round(r.wall_s, 1),
+                  "findings": [[f["kind"], f.get("ranks"), f.get("iteration")] for f in r.findings],
+                  "reconfigs": r.reconfigs, "detect_iters": r.detect_iters} for r in runs],
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The detector's default, noise-adaptive judging (coordinator/detector/noise.py) end to end:
+generated traces through ``Detector.observe``. The fixed-threshold mode keeps its own tests
+(test_detector.py and the others pin its exact iterations)."""
+from __future__ import annotations
+
+import pytest
+import test_detector_replan as replan
+from test_detector import PLAN, _cfg, _replay
+
+from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.model.trace import IterationRecord
+from resihp.sim.workload import Fault, Hardware, Noise, make_header, records_list
+
+ADAPTIVE = DetectorConfig()
+# judged from iteration 16; a fault at 24 has eight healthy iterations of spread behind it
+ONSET = ADAPTIVE.judged_from + 8
+NOISY = Noise(op_jitter=0.04, device_spread=0.02, drift=0.01, os_noise_prob=0.01, gc_prob=0.1, comm_jitter=0.15,
+              comm_spike_prob=0.03)
+
+
+def _slow(found: list[Finding]) -> list[Finding]:
+    return [f for f in found if f.kind == "fail-slow"]
+
+
+def test_adaptive_judging_is_the_default() -> None:
+    assert ADAPTIVE.adaptive and ADAPTIVE.judged_from == ADAPTIVE.warmup_iters + ADAPTIVE.noise_min_samples
+    assert not DetectorConfig(adaptive=False).judged_from > DetectorConfig(adaptive=False).warmup_iters
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_noisy_healthy_runs_raise_nothing(seed: int) -> None:
+    """Jitter, GC pauses, data-loader stalls, congested transfers: 120 iterations, no finding;
+    the fixed thresholds accuse somebody on the same trace (the reason for the default)."""
+    cfg = _cfg(iterations=120, noise=NOISY, seed=seed)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    assert found == []
+    if seed == 1:
+        _, fixed, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False)))
+        assert _slow(fixed), "the fixed thresholds found nothing either: this trace does not test the noise"
+
+
+@pytest.mark.parametrize(("rank", "factor", "within"), [(5, 1.5, 3), (0, 2.0, 3), (7, 1.25, 3), (2, 1.1, 10)])
+def test_a_compute_slowdown_is_found_on_its_rank(rank: int, factor: float, within: int) -> None:
+    cfg = _cfg((Fault("compute", rank, ONSET, factor),), iterations=ONSET + 24, noise=Noise(), seed=7)
+    _, found, states = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    slow = _slow(found)
+    assert slow, "not found"
+    first = slow[0]
+    assert first.ranks == (rank,) and first.cause == "compute", first
+    assert ONSET <= first.iteration < ONSET + within, first.iteration
+    assert first.factor == pytest.approx(factor, rel=0.1)
+    assert all(s[r] == "healthy" for s in states[:ONSET] for r in s)  # nothing before the fault
+
+
+def test_a_slow_link_is_found_as_communication_on_its_rank() -> None:
+    # two GPUs per node: every TP group is a node, every pipeline transfer crosses nodes
+    cfg = _cfg((Fault("link", 4, ONSET, 3.0),), iterations=ONSET + 24, noise=Noise(), seed=3,
+               hardware=Hardware(gpus_per_node=2))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    slow = _slow(found)
+    assert slow and slow[0].cause == "communication" and 4 in slow[0].ranks, slow
+    assert slow[0].iteration < ONSET + 3
+
+
+def test_a_transient_slowdown_is_found_and_then_recovered() -> None:
+    cfg = _cfg((Fault("compute", 3, ONSET, 2.0, end_iter=ONSET + 10),), iterations=ONSET + 40, noise=Noise())
+    _, found, states = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    kinds = [(f.kind, f.ranks) for f in found]
+    assert kinds == [("fail-slow", (3,)), ("recovered", (3,))], kinds
+    rec = next(f for f in found if f.kind == "recovered")
+    # recovered once the recent window (8 iterations) is back at the baseline, for recover_iters
+    assert ONSET + 10 <= rec.iteration <= ONSET + 10 + 8 + ADAPTIVE.recover_iters + 2, rec.iteration
+    assert states[-1][3] == "healthy"
+
+
+def test_a_single_long_stall_is_no_fault() -> None:
+    """One 3x iteration of one rank (a GC pause, a checkpoint): clipped, never a finding."""
+    cfg = _cfg((Fault("compute", 6, ONSET, 3.0, end_iter=ONSET + 1),), iterations=ONSET + 30, noise=Noise())
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    assert found == []
+
+
+def test_a_plan_change_does_not_blind_the_detector() -> None:
+    """After the plan changes, ranks that moved start from their old spread, the others keep
+    their windows: a slowdown of an unmoved rank right after the change is still found."""
+    cfg = _cfg((Fault("compute", 1, ONSET + 2, 2.0),), iterations=ONSET + 20, noise=Noise())
+    det = Detector(make_header(cfg), ADAPTIVE)
+    found: list[Finding] = []
+    for rec in records_list(cfg):
+        if isinstance(rec, IterationRecord):
+            if rec.iteration == ONSET:
+                det.set_plan(PLAN)  # the same layout, announced: every rank re-warms its keys
+            found += det.observe(rec, rec.start_s + rec.time_s)
+    slow = _slow(found)
+    assert slow and slow[0].ranks == (1,), found
+    assert slow[0].iteration <= ONSET + 2 + ADAPTIVE.rewarm_iters + 3, slow[0].iteration
+
+
+@pytest.mark.parametrize("still_slow", [True, False])
+def test_a_slow_rank_that_moves_stays_slow_until_its_new_windows_say_otherwise(still_slow: bool) -> None:
+    """A plan change empties a moved rank's windows; an empty window reads as no deviation,
+    which must not count as recovered (seen live: a 1.3x-throttled rank "recovered" right after
+    the re-plan that moved it, and the next re-plan used it again)."""
+    change = 40
+    det = Detector(replan._header(), ADAPTIVE)
+    slow = [(f.iteration, f.ranks) for f in replan._run(det, 0, change, slow_from={5: (ONSET, 2.0)})
+            if f.kind == "fail-slow"]
+    assert slow and slow[0][1] == (5,) and slow[0][0] < ONSET + 3, slow
+    det.set_plan(replan.SHARES)  # dp-shares moves work off rank 5's replica: its keys re-warm
+    mult = {4: 1.7, 5: 1.7 * (2.0 if still_slow else 1.0), 6: 1.7, 7: 1.7}
+    found = replan._run(det, change, change + 30, mult=mult)
+    if still_slow:
+        assert found == [] and det.suspects()[5] == "slow"
+    else:
+        assert [(f.kind, f.ranks) for f in found] == [("recovered", (5,))]
+        assert found[0].iteration > change + det.config.rewarm_iters

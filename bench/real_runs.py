@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ class RealRun:
     slow_at: int | None = None
     detect_iters: int | None = None
     found_ranks: list[int] = field(default_factory=list)
+    run_dir: Path | None = None
 
     def row(self) -> str:
         kinds = ",".join(f"{f['kind']}:{f.get('ranks')}@{f.get('iteration')}" for f in self.findings) or "-"
@@ -117,7 +119,8 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
     events = _jsonl(run / "events.jsonl")
     findings = [e for e in events if e.get("event") == "finding" and e.get("kind") in ("fail-slow", "fail-stop")]
     reconfigs = sum(1 for e in events if e.get("event") == "command" and e.get("kind") == "reconfigure")
-    out = RealRun(layout, kind, proc.returncode, time.monotonic() - t0, _last_step(run) + 1, findings, reconfigs)
+    out = RealRun(layout, kind, proc.returncode, time.monotonic() - t0, _last_step(run) + 1, findings, reconfigs,
+                  run_dir=run)
     if kind == "slow" and injected is not None:
         # the first iteration the rank ran throttled, as the rank logged it (the command takes
         # a step or two to arrive); the step after the admin call where the log lacks it
@@ -148,16 +151,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; known: {sorted(LAYOUTS)}")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    with tempfile.TemporaryDirectory(prefix="resihp-real-") as tmp:
-        root = Path(args.keep) if args.keep else Path(tmp)
-        runs: list[RealRun] = []
-        for layout in layouts:
-            for i in range(args.runs):
-                kind = "co-tenant" if i == args.runs - 1 else "healthy"
-                runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s))
-                print(runs[-1].row(), flush=True)
-            runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s))
+    # run directories of runs that went as they should are removed; the others stay for a look
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="resihp-real-"))
+    runs: list[RealRun] = []
+    for layout in layouts:
+        for i in range(args.runs):
+            kind = "co-tenant" if i == args.runs - 1 else "healthy"
+            runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s))
             print(runs[-1].row(), flush=True)
+        runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s))
+        print(runs[-1].row(), flush=True)
+    kept = [r.run_dir for r in runs if r.rc != 0 or (r.kind != "slow" and (r.findings or r.reconfigs))
+            or (r.kind == "slow" and (r.detect_iters is None or r.found_ranks != [SLOW_RANK[r.layout]]))]
+    if not args.keep:
+        for r in runs:
+            if r.run_dir not in kept:
+                shutil.rmtree(r.run_dir, ignore_errors=True)
+    for d in kept:
+        print(f"kept for a look: {d}")
     healthy = [r for r in runs if r.kind != "slow"]
     slow = [r for r in runs if r.kind == "slow"]
     false = sum(len([f for f in r.findings if f["kind"] == "fail-slow"]) + r.reconfigs for r in healthy)

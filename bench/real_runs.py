@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             or (r.kind == "slow" and (r.detect_iters is None or r.found_ranks != [SLOW_RANK[r.layout]]))]
     if not args.keep:
         for r in runs:
-            if r.run_dir not in kept:
+            if r.run_dir is not None and r.run_dir not in kept:
                 shutil.rmtree(r.run_dir, ignore_errors=True)
     for d in kept:
         print(f"kept for a look: {d}")

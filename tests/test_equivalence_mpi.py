@@ -97,7 +97,7 @@ def test_layout_matches_single_process_within_1e_5(run_dir: Path, layout: str) -
 # Links are not judged (the CPU policy of `make demo` does the same): over loopback a P2P
 # chunk is a receive wait that includes the sender's lateness and other jobs' bursts, so
 # on a busy CI machine a healthy DP ring read 1.8x "slow" (CI run of 2026-11-29)
-DETECT_CONFIG = {"slow_threshold": 0.25, "comm_threshold": 0.3, "dp_threshold": 0.4, "step_threshold": 0.25,
+DETECT_CONFIG = {"adaptive": False, "slow_threshold": 0.25, "comm_threshold": 0.3, "dp_threshold": 0.4, "step_threshold": 0.25,
                  "iteration_threshold": 0.3, "confirm_iters": 4, "link_detection": False}
 QUIET_SPREAD = 1.6  # max/min of per-iteration median compute time a quiet machine stays under
 

@@ -196,7 +196,7 @@ def test_engine_learns_from_healthy_iterations_only() -> None:
         eng.observe(synth(plan, j, slow={2: 4.0}), now=float(j))
         learned.append(eng.profile().iterations)
     assert not eng.detector.all_healthy()
-    assert learned[-1] <= learned[0] + 1  # at most the iteration that made it a suspect
+    assert learned[-1] <= learned[0] + 1  # at most the iteration that made it a suspect (far out, or suspect)
     assert eng.profile().device_flops == pytest.approx(TRUE["flops"], rel=1e-9)
 
 

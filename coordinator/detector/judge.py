@@ -294,6 +294,8 @@ class IterationJudge:
         self.run_m = np.where(watching & sus_m, self.run_m + 1, np.where(watching, 0, self.run_m))
         st[watching & suspect & (st == RankState.HEALTHY)] = RankState.SUSPECT
         st[watching & ~suspect] = RankState.HEALTHY
+        if adaptive:  # far out in this iteration alone: a suspect, not yet a finding
+            st[watching & ~suspect & self.noise.far.any(axis=1)] = RankState.SUSPECT
         need = 1 if adaptive else c.confirm_iters
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
         slow = live & (st == RankState.SLOW)

@@ -84,6 +84,7 @@ class NoiseModel:
         # it recovered): its recent mean deviation speaks only once RECENT of them are in
         self.since = np.zeros(n, dtype=np.int64)
         self._fresh = np.zeros((n, k), dtype=bool)  # got healthy samples since the last refresh
+        self.far = np.zeros((n, k), dtype=bool)  # the latest iteration alone beyond the level
         # ratios wait QUARANTINE iterations before they teach the baseline, and are dropped if the
         # key is found slow meanwhile: a slowdown's onset must not become its own baseline
         self.pending = np.full((QUARANTINE, n, k), np.nan)
@@ -103,6 +104,9 @@ class NoiseModel:
         # found in three iterations, which no stall (nor two in a row) can fake
         both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / self.s2
         both_rel = np.minimum(np.minimum(rel, self.eprev), self.eprev2)
+        # this iteration alone far out (not yet a finding): the rank leans slow, and what the
+        # job measures meanwhile (its device and link profile) should not learn from it
+        self.far = np.asarray((raw / self.s2 > self.level) & (rel > self.floor) & self._known(), dtype=np.bool_)
         self.zprev2, self.zprev = self.zprev, raw
         self.eprev2, self.eprev = self.eprev, rel
         zw = self.z.shape[0]
@@ -133,8 +137,10 @@ class NoiseModel:
         """Keys whose shift crossed the level with an excess above the floor. A key still in its
         first ``min_samples`` healthy iterations, with no spread measured before, is not judged:
         a job's first iterations (allocator, first touch, thread pools) teach, they do not accuse."""
-        known = (self.hcount >= self.min_samples) | self._measured
-        return np.asarray((g > self.level) & (excess > self.floor) & known, dtype=np.bool_)
+        return np.asarray((g > self.level) & (excess > self.floor) & self._known(), dtype=np.bool_)
+
+    def _known(self) -> BoolArray:
+        return np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
 
     # --- learning -----------------------------------------------------------------------------
     def learn(self, x: FloatArray, ok: BoolArray) -> None:

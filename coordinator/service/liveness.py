@@ -15,6 +15,7 @@ from resihp.coordinator.service.records import RankInfo
 
 if TYPE_CHECKING:
     from resihp.coordinator.service.engine import Engine
+    from resihp.coordinator.service.records import Pending
 
 
 class LivenessFlow:
@@ -25,6 +26,7 @@ class LivenessFlow:
     engine: Engine
     last_iteration: int
     _progress_at: float | None
+    pending: Pending | None
 
     if TYPE_CHECKING:
         def _where(self, rank: int) -> dict[str, Any]: ...
@@ -34,7 +36,9 @@ class LivenessFlow:
         peers beat on: that rank holds the job up (stopped, frozen host). Fail-stop, cause
         no-progress, long before the heartbeat timeout (coordinator/detector/detector.py,
         hang_culprits; liveness is this process's own clock of when each rank was heard)."""
-        if self._progress_at is None:
+        if self._progress_at is None or self.pending is not None:
+            # a switch in progress pauses the iterations by design (state moves, groups form):
+            # the ack timeout, not the hang rule, watches it
             return []
         stalled, wait = now - self._progress_at, self.engine.hang_after_s()
         if stalled <= wait:  # every tick: no per-rank work while iterations come

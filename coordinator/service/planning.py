@@ -60,6 +60,7 @@ class PlanFlow:
     audits: Audits
     policy: dict[str, str]
     last_iteration: int
+    _progress_at: float | None
 
     if TYPE_CHECKING:  # the core's methods these use (coordinator/service/core.py)
         def _transition(self, trigger: Trigger, reason: str) -> bool: ...
@@ -214,6 +215,8 @@ class PlanFlow:
         if pend is None or pend.awaiting:
             return
         self.pending = None
+        if self._progress_at is not None:  # the switch's pause was no hang: its clock starts now
+            self._progress_at = now
         cmd = pend.command
         self.plan = cmd.plan
         self.journal.acked(cmd.seq)

@@ -385,3 +385,51 @@ def test_a_trainer_layout_that_cannot_be_adopted_is_named_once_with_the_fix(tmp_
                                         "(epoch 0: TP1xPP2xDP2 mb 2,2) gives its replica 2")
     assert "resihp launch --microbatches" in said[0]["reason"] and core.plan.global_microbatches == 4
     assert 'resihp_requests_invalid_total{job="job",kind="layout"} 1' in core.metrics.render()
+
+
+def test_a_switch_in_progress_is_no_hang_and_the_hang_clock_restarts_when_it_is_acknowledged(tmp_path: Path) -> None:
+    """A switch pauses the iterations by design; on a loaded machine a rank's beats can lag
+    too. A planned exclude was once declared a no-progress fail-stop that way. The hang rule
+    waits while a command is pending and counts from its acknowledgement, and still finds a
+    rank of the new plan that goes silent after it."""
+    cfg = CoordinatorConfig(world_size=8, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01, ack_timeout_s=60.0,
+                            heartbeat_timeout_s=1000.0)
+    plan = Plan.uniform(1, 2, 4, 32, 8)  # a model that needs several ranks after the loss of one
+    engine = make_engine("auto", build_header(preset("llama2-7b"), plan, 8, "job"))
+    t = [1000.0]
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: t[0])
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(8))))
+    for it in range(4):
+        core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, plan) for r in range(8))))
+        t[0] += 0.2
+
+    def beat(silent: int) -> None:
+        ranks = tuple(m.RankHeartbeat(r, t[0]) for r in range(7) if r != silent)
+        core.on_batch(conn, m.AgentBatch(heartbeat=m.AgentHeartbeat(t[0], ranks)))
+
+    def hangs() -> list[dict[str, Any]]:
+        return [e for e in core.events.since(0, 1000) if e["event"] == "finding" and e.get("cause") == "no-progress"]
+
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(7, 107, 1.0, -9),)))
+    cmd = _command(conn)
+    silent = cmd.plan.ranks()[1]
+    assert core.engine.hang_after_s() < 2.0
+    for _ in range(10):  # ten seconds of switching, one rank silent all along
+        t[0] += 1.0
+        beat(silent)
+        core.tick()
+    assert hangs() == [] and core.state is State.RECONFIGURING
+    for r in range(7):
+        core.on_batch(conn, m.AgentBatch(acks=(m.Ack(r, cmd.seq, 1, cmd.apply_at),)))
+    assert core.state is State.RUNNING
+    t[0] += 0.5
+    beat(silent)
+    core.tick()
+    assert hangs() == []  # the clock started at the acknowledgement
+    for _ in range(3):
+        t[0] += 1.0
+        beat(silent)
+        core.tick()
+    found = hangs()
+    assert [f["ranks"] for f in found] == [[silent]], found

@@ -198,23 +198,23 @@ class NoiseModel:
         if len(r) == 0:
             return
         full = self.hcount[r, k] >= self.window
-        for part in (full, ~full):  # full windows (most, once warm) need no NaN handling
+        for part, complete in ((full, True), (~full, False)):  # complete windows need no NaN handling
             if not part.any():
                 continue
             pr, pk = r[part], k[part]
             # a window fills from slot 0: while few are filled, sort only those columns
             filled = int(min(self.window, int(self.hcount[pr, pk].max())))
             h = self.hist[pr, pk, :filled]  # (q, filled)
-            m = _median_rows(h, bool(part is full))
-            mad = _median_rows(np.abs(h - m[:, None]), bool(part is full))
+            mean = np.mean if complete else np.nanmean
+            m = _median_rows(h, complete)
+            mad = _median_rows(np.abs(h - m[:, None]), complete)
             # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
             few = np.sqrt(1.0 + self.min_samples / np.maximum(self.hcount[pr, pk], 1))
             sp = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
             zc = np.clip((h - m[:, None]) / sp[:, None], -self.clip, self.clip)
             with np.errstate(invalid="ignore"):
-                mu = np.nanmean(zc, axis=1) if part is not full else zc.mean(axis=1)
-                dev2 = (zc - mu[:, None]) ** 2
-                s2 = np.sqrt(np.nanmean(dev2, axis=1) if part is not full else dev2.mean(axis=1))
+                mu = mean(zc, axis=1)
+                s2 = np.sqrt(mean((zc - mu[:, None]) ** 2, axis=1))
             self.m[pr, pk] = m
             self.s[pr, pk] = sp
             self.mu[pr, pk] = np.nan_to_num(mu)
@@ -254,11 +254,11 @@ class NoiseModel:
             self.esums[:, i] = esums[:, j]
 
 
-def _median_rows(a: FloatArray, full: bool) -> FloatArray:
-    """Row medians; ``full``: no NaN (a partial selection then does), else NaN are ignored
-    (rows have at least one finite value)."""
+def _median_rows(a: FloatArray, complete: bool) -> FloatArray:
+    """Row medians; ``complete``: no NaN, else NaN are ignored (rows have at least one
+    finite value)."""
     n_cols = a.shape[1]
-    if full:  # the lower median: one partition point is half the work of two
+    if complete:  # the lower median: one partition point is half the work of two
         lo = (n_cols - 1) // 2
         return np.asarray(np.partition(a, lo, axis=1)[:, lo], dtype=np.float64)
     srt = np.sort(a, axis=1)  # NaN last

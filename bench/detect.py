@@ -33,15 +33,18 @@ from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.model.spec import preset
 from resihp.coordinator.model.trace import DeviceInfo, ExitEvent, HeartbeatEvent, IterationRecord, TraceHeader
 from resihp.sim.detect_baselines import BocdBaseline, ThresholdBaseline
-from resihp.sim.workload import Fault, WorkloadConfig, generate, make_header
+from resihp.sim.workload import Fault, Noise, WorkloadConfig, generate, heavy_tail_document_lengths, make_header
 
 MODEL = preset("llama2-7b")
 IMPACT_FLOOR = DetectorConfig().impact_floor  # a slowdown costing less is `degraded`, not acted on
 PLANS = {
+    "1f1b-tp1pp8dp4": Plan.uniform(1, 8, 4, 32, 16),
+    "1f1b-tp8pp1dp4": Plan.uniform(8, 1, 4, 32, 8),
     "1f1b-tp2pp4dp4": Plan.uniform(2, 4, 4, 32, 16),
     "1f1b-tp8pp4dp2": Plan.uniform(8, 4, 2, 32, 16),
     "interleaved-tp2pp4dp2": Plan.uniform(2, 4, 2, 32, 16, Schedule.INTERLEAVED, 2),
     "zbh1-tp4pp4dp2": Plan.uniform(4, 4, 2, 32, 16, Schedule.ZB_H1),
+    "interleaved-tp4pp8dp2": Plan.uniform(4, 8, 2, 32, 16, Schedule.INTERLEAVED, 2),
 }
 
 
@@ -144,14 +147,24 @@ def _timings(cfg: WorkloadConfig) -> Iterator[IterationTimings]:
 
 
 def healthy_runs(quick: bool) -> list[tuple[str, WorkloadConfig]]:
+    """48 healthy runs of 300 iterations (12 of 100 with --quick) with every noise class on
+    (``Noise.everything``: jitter, OS noise, GC pauses, loader and checkpoint stalls,
+    congestion, DP skew waiting, co-tenant episodes), P2P jitter from 4 to 30 %, the
+    standard library's documents or heavy-tailed ones, packed at 8K / 16K / 32K, over
+    every plan of the table (TP 1-8, PP 1-8; 1F1B, interleaved, ZB-H1)."""
     out = []
-    seeds = range(2 if quick else 3)
-    for plan_name in ("1f1b-tp2pp4dp4", "interleaved-tp2pp4dp2", "zbh1-tp4pp4dp2"):
-        for seed in seeds:
-            packing = "greedy" if seed % 2 else "best-fit"
-            cfg = WorkloadConfig(MODEL, PLANS[plan_name], budget=32768, packing=packing, seed=100 + seed,
-                                 iterations=100, heartbeats=False)
-            out.append((f"healthy/{plan_name}/{packing}/s{seed}", cfg))
+    names = sorted(PLANS)
+    docs = heavy_tail_document_lengths()
+    for k in range(12 if quick else 48):
+        plan_name = names[k % len(names)]
+        jitter = (0.04, 0.1, 0.2, 0.3)[(k // len(names)) % 4]
+        heavy = (k // 2) % 2 == 1
+        packing = "greedy" if k % 3 == 2 else "best-fit"
+        cfg = WorkloadConfig(MODEL, PLANS[plan_name], budget=(8192, 16384, 32768)[k % 3], packing=packing,
+                             seed=100 + k, iterations=100 if quick else 300, heartbeats=False,
+                             noise=Noise.everything(jitter), documents=docs if heavy else None)
+        out.append((f"healthy/{plan_name}/{cfg.budget // 1024}K/{'heavy-tail' if heavy else 'stdlib'}/"
+                    f"p2p{jitter:.0%}/s{k}", cfg))
     return out
 
 
@@ -171,7 +184,8 @@ def fault_runs(quick: bool) -> list[tuple[str, WorkloadConfig]]:
                 start = 24 + k % 7
                 fault = Fault(kind, rank, start, factor, None if persistent else start + 15)
                 cfg = WorkloadConfig(MODEL, plan, budget=budgets[k % 3], packing=("best-fit", "greedy")[k % 2],
-                                     seed=200 + k, iterations=56, faults=(fault,), heartbeats=False)
+                                     seed=200 + k, iterations=56, faults=(fault,), heartbeats=False,
+                                     noise=Noise.everything())
                 out.append((f"{kind}/{factor}x/{'persistent' if persistent else 'transient'}/{plan_name}", cfg))
     for extra in range(4 if quick else 8):  # more 1.1x cases: the hardest to see
         k += 1
@@ -180,18 +194,20 @@ def fault_runs(quick: bool) -> list[tuple[str, WorkloadConfig]]:
         plan = PLANS[plan_name]
         rank = plan.ranks()[(11 * k + 5) % len(plan.ranks())]
         cfg = WorkloadConfig(MODEL, plan, budget=budgets[extra % 3], packing=("greedy", "best-fit")[extra % 2],
-                             seed=300 + extra, iterations=45, faults=(Fault(kind, rank, 25 + extra, 1.1),), heartbeats=False)
+                             seed=300 + extra, iterations=45, faults=(Fault(kind, rank, 25 + extra, 1.1),), heartbeats=False,
+                             noise=Noise.everything())
         out.append((f"{kind}/1.1x/extra{extra}/{plan_name}", cfg))
     for j, exit_event in enumerate((True, False, True, False)):
         plan = PLANS["1f1b-tp2pp4dp4"]
         rank = plan.ranks()[(5 * j + 2) % len(plan.ranks())]
-        cfg = WorkloadConfig(MODEL, plan, budget=32768, seed=400 + j, iterations=40,
+        cfg = WorkloadConfig(MODEL, plan, budget=32768, seed=400 + j, iterations=40, noise=Noise.everything(),
                              faults=(Fault("stop", rank, 30 + j, exit_event=exit_event),))
         out.append((f"stop/{'exit' if exit_event else 'silent'}/{j}", cfg))
     for j, factor in enumerate((1.25, 2.0, 1.5)):
         plan = PLANS["1f1b-tp2pp4dp4"]
         rank = plan.ranks()[(3 * j + 1) % len(plan.ranks())]
         cfg = WorkloadConfig(MODEL, plan, budget=32768, seed=500 + j, iterations=45, evidence="rank_step",
+                             noise=Noise.everything(),
                              faults=(Fault("compute", rank, 28, factor),), heartbeats=False)
         out.append((f"rank_step/compute/{factor}x", cfg))
     return out

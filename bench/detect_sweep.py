@@ -3,7 +3,7 @@
 The generator (sim/workload_truth.py) is the same one the main table uses, with its noise
 classes turned down (quiet), as measured on GPUs (realistic) or up (noisy: per-op jitter 4 %,
 lognormal P2P jitter 30 %, frequent GC pauses and data-loader stalls, congestion spikes, a
-wider spread between devices). Every DP span holds the wait for its ring's last arriver
+wider spread between devices, co-tenant episodes on the hosts). Every DP span holds the wait for its ring's last arriver
 (``Noise.dp_skew_wait``). Fault kinds: compute slowdowns of 1.1x, 1.25x and 2x on any rank
 (first and last stages included), a 2x slow NIC, a transient 1.5x slowdown of 5-50
 iterations, a fail-stop as an exit and as a hang (no exit, heartbeats stop), and two faults
@@ -24,9 +24,9 @@ from resihp.sim.workload import Fault, Noise, WorkloadConfig
 
 NOISE = {
     "quiet": Noise.quiet(),
-    "realistic": Noise(),
+    "realistic": Noise.everything(),
     "noisy": Noise(op_jitter=0.04, device_spread=0.02, drift=0.01, os_noise_prob=0.01, gc_prob=0.1,
-                   loader_prob=0.1, comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0),
+                   loader_prob=0.1, comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0, cotenant_prob=0.05),
 }
 KINDS = ("healthy", "compute-1.1x", "compute-1.25x", "compute-2x", "link-2x", "transient", "stop-exit", "hang",
          "two-at-once")

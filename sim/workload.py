@@ -64,6 +64,18 @@ def stdlib_document_lengths() -> tuple[int, ...]:
     return tuple(size for _, size in sorted(sizes))
 
 
+def heavy_tail_document_lengths(count: int = 20000, median: int = 1024, sigma: float = 1.25,
+                                seed: int = 0) -> tuple[int, ...]:
+    """Document lengths with a heavy tail, as web text and code corpora have: lognormal
+    around ``median`` tokens; at sigma 1.25 about one in a hundred is 16K tokens or more
+    (packed at an 8K/16K budget such a document fills whole micro-batches)."""
+    if count < 1 or median < 1 or not sigma > 0:
+        raise ValueError(f"heavy_tail_document_lengths: count, median and sigma must be positive, got "
+                         f"{count}, {median}, {sigma}")
+    rng = np.random.default_rng(seed)
+    return tuple(int(x) for x in np.maximum(1, np.rint(median * np.exp(rng.normal(0.0, sigma, count)))))
+
+
 class BatchStream:
     """An endless, seeded stream of packed micro-batches (tuples of document lengths)."""
 
@@ -167,11 +179,27 @@ class Noise:
     # a DP all-reduce span as a real runtime times it: from when *this* rank entered the
     # collective (its own pipeline end), so it holds the wait for the ring's last arriver
     dp_skew_wait: bool = True
+    # co-tenant CPU load on a host (another job's data loading, a monitoring daemon): per node
+    # and iteration the chance an episode starts; while it lasts every rank of the node runs
+    # its ops up to cotenant_slowdown slower on average (host-side launches and syncs
+    # wait for the CPU), with extra per-op jitter. A GPU-bound op barely notices: keep the
+    # mean slowdown at a few per cent, which no re-plan can route around
+    cotenant_prob: float = 0.0
+    cotenant_iters: tuple[int, int] = (10, 60)
+    cotenant_slowdown: float = 0.02
+    cotenant_jitter: float = 0.05
 
     @classmethod
     def quiet(cls) -> Noise:
         """No pauses, stalls or spikes: only jitter (for unit tests)."""
         return cls(os_noise_prob=0.0, gc_prob=0.0, loader_prob=0.0, checkpoint_every=0, comm_spike_prob=0.0)
+
+    @classmethod
+    def everything(cls, comm_jitter: float = 0.04) -> Noise:
+        """The realistic profile with every noise class on: jitter, OS noise, GC pauses,
+        data-loader and checkpoint stalls, congestion, DP skew waiting and co-tenant
+        episodes (starting on one node in 200 per iteration: a node is loaded ~15 % of the time), with P2P jitter ``comm_jitter`` (0-0.3)."""
+        return cls(comm_jitter=comm_jitter, cotenant_prob=0.005)
 
 
 @dataclass(frozen=True)
@@ -269,5 +297,5 @@ def records_list(cfg: WorkloadConfig) -> list[Record]:
 
 __all__ = [
     "BatchStream", "Evidence", "Fault", "Hardware", "Noise", "WorkloadConfig", "generate",
-    "make_header", "records_list", "stdlib_document_lengths", "write_workload", "IterationRecord",
+    "heavy_tail_document_lengths", "make_header", "records_list", "stdlib_document_lengths", "write_workload", "IterationRecord",
 ]

@@ -35,6 +35,10 @@ class GroundTruth:
         self.drift_phase = self.rng.uniform(0, 2 * math.pi, n)
         self.drift_period = self.rng.uniform(40, 200, n)
         self.last_time_s = 1.0
+        # co-tenant episodes, per node: (end iteration, mean slowdown); own stream, so turning
+        # them on leaves every other draw of a seeded run as it was
+        self._cotenant_rng = np.random.default_rng(cfg.seed + 104729)
+        self._cotenant: dict[int, tuple[int, float]] = {}
         spec = cfg.model
         kv = spec.kv_heads * spec.head_dim
         self.lin_flops_tok = 2.0 * (2 * spec.hidden * spec.hidden + 2 * spec.hidden * kv
@@ -74,6 +78,25 @@ class GroundTruth:
                 else:
                     link[i] *= f.factor
         return comp, link
+
+    def _host_load(self, it: int) -> tuple[FloatArray, FloatArray]:
+        """(mean slowdown, extra per-op jitter sigma) of every rank from co-tenant episodes."""
+        nz, rng = self.cfg.noise, self._cotenant_rng
+        slow, jit = np.ones(self.index.n), np.zeros(self.index.n)
+        if nz.cotenant_prob <= 0:
+            return slow, jit
+        for node in np.unique(self.node).tolist():
+            end, _ = self._cotenant.get(node, (-1, 1.0))
+            if it >= end and rng.random() < nz.cotenant_prob:
+                lo, hi = nz.cotenant_iters
+                self._cotenant[node] = (it + int(rng.integers(lo, hi + 1)),
+                                        1.0 + float(rng.uniform(0.0, 2.0 * nz.cotenant_slowdown)))
+        for node, (end, factor) in self._cotenant.items():
+            if it < end:
+                on = self.node == node
+                slow[on] = factor
+                jit[on] = nz.cotenant_jitter
+        return slow, jit
 
     # --- compute cost of one op (TP shard, at speed 1) -----------------------------------
     def _base(self, rep_idx: int, seqlens: tuple[tuple[int, ...], ...]) -> FloatArray:
@@ -129,6 +152,7 @@ class GroundTruth:
         n, V, M = ix.n, ix.V, ix.M
         seqlens = tuple(tuple(self.stream.take(rep.microbatches)) for rep in self.plan.replicas)
         comp_slow, link_slow = self._slow(it)
+        host_slow, host_jitter = self._host_load(it)
         speed = self.eff * (1.0 + nz.drift * np.sin(2 * math.pi * it / self.drift_period + self.drift_phase))
         compute = np.full((n, V, 3, M), np.nan)
         p2p = np.full((n, V, 2, M), np.nan)
@@ -144,6 +168,9 @@ class GroundTruth:
             tp = len(rep.stages[0])
             mem = self.op_members[d]  # [ops, tp]; equal TP sizes
             jitter = np.exp(rng.normal(0.0, nz.op_jitter, mem.shape))
+            if host_jitter.any():  # a co-tenant's node: slower and less even
+                jitter = jitter * host_slow[mem] * np.exp(
+                    self._cotenant_rng.normal(0.0, 1.0, mem.shape) * host_jitter[mem])
             hiccup = rng.random(mem.shape) < nz.os_noise_prob
             jitter = np.where(hiccup, jitter * rng.uniform(1.02, 1.0 + nz.os_noise_max, mem.shape), jitter)
             busy = base[:, None] * jitter * comp_slow[mem] / speed[mem]

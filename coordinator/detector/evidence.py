@@ -99,6 +99,10 @@ class PlanIndex:
         # whether the pipeline neighbour that receives our activations / gradients sits on
         # another node (only those transfers use the rank's NIC)
         node_arr = [node_of.get(r) for r in self.ranks]
+        # a dense id per node (-1: not known), for evidence shared by the ranks of one host
+        dense: dict[str, int] = {}
+        self.node_id = np.array([-1 if x is None else dense.setdefault(x, len(dense)) for x in node_arr],
+                                dtype=np.int64)
         self.cross_fwd = np.array([f >= 0 and node_arr[int(f)] != node_arr[i] for i, f in enumerate(self.fwd_recv)])
         self.cross_bwd = np.array([b >= 0 and node_arr[int(b)] != node_arr[i] for i, b in enumerate(self.bwd_recv)])
         # cost-model keys: what a duration depends on besides the batch
@@ -317,3 +321,30 @@ def batch_features(seqlens: tuple[tuple[tuple[int, ...], ...], ...], M: int) -> 
     tok[grid] = np.add.reduceat(flat, starts)
     ssq[grid] = np.add.reduceat(flat * flat, starts)
     return tok, ssq
+
+
+def host_stats(values: FloatArray, node_id: npt.NDArray[np.int64], min_members: int = 4
+               ) -> tuple[FloatArray, FloatArray]:
+    """Per rank: the median and the robust spread (1.4826 x MAD) of ``values`` over the ranks
+    of its host that have one, NaN where the host has fewer than ``min_members`` (the middle
+    of two or three values is mostly chance). Ranks of one host share its CPU, memory bus
+    and power: when a co-tenant loads the host, all of them turn slower and noisier at once,
+    which one rank's own history cannot know."""
+    out = np.full(len(values), np.nan)
+    center = np.full(len(values), np.nan)
+    ok = np.flatnonzero(np.isfinite(values) & (node_id >= 0))
+    if len(ok) < min_members:
+        return center, out
+    g, v = node_id[ok], values[ok]
+    order = np.lexsort((v, g))
+    g, v, ok = g[order], v[order], ok[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    counts = np.diff(np.r_[starts, len(g)])
+    med = 0.5 * (v[starts + (counts - 1) // 2] + v[starts + counts // 2])
+    dev = np.abs(v - np.repeat(med, counts))
+    dev = dev[np.lexsort((dev, g))]
+    mad = 0.5 * (dev[starts + (counts - 1) // 2] + dev[starts + counts // 2])
+    enough = counts >= min_members
+    out[ok] = np.repeat(np.where(enough, 1.4826 * mad, np.nan), counts)
+    center[ok] = np.repeat(np.where(enough, med, np.nan), counts)
+    return center, out

@@ -16,7 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig
-from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, PlanIndex, group_all, tp_wait_share
+from resihp.coordinator.detector.evidence import (BWD, FWD, IterationTimings, PlanIndex, group_all, host_stats,
+                                                  tp_wait_share)
 from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor, fill_nan, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
@@ -113,7 +114,8 @@ class IterationJudge:
         adapt = None
         if c.adaptive:
             comp = comp / self._peer_factor(comp)
-            adapt = self._noise_test(np.stack([comp, comm], axis=1))
+            comp, host_noise = self._host_noise(comp)
+            adapt = self._noise_test(np.stack([comp, comm], axis=1), host_noise)
             ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]
         if not c.link_detection:
             comm = np.ones_like(comm)
@@ -175,25 +177,43 @@ class IterationJudge:
         common = float(np.median(comp[peers]))
         return common if common > 0 else 1.0
 
-    def _noise_test(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def _host_noise(self, comp: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """What a loaded host does to its ranks' compute ratios this iteration, from the ranks
+        of each host (four or more): (the ratios with a common shift of the host below the
+        effect floor taken off, (n, 2) relative spread among the host's ranks — compute
+        column, NaN elsewhere). A co-tenant slows and jitters a whole host by a few per cent,
+        which no re-plan around one device would help; a larger common shift stays (a
+        throttled host is a fault), as does any one device's own slowdown."""
+        m = self.noise.m[:, 0]
+        center, spread = host_stats((comp - m) / m, self.index.node_id)
+        small = np.isfinite(center) & (np.abs(center) < self.config.effect_floor)
+        out = np.full((len(comp), 2), np.nan)
+        out[:, 0] = spread
+        return np.where(small, comp - center * m, comp), out
+
+    def _noise_test(self, x: FloatArray, spread_now: FloatArray | None = None
+                    ) -> tuple[FloatArray, FloatArray, FloatArray]:
         """(excess over the level where a key is suspect, else -1; recent mean deviation; the
         shift statistic), each (n, 2): compute, communication."""
-        g, excess, recent = self.noise.test(x)
+        g, excess, recent = self.noise.test(x, spread_now)
         sus = self.noise.suspect(g, excess)
         return np.where(sus, g - self.noise.level, -1.0), recent, g
 
     def _noise_normal(self, recent: FloatArray, link_slow: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """A slow rank counts as normal again when the recent mean deviation of the evidence
         it was found on is within half a spread of its healthy baseline, over RECENT iterations
-        judged since its windows were last emptied (a plan change that moved it empties them)."""
+        judged since its windows were last emptied (a plan change that moved it empties them).
+        Half a spread is widened by the baseline's own uncertainty (a median of few samples)."""
+        col = np.where(link_slow, 1, 0)
         key = np.where(link_slow, recent[:, 1], recent[:, 0])
-        return np.asarray((key < 0.5) & self.noise.recent_known(), dtype=np.bool_)
+        return np.asarray((key < 0.5 * self.noise.recent_tolerance()[np.arange(len(col)), col])
+                          & self.noise.recent_known(), dtype=np.bool_)
 
     def _noise_learn(self, x: FloatArray, g: FloatArray) -> None:
         """Every rank not found slow teaches its baselines, whatever this iteration's value:
         learning only the calm iterations would teach a spread narrower than the noise."""
         ok = np.broadcast_to(((self.state == RankState.HEALTHY) | (self.state == RankState.SUSPECT))[:, None], g.shape)
-        self.noise.learn(x, ok)
+        self.noise.learn(x, ok, g)
 
     def _common_factor(self, comp: FloatArray) -> float:
         """The median compute ratio of the ranks that may serve as peers (alive, not

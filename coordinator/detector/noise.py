@@ -41,6 +41,12 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
 SCALES = (1, 2, 4, 8, 16, 32, 64)
+W = np.asarray(SCALES, dtype=np.float64)
+# three consecutive iterations each beyond this share of the level (and each above the effect
+# floor) cross it at once: for Gaussian noise a chance of ~(1.6e-4)³ per key and iteration at
+# level 6, while a slowdown of 3.6 spreads is found in three iterations
+JUMP_SHARE = 0.6
+MEDIAN_VAR = (np.pi / 2)  # variance of a sample median over the mean's, for Gaussian noise (1.2533²)
 MAD_TO_SIGMA = 1.4826
 REFRESH = 16  # iterations between baseline refreshes once a key is warm (a window of 64 moves little in 16)
 RECENT = 8  # iterations the recovery test averages over
@@ -91,18 +97,21 @@ class NoiseModel:
         self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
     # --- judging ------------------------------------------------------------------------------
-    def test(self, x: FloatArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def test(self, x: FloatArray, spread_now: FloatArray | None = None) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Push this iteration's ratios ``x`` (n, kinds; NaN = no evidence, counted as no
         deviation) and return (G, relative excess of the crossing window — 0 where G is not
-        above the level —, recent mean z)."""
-        raw = np.where(np.isfinite(x), (x - self.m) / self.s - self.mu, 0.0)
+        above the level —, recent mean z). ``spread_now`` (n, kinds; relative, NaN = none):
+        how noisy each key is in this very iteration, as its peers show (a loaded host); a
+        key's deviation is taken in units of the larger of that and its own spread."""
+        s = self.s if spread_now is None else np.fmax(self.s, spread_now * self.m)
+        raw = np.where(np.isfinite(x), (x - self.m) / s - self.mu, 0.0)
         z = np.clip(raw, -self.clip - self.mu, self.clip - self.mu)
         # the relative excess itself, unclipped (the effect floor is judged on it: clipped
         # deviations of a very stable key could never show a 5 % excess)
         rel = np.where(np.isfinite(x), np.clip((x - self.m) / self.m, -1.0, 10.0), 0.0)
         # persistence: three consecutive iterations all far out (unclipped) — a large slowdown
         # found in three iterations, which no stall (nor two in a row) can fake
-        both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / self.s2
+        both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / (self.s2 * JUMP_SHARE)
         both_rel = np.minimum(np.minimum(rel, self.eprev), self.eprev2)
         # this iteration alone far out (not yet a finding): the rank leans slow, and what the
         # job measures meanwhile (its device and link profile) should not learn from it
@@ -117,7 +126,13 @@ class NoiseModel:
         self.e[self.zpos] = rel
         self.since += 1
         self.zpos = (self.zpos + 1) % zw
-        scale = np.sqrt(np.asarray(SCALES, dtype=np.float64))[:, None, None]
+        # a window's mean is judged against a baseline that is itself a median of the healthy
+        # window's n samples, uncertain by ~1.25/√n spreads: a long window's mean is as
+        # precise as the baseline it is held against, so its statistic is divided by
+        # √(1 + 1.57·w/n) too (at w = n = 64 this alone would otherwise read 6 spreads about
+        # once per key in some hundreds of iterations of healthy noise)
+        n_base = np.maximum(np.minimum(self.hcount, self.window), self.min_samples)[None]
+        scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / n_base))
         g_all = self.sums / (self.s2[None] * scale)
         g = g_all.max(axis=0)
         jump = both > g
@@ -143,15 +158,20 @@ class NoiseModel:
         return np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
 
     # --- learning -----------------------------------------------------------------------------
-    def learn(self, x: FloatArray, ok: BoolArray) -> None:
+    def learn(self, x: FloatArray, ok: BoolArray, g: FloatArray | None = None) -> None:
         """Queue this iteration's ratios; the ratios of ``QUARANTINE`` iterations ago teach the
         windows of the keys that are ``ok`` now (not found slow). Every queued ratio teaches,
         calm or not — learning only calm ones would teach a spread narrower than the noise —
-        but a key found slow drops its queue (``forget``)."""
+        but a key found slow drops its queue (``forget``). ``g``: this iteration's shift
+        statistic, which keeps a leaning key from learning at once (below)."""
         slot = self.zpos % QUARANTINE  # test() advanced zpos: one slot per iteration
         old = self.pending[slot].copy()
-        # a key still warming up (a job's first iterations) learns at once: nothing was slow yet
+        # a key still warming up (a job's first iterations) learns at once — unless its shift
+        # test already leans (half the level): a slowdown soon after the start must not teach
+        # the baseline it is judged against
         warm_up = (self.hcount < QUARANTINE // 2) & ~self._measured
+        if g is not None:
+            warm_up &= g < 0.5 * self.level
         self.pending[slot] = np.where(warm_up, np.nan, x)
         x = np.where(warm_up, x, old)
         take = ok & np.isfinite(x)
@@ -186,6 +206,12 @@ class NoiseModel:
         """Ranks whose recent mean deviation rests on RECENT tested iterations: a rank whose
         windows were just emptied reads 0 there, which is no evidence that it is back."""
         return np.asarray(self.since >= RECENT, dtype=np.bool_)
+
+    def recent_tolerance(self) -> FloatArray:
+        """(n, kinds): how much wider than its own noise a RECENT-iteration mean deviation
+        reads for a key whose baseline is a median of few samples (1 for a well-known one)."""
+        n_base = np.maximum(np.minimum(self.hcount, self.window), self.min_samples)
+        return np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / n_base), dtype=np.float64)
 
     def forget(self, rows: BoolArray) -> None:
         """Drop the queued ratios of ranks (``rows`` (n,)) just found slow: their slowdown began

@@ -60,6 +60,9 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
         self.agents: dict[str, AgentConn] = {}
         self.pending: Pending | None = None
         self.queued_findings: list[m.FindingInfo] = []
+        # ranks whose slow verdict was only ever `degraded` (logged, never acted on): their
+        # recovery changes nothing the plan was built around, so it asks for no re-plan either
+        self.degraded_only: set[int] = set()
         self.audits = Audits()  # did the planner's own switches pay off? (coordinator/service/audit.py)
         self.audits.regrets = {i: Regret.from_json(r) for i, r in saved.regrets.items()}
         self.policy: dict[str, str] = {"auto_reconfigure": "on" if config.auto_reconfigure else "off",
@@ -441,7 +444,12 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
             if f.kind == "degraded":  # costs under the floor: logged and counted, not worth moving state for
+                self.degraded_only.update(f.ranks)
                 continue
+            if f.kind == "recovered" and f.ranks and set(f.ranks) <= self.degraded_only:
+                self.degraded_only.difference_update(f.ranks)
+                continue  # the end of a slowdown nobody acted on: nothing to undo
+            self.degraded_only.difference_update(f.ranks)  # acted on from here (or gone)
             observe_only = self.observe_only()
             if observe_only:  # reported, never acted on: no plan, no command, no abort
                 self._observe(f, observe_only)

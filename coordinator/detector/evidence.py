@@ -103,6 +103,14 @@ class PlanIndex:
         dense: dict[str, int] = {}
         self.node_id = np.array([-1 if x is None else dense.setdefault(x, len(dense)) for x in node_arr],
                                 dtype=np.int64)
+        # the positions of each host's ranks as rows, -1 padded: per-host medians in one sort
+        members: list[list[int]] = [[] for _ in dense]
+        for i, h in enumerate(self.node_id.tolist()):
+            if h >= 0:
+                members[h].append(i)
+        width = max((len(x) for x in members), default=0)
+        self.host_rows = np.array([x + [-1] * (width - len(x)) for x in members], dtype=np.int64).reshape(
+            len(members), width)
         self.cross_fwd = np.array([f >= 0 and node_arr[int(f)] != node_arr[i] for i, f in enumerate(self.fwd_recv)])
         self.cross_bwd = np.array([b >= 0 and node_arr[int(b)] != node_arr[i] for i, b in enumerate(self.bwd_recv)])
         # cost-model keys: what a duration depends on besides the batch
@@ -323,28 +331,29 @@ def batch_features(seqlens: tuple[tuple[tuple[int, ...], ...], ...], M: int) -> 
     return tok, ssq
 
 
-def host_stats(values: FloatArray, node_id: npt.NDArray[np.int64], min_members: int = 4
+def host_stats(values: FloatArray, hosts: npt.NDArray[np.int64], min_members: int = 4
                ) -> tuple[FloatArray, FloatArray]:
     """Per rank: the median and the robust spread (1.4826 x MAD) of ``values`` over the ranks
     of its host that have one, NaN where the host has fewer than ``min_members`` (the middle
-    of two or three values is mostly chance). Ranks of one host share its CPU, memory bus
-    and power: when a co-tenant loads the host, all of them turn slower and noisier at once,
-    which one rank's own history cannot know."""
-    out = np.full(len(values), np.nan)
-    center = np.full(len(values), np.nan)
-    ok = np.flatnonzero(np.isfinite(values) & (node_id >= 0))
-    if len(ok) < min_members:
-        return center, out
-    g, v = node_id[ok], values[ok]
-    order = np.lexsort((v, g))
-    g, v, ok = g[order], v[order], ok[order]
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-    counts = np.diff(np.r_[starts, len(g)])
-    med = 0.5 * (v[starts + (counts - 1) // 2] + v[starts + counts // 2])
-    dev = np.abs(v - np.repeat(med, counts))
-    dev = dev[np.lexsort((dev, g))]
-    mad = 0.5 * (dev[starts + (counts - 1) // 2] + dev[starts + counts // 2])
-    enough = counts >= min_members
-    out[ok] = np.repeat(np.where(enough, 1.4826 * mad, np.nan), counts)
-    center[ok] = np.repeat(np.where(enough, med, np.nan), counts)
-    return center, out
+    of two or three values is mostly chance). ``hosts``: ``PlanIndex.host_rows`` (a row of
+    positions per host, -1 padded). Ranks of one host share its CPU, memory bus and power:
+    when a co-tenant loads the host, all of them turn slower and noisier at once, which one
+    rank's own history cannot know."""
+    n = len(values)
+    center, spread = np.full(n, np.nan), np.full(n, np.nan)
+    if hosts.shape[1] < min_members:
+        return center, spread
+    pad = hosts < 0
+    v = np.where(pad, np.nan, values[np.where(pad, 0, hosts)])
+    count = np.isfinite(v).sum(axis=1)
+    rows = np.arange(len(v))
+    lo, hi = np.maximum((count - 1) // 2, 0), np.maximum(count // 2, 0)
+    srt = np.sort(v, axis=1)  # NaN last
+    med = 0.5 * (srt[rows, lo] + srt[rows, hi])
+    dev = np.sort(np.abs(v - med[:, None]), axis=1)
+    mad = 0.5 * (dev[rows, lo] + dev[rows, hi])
+    enough = count >= min_members
+    member = ~pad & enough[:, None]
+    center[hosts[member]] = np.broadcast_to(med[:, None], v.shape)[member]
+    spread[hosts[member]] = np.broadcast_to(1.4826 * mad[:, None], v.shape)[member]
+    return center, spread

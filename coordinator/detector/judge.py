@@ -185,7 +185,7 @@ class IterationJudge:
         which no re-plan around one device would help; a larger common shift stays (a
         throttled host is a fault), as does any one device's own slowdown."""
         m = self.noise.m[:, 0]
-        center, spread = host_stats((comp - m) / m, self.index.node_id)
+        center, spread = host_stats((comp - m) / m, self.index.host_rows)
         small = np.isfinite(center) & (np.abs(center) < self.config.effect_floor)
         out = np.full((len(comp), 2), np.nan)
         out[:, 0] = spread
@@ -203,11 +203,16 @@ class IterationJudge:
         """A slow rank counts as normal again when the recent mean deviation of the evidence
         it was found on is within half a spread of its healthy baseline, over RECENT iterations
         judged since its windows were last emptied (a plan change that moved it empties them).
-        Half a spread is widened by the baseline's own uncertainty (a median of few samples)."""
+        Half a spread is widened by the baseline's own uncertainty (a median of few samples);
+        a mean excess under half the effect floor counts as back too (a very steady key's
+        baseline from few samples can sit a fraction of a per cent off: no slowdown that
+        small was ever a finding)."""
+        rows = np.arange(len(link_slow))
         col = np.where(link_slow, 1, 0)
-        key = np.where(link_slow, recent[:, 1], recent[:, 0])
-        return np.asarray((key < 0.5 * self.noise.recent_tolerance()[np.arange(len(col)), col])
-                          & self.noise.recent_known(), dtype=np.bool_)
+        key = recent[rows, col]
+        small = self.noise.recent_excess[rows, col] < 0.5 * self.config.effect_floor
+        back = (key < 0.5 * self.noise.recent_tolerance()[rows, col]) | small
+        return np.asarray(back & self.noise.recent_known(), dtype=np.bool_)
 
     def _noise_learn(self, x: FloatArray, g: FloatArray) -> None:
         """Every rank not found slow teaches its baselines, whatever this iteration's value:

@@ -25,7 +25,7 @@ that window's robust spread:
 Until a key has ``min_samples`` healthy ratios its baseline is the calibrated cost model's
 (ratio 1) and its spread ``prior_spread``, or — after a plan change moved the rank — the
 spread it had before (its noise is the device's and host's, not the layout's). The baselines
-are refreshed every ``REFRESH`` iterations, a sixteenth of the ranks at a time (a median over
+are refreshed every ``REFRESH`` iterations, a thirty-second of the ranks at a time (a median over
 the window is the expensive part: at 4096 ranks the whole set at once took 20 ms). The ring
 buffers keep the iteration axis first, so that one iteration's slot is contiguous.
 Pure (numpy only).
@@ -48,7 +48,7 @@ W = np.asarray(SCALES, dtype=np.float64)
 JUMP_SHARE = 0.6
 MEDIAN_VAR = (np.pi / 2)  # variance of a sample median over the mean's, for Gaussian noise (1.2533²)
 MAD_TO_SIGMA = 1.4826
-REFRESH = 16  # iterations between baseline refreshes once a key is warm (a window of 64 moves little in 16)
+REFRESH = 32  # iterations between baseline refreshes once a key is warm (a window of 64 moves little in 32)
 RECENT = 8  # iterations the recovery test averages over
 QUARANTINE = 64  # iterations a ratio waits before it may teach (the longest scale of the test)
 
@@ -94,6 +94,8 @@ class NoiseModel:
         # ratios wait QUARANTINE iterations before they teach the baseline, and are dropped if the
         # key is found slow meanwhile: a slowdown's onset must not become its own baseline
         self.pending = np.full((QUARANTINE, n, k), np.nan)
+        self._inv_scale: FloatArray | None = None  # 1 / (s2 · the scales' units), cached
+        self.recent_excess = np.zeros((n, k))  # mean relative excess of the last RECENT iterations
         self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
     # --- judging ------------------------------------------------------------------------------
@@ -104,11 +106,16 @@ class NoiseModel:
         how noisy each key is in this very iteration, as its peers show (a loaded host); a
         key's deviation is taken in units of the larger of that and its own spread."""
         s = self.s if spread_now is None else np.fmax(self.s, spread_now * self.m)
-        raw = np.where(np.isfinite(x), (x - self.m) / s - self.mu, 0.0)
+        missing = ~np.isfinite(x)
+        d = x - self.m
+        raw = d / s
+        raw -= self.mu
+        raw[missing] = 0.0
         z = np.clip(raw, -self.clip - self.mu, self.clip - self.mu)
         # the relative excess itself, unclipped (the effect floor is judged on it: clipped
         # deviations of a very stable key could never show a 5 % excess)
-        rel = np.where(np.isfinite(x), np.clip((x - self.m) / self.m, -1.0, 10.0), 0.0)
+        rel = np.clip(d / self.m, -1.0, 10.0)
+        rel[missing] = 0.0
         # persistence: three consecutive iterations all far out (unclipped) — a large slowdown
         # found in three iterations, which no stall (nor two in a row) can fake
         both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / (self.s2 * JUMP_SHARE)
@@ -131,9 +138,11 @@ class NoiseModel:
         # precise as the baseline it is held against, so its statistic is divided by
         # √(1 + 1.57·w/n) too (at w = n = 64 this alone would otherwise read 6 spreads about
         # once per key in some hundreds of iterations of healthy noise)
-        n_base = np.maximum(np.minimum(self.hcount, self.window), self.min_samples)[None]
-        scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / n_base))
-        g_all = self.sums / (self.s2[None] * scale)
+        if self._inv_scale is None:  # changes only when a baseline is refreshed or grows
+            n_base = np.maximum(np.minimum(self.hcount, self.window), self.min_samples)[None]
+            scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / n_base))
+            self._inv_scale = 1.0 / (self.s2[None] * scale)
+        g_all = self.sums * self._inv_scale
         g = g_all.max(axis=0)
         jump = both > g
         g = np.where(jump, both, g)
@@ -146,6 +155,7 @@ class NoiseModel:
             excess[r, k] = self.esums[best, r, k] / np.asarray(SCALES, dtype=np.float64)[best]
         excess = np.where(jump, both_rel, excess)
         recent = self.sums[SCALES.index(RECENT)] / RECENT
+        self.recent_excess = self.esums[SCALES.index(RECENT)] / RECENT  # relative, for recovery
         return g, excess, recent
 
     def suspect(self, g: FloatArray, excess: FloatArray) -> BoolArray:
@@ -183,6 +193,8 @@ class NoiseModel:
             self.hpos.reshape(-1)[flat] = (pos + 1) % self.window
             self.hcount.reshape(-1)[flat] += 1
             self._fresh |= take
+            if (self.hcount.reshape(-1)[flat] <= self.window).any():
+                self._inv_scale = None
         # a warming key refreshes on every other sample (its baseline is still moving); the
         # others once in REFRESH iterations, each rank on its own turn
         warming = take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
@@ -245,6 +257,7 @@ class NoiseModel:
             self.s[pr, pk] = sp
             self.mu[pr, pk] = np.nan_to_num(mu)
             self.s2[pr, pk] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
+        self._inv_scale = None
 
     # --- plan changes -------------------------------------------------------------------------
     def remap(self, ranks: Sequence[int], moved: set[int]) -> None:

@@ -59,6 +59,7 @@ class RunResult:
     evidence: str
     mtp_err: list[float] = field(default_factory=list)
     itp_err: list[float] = field(default_factory=list)
+    itp_err_calm: list[float] = field(default_factory=list)  # iterations no pause hit (< 1 % of it)
     times: dict[int, float] = field(default_factory=dict)  # iteration -> its time
     last_end_s: float = 0.0  # when the latest iteration ended
     hang_s: list[float] = field(default_factory=list)  # silent stops: stop -> fail-stop finding, seconds
@@ -74,12 +75,13 @@ def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
     det = Detector(make_header(cfg), DETECTOR)
     th, bo = ThresholdBaseline(), BocdBaseline()
     res = RunResult(name, cfg.faults, [], [], [], 0, cfg.evidence)
+    stalls: dict[int, float] = {}
     if any(f.kind == "stop" for f in cfg.faults) or cfg.heartbeats:
         source: Iterator[IterationRecord | HeartbeatEvent | ExitEvent | IterationTimings] = generate(cfg)
     else:
         # the same iterations without the round trip through trace records (the coordinator's
         # aggregator hands the detector these arrays; tests cover the record path)
-        source = _timings(cfg)
+        source = _timings(cfg, stalls)
     for rec in source:
         if isinstance(rec, IterationRecord):
             t = timings_from_record(rec, det.index)
@@ -110,6 +112,8 @@ def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
             predicted = det.predicted_iteration_s()
             if predicted is not None:
                 res.itp_err.append(abs(predicted - t.time_s) / t.time_s)
+                if stalls.get(t.iteration, 0.0) < 0.01 * t.time_s:
+                    res.itp_err_calm.append(res.itp_err[-1])
     for f in cfg.faults:
         if f.kind == "stop" and not f.exit_event and res.times:
             # sim/workload.generate stops the rank 0.4 of an iteration after the last one ended
@@ -135,7 +139,9 @@ def true_costs(res: RunResult, cfg: WorkloadConfig) -> None:
         res.cost_share.append(float(np.mean([res.times[i] / twin[i] - 1.0 for i in its])) if its else float("nan"))
 
 
-def _timings(cfg: WorkloadConfig) -> Iterator[IterationTimings]:
+def _timings(cfg: WorkloadConfig, stalls: dict[int, float] | None = None) -> Iterator[IterationTimings]:
+    """The run's iterations; ``stalls`` gets each one's seconds of GC, loader and checkpoint
+    pauses (the generator knows them; a trace would not)."""
     from resihp.sim.workload_truth import GroundTruth
 
     truth = GroundTruth(cfg)
@@ -143,6 +149,8 @@ def _timings(cfg: WorkloadConfig) -> Iterator[IterationTimings]:
     for it in range(cfg.iterations):
         t = truth.timings(it, now)
         now = t.start_s + t.time_s
+        if stalls is not None:
+            stalls[t.iteration] = truth.last_stall_s
         yield t
 
 
@@ -407,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     fa_b = sum(len(r.bocd) for r in healthy) / n_h
     mtp = float(np.mean([e for r in healthy for e in r.mtp_err]))
     itp = float(np.mean([e for r in healthy for e in r.itp_err]))
+    calm = [e for r in healthy for e in r.itp_err_calm]
+    itp_calm = float(np.mean(calm))
+    calm_share = len(calm) / max(1, sum(len(r.itp_err) for r in healthy))
     ms256, wall256, conv256 = time_detector(256)
     ms4096, wall4096, conv4096 = time_detector(4096)
     probe_us, idle_ms = time_probes(16384)
@@ -429,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"found slowdowns costing < {IMPACT_FLOOR:.0%} of the iteration (healthy twin): {ours['cheap']}, reported "
           f"`degraded` (not acted on): {ours['degraded_ok']:.3f}; costing more but reported degraded: "
           f"{ours['dear_degraded']}")
-    print(f"micro-batch time predictor MAPE {mtp:.4f}; iteration time predictor MAPE {itp:.4f} (held-out iterations)")
+    print(f"micro-batch time predictor MAPE {mtp:.4f}; iteration time predictor MAPE {itp:.4f} (held-out iterations), "
+          f"{itp_calm:.4f} over the {calm_share:.0%} of them no GC, loader or checkpoint pause hit")
     print(f"detector online cost per iteration (CPU time of this process): {ms256:.2f} ms at 256 ranks, "
           f"{ms4096:.2f} ms at 4096 ranks; wall clock {wall256:.2f} / {wall4096:.2f} ms on this (shared) machine; "
           f"turning a trace record into arrays: {conv256:.1f} / {conv4096:.1f} ms, not included; during the "
@@ -474,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "degraded_but_costly": ours["dear_degraded"],
         "mtp_mape": round(mtp, 5),
         "itp_mape": round(itp, 5),
+        "itp_mape_unpaused": round(itp_calm, 5),
         "detect_ms_per_iter_256": round(ms256, 3),
         "detect_ms_per_iter_4096": round(ms4096, 3),
         "detect_ms_per_iter_4096_warmup": round(WARMUP_COST[4096], 3),

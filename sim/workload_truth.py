@@ -35,6 +35,7 @@ class GroundTruth:
         self.drift_phase = self.rng.uniform(0, 2 * math.pi, n)
         self.drift_period = self.rng.uniform(40, 200, n)
         self.last_time_s = 1.0
+        self.last_stall_s = 0.0
         # co-tenant episodes, per node: (end iteration, mean slowdown); own stream, so turning
         # them on leaves every other draw of a seeded run as it was
         self._cotenant_rng = np.random.default_rng(cfg.seed + 104729)
@@ -158,6 +159,7 @@ class GroundTruth:
         p2p = np.full((n, V, 2, M), np.nan)
         gc = rng.random(n) < nz.gc_prob
         pipe_end = 0.0
+        stalled = 0.0
         spans: list[tuple[int, FloatArray, FloatArray]] = []
         batches: dict[tuple[int, int], list[tuple[int, FloatArray, FloatArray, FloatArray]]] = {}
         for d, rep in enumerate(self.plan.replicas):
@@ -196,6 +198,7 @@ class GroundTruth:
                 delay[op] = max(delay[op], rng.uniform(*nz.gc_pause_s))
             if rng.random() < nz.loader_prob:
                 delay[int(np.argmin(prog.prev))] += rng.uniform(*nz.loader_pause_s)
+            stalled = max(stalled, float(delay.sum()))
             batches.setdefault(ix.rep_program[d], []).append((d, group, hop_op, delay))
             chunk = vstage // rep.pp
             dirs = np.where(kind == 0, FWD, BWD)
@@ -246,8 +249,13 @@ class GroundTruth:
         end_all = ring_end + opt
         time_s = float(end_all.max())
         if nz.checkpoint_every and it > 0 and it % nz.checkpoint_every == 0:
-            time_s += float(rng.uniform(*nz.checkpoint_s))
+            pause = float(rng.uniform(*nz.checkpoint_s))
+            time_s += pause
+            stalled += pause
         self.last_time_s = time_s
+        # seconds of GC, data-loader and checkpoint pauses in the iteration (the longest replica's):
+        # no cost model predicts them; the benchmark tells the predictor's error without them
+        self.last_stall_s = stalled
         self._spans = spans
         self._pipe_end = pipe_end
         self._dp_start, self._dp_end = own_end, ring_end

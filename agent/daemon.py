@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from resihp.agent.pidwatch import PidWatch
 from resihp.agent.sampler import ProcessSampler, Sampler, make_sampler
 from resihp.agent.server import CommandRelay, HookServer
 from resihp.agent.uplink import Uplink
+from resihp.coordinator.model.trace import OpState
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.protocol.codec import MAX_RANK, ValidationError
 
@@ -67,6 +68,7 @@ class _Local:
     pid: int
     last_seen: float
     iteration: int = -1
+    op: OpState | None = None  # the op its latest heartbeat named (hang localisation)
     said_goodbye: bool = False
     exited: bool = False
     reshapes: bool = False  # its hello: the runtime applies a ReconfigCommand
@@ -148,9 +150,10 @@ class AgentDaemon:
         self.uplink.send(m.AgentBatch(joined=(loc.joined(),)), urgent=True)
 
     def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
-                     raw: Sequence[object]) -> None:
+                     raw: Sequence[object], ops: Mapping[int, OpState | None] | None = None) -> None:
         """``reports`` and ``beats``: (rank, iteration) of validated reports and heartbeats;
-        ``raw``: the reports in wire form, forwarded as they are (no re-encoding)."""
+        ``raw``: the reports in wire form, forwarded as they are (no re-encoding); ``ops``: the
+        op each beating rank named (None: it names none), passed on with the agent's beats."""
         now = self.clock()
         with self._lock:
             for rank, iteration in (*reports, *beats):
@@ -159,6 +162,10 @@ class AgentDaemon:
                     loc.last_seen = now
                     if iteration > loc.iteration:
                         loc.iteration = iteration
+            for rank, op in (ops or {}).items():
+                loc = self.locals.get(rank)
+                if loc is not None:
+                    loc.op = op
         if raw:
             self.uplink.send(m.AgentBatch(raw_reports=tuple(raw)))
 
@@ -257,7 +264,7 @@ class AgentDaemon:
             now = self.clock()
             try:
                 with self._lock:
-                    beats = tuple(m.RankHeartbeat(loc.rank, loc.last_seen, loc.iteration)
+                    beats = tuple(m.RankHeartbeat(loc.rank, loc.last_seen, loc.iteration, loc.op)
                                   for loc in self.locals.values() if not loc.exited)
                     pids = {loc.rank: loc.pid for loc in self.locals.values() if not loc.exited}
                 degraded, status = self.sampler.status()

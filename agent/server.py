@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -22,6 +22,7 @@ from grpc_health.v1 import _async as aio_health  # pyright: ignore[reportAttribu
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from resihp.coordinator.model.trace import OpState
 from resihp.coordinator.protocol import codec, wire
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.protocol.codec import ValidationError
@@ -42,7 +43,7 @@ class HookSink(Protocol):
     def hook_hello(self, rank: int, local_rank: int, pid: int, reshapes: bool = False,
                    model_json: str = "") -> None: ...
     def hook_reports(self, reports: list[tuple[int, int]], beats: list[tuple[int, int]],
-                     raw: Sequence[pb.RankReport]) -> None: ...
+                     raw: Sequence[pb.RankReport], ops: Mapping[int, OpState | None] | None = None) -> None: ...
     def hook_probes(self, probes: Sequence[m.RankProbe]) -> None: ...
     def hook_ack(self, ack: m.Ack) -> None: ...
     def hook_leave(self, rank: int, pid: int) -> None: ...
@@ -174,8 +175,10 @@ class HookServicer(pbg.HookServicer):
             check_rank(rank)
         for p in probes:
             check_rank(p.rank)
+        # the op each beating rank is in (hang localisation), validated like the rest
+        ops = {h.rank: codec.heartbeat_op_from_pb(h, f"heartbeats[{i}]") for i, h in enumerate(heartbeats)}
         # validated: forwarded in wire form; the agent itself needs only (rank, iteration)
-        self.sink.hook_reports(seen, beats, reports)
+        self.sink.hook_reports(seen, beats, reports, ops)
         if probes:
             self.sink.hook_probes(probes)
         return len(seen) + len(beats) + len(probes)

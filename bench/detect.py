@@ -205,12 +205,13 @@ def fault_runs(quick: bool) -> list[tuple[str, WorkloadConfig]]:
                              seed=300 + extra, iterations=45, faults=(Fault(kind, rank, 25 + extra, 1.1),), heartbeats=False,
                              noise=Noise.everything())
         out.append((f"{kind}/1.1x/extra{extra}/{plan_name}", cfg))
-    for j, exit_event in enumerate((True, False, True, False)):
-        plan = PLANS["1f1b-tp2pp4dp4"]
+    for j, (exit_event, stuck) in enumerate(((True, False), (False, False), (True, False), (False, False),
+                                             (False, True), (False, True))):
+        plan = PLANS[("1f1b-tp2pp4dp4", "interleaved-tp4pp8dp2")[j // 4]]
         rank = plan.ranks()[(5 * j + 2) % len(plan.ranks())]
         cfg = WorkloadConfig(MODEL, plan, budget=32768, seed=400 + j, iterations=40, noise=Noise.everything(),
-                             faults=(Fault("stop", rank, 30 + j, exit_event=exit_event),))
-        out.append((f"stop/{'exit' if exit_event else 'silent'}/{j}", cfg))
+                             faults=(Fault("stop", rank, 30 + j, exit_event=exit_event, stuck=stuck),))
+        out.append((f"stop/{'exit' if exit_event else 'stuck' if stuck else 'silent'}/{j}", cfg))
     for j, factor in enumerate((1.25, 2.0, 1.5)):
         plan = PLANS["1f1b-tp2pp4dp4"]
         rank = plan.ranks()[(3 * j + 1) % len(plan.ranks())]
@@ -434,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     hangs = [(h, k) for r in faulty for h, k in zip(r.hang_s, r.hang_iters)]
     hang_max = max((h for h, _ in hangs), default=float("nan"))
     hang_budget = max((h - (2 * h / k + 1.0) for h, k in hangs if k > 0), default=float("nan"))
-    print(f"silent stops (no exit, heartbeats stop, the job hangs): {len(hangs)}, found after "
+    print(f"hangs (no exit; heartbeats stop, or go on while the rank is stuck in an op): {len(hangs)}, found after "
           f"{', '.join(f'{h:.1f} s ({k:.1f} iterations)' for h, k in hangs)}; worst against the goal of 2 "
           f"iterations + 1 s: {hang_budget:+.1f} s")
     print(f"found slowdowns costing < {IMPACT_FLOOR:.0%} of the iteration (healthy twin): {ours['cheap']}, reported "

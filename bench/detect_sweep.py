@@ -6,7 +6,8 @@ lognormal P2P jitter 30 %, frequent GC pauses and data-loader stalls, congestion
 wider spread between devices, co-tenant episodes on the hosts). Every DP span holds the wait for its ring's last arriver
 (``Noise.dp_skew_wait``). Fault kinds: compute slowdowns of 1.1x, 1.25x and 2x on any rank
 (first and last stages included), a 2x slow NIC, a transient 1.5x slowdown of 5-50
-iterations, a fail-stop as an exit and as a hang (no exit, heartbeats stop), and two faults
+iterations, a fail-stop as an exit, as a hang (no exit, heartbeats stop) and stuck (heartbeats go on, the rank
+stuck inside an op, its peers waiting in p2p and collective ops), and two faults
 at once. Plans cycle through 1F1B, interleaved and ZB-H1 layouts with TP 2-8 and PP 4.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ NOISE = {
                    loader_prob=0.1, comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0, cotenant_prob=0.05),
 }
 KINDS = ("healthy", "compute-1.1x", "compute-1.25x", "compute-2x", "link-2x", "transient", "stop-exit", "hang",
-         "two-at-once")
+         "stuck", "two-at-once")
 START = 30  # the iteration faults start at (after warm-up)
 
 
@@ -61,6 +62,8 @@ def _faults(kind: str, plan: Plan, j: int) -> tuple[Fault, ...]:
         return (Fault("stop", rank, START, exit_event=True),)
     if kind == "hang":
         return (Fault("stop", rank, START, exit_event=False),)
+    if kind == "stuck":
+        return (Fault("stop", rank, START, exit_event=False, stuck=True),)
     other = ranks[(ranks.index(rank) + len(ranks) // 2) % len(ranks)]
     return (Fault("compute", rank, START, 2.0), Fault("link", other, START + 3, 3.0))
 
@@ -80,9 +83,9 @@ def configs(model: ModelSpec, plans: dict[str, Plan], runs_per_cell: int) -> lis
                     from resihp.sim.workload import Hardware
                     hw_kw["hardware"] = Hardware(gpus_per_node=2)
                 cfg = WorkloadConfig(model, plan, budget=(8192, 16384, 32768)[j % 3], packing=("best-fit", "greedy")[j % 2],
-                                     seed=1000 + 97 * n_i + 13 * k_i + j, iterations=60 if kind != "hang" else 45,
+                                     seed=1000 + 97 * n_i + 13 * k_i + j, iterations=60 if kind not in ("hang", "stuck") else 45,
                                      noise=dataclasses.replace(noise), faults=_faults(kind, plan, j),
-                                     heartbeats=kind in ("stop-exit", "hang"), **hw_kw)
+                                     heartbeats=kind in ("stop-exit", "hang", "stuck"), **hw_kw)
                 out.append((noise_name, kind, cfg))
     return out
 

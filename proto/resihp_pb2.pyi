@@ -67,14 +67,22 @@ class RankReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., iteration: _Optional[int] = ..., start_s: _Optional[float] = ..., step_s: _Optional[float] = ..., microbatches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkTiming, _Mapping]]] = ..., seqlens_count: _Optional[_Iterable[int]] = ..., seqlens_flat: _Optional[_Iterable[int]] = ..., packed_chunks: _Optional[_Union[PackedChunks, _Mapping]] = ...) -> None: ...
 
 class RankHeartbeat(_message.Message):
-    __slots__ = ("rank", "time_s", "iteration")
+    __slots__ = ("rank", "time_s", "iteration", "op_kind", "op_name", "op_done", "op_seq")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    OP_KIND_FIELD_NUMBER: _ClassVar[int]
+    OP_NAME_FIELD_NUMBER: _ClassVar[int]
+    OP_DONE_FIELD_NUMBER: _ClassVar[int]
+    OP_SEQ_FIELD_NUMBER: _ClassVar[int]
     rank: int
     time_s: float
     iteration: int
-    def __init__(self, rank: _Optional[int] = ..., time_s: _Optional[float] = ..., iteration: _Optional[int] = ...) -> None: ...
+    op_kind: str
+    op_name: str
+    op_done: bool
+    op_seq: int
+    def __init__(self, rank: _Optional[int] = ..., time_s: _Optional[float] = ..., iteration: _Optional[int] = ..., op_kind: _Optional[str] = ..., op_name: _Optional[str] = ..., op_done: _Optional[bool] = ..., op_seq: _Optional[int] = ...) -> None: ...
 
 class RankProbe(_message.Message):
     __slots__ = ("rank", "time_s", "probe_s")

@@ -36,6 +36,7 @@ from resihp.coordinator.model.trace import (
     ExitEvent,
     HeartbeatEvent,
     IterationRecord,
+    OpState,
     Record,
     TraceHeader,
     write_trace,
@@ -155,6 +156,10 @@ class Fault:
     factor: float = 1.0
     end_iter: int | None = None
     exit_event: bool = True
+    # a `stop` without an exit event whose rank stays alive and beating, stuck inside a compute
+    # op (a kernel or data loader that never returns); its peers block in p2p and collective
+    # ops, and every heartbeat names the op its rank is in (OpState)
+    stuck: bool = False
 
     def active(self, iteration: int) -> bool:
         return self.start_iter <= iteration and (self.end_iter is None or iteration < self.end_iter)
@@ -272,11 +277,12 @@ def generate(cfg: WorkloadConfig) -> Iterator[IterationRecord | HeartbeatEvent |
             if cfg.heartbeats:  # the others keep beating while the job hangs
                 beat = cfg.heartbeat_interval_s
                 t = now
+                ops = _stuck_ops(cfg, stop.rank) if stop.stuck else {}
                 while t < t_die + 1.5 * cfg.heartbeat_timeout_s:
                     t += beat
                     for r in ranks:
-                        if r != stop.rank or t < t_die:
-                            yield HeartbeatEvent(r, t)
+                        if r != stop.rank or t < t_die or stop.stuck:
+                            yield HeartbeatEvent(r, t, ops.get(r) if t >= t_die else None)
             return
         rec = truth.iteration(it, now)
         now = rec.start_s + rec.time_s
@@ -284,6 +290,27 @@ def generate(cfg: WorkloadConfig) -> Iterator[IterationRecord | HeartbeatEvent |
         if cfg.heartbeats:
             for r in ranks:
                 yield HeartbeatEvent(r, now)
+
+
+def _stuck_ops(cfg: WorkloadConfig, stuck: int) -> dict[int, OpState]:
+    """What each rank's heartbeats say while ``stuck`` hangs inside a forward: it is in that
+    compute op; the other ranks of its replica wait for its activations or gradients (p2p),
+    its TP partners in the layer's all-reduce, the other replicas in the DP all-reduce."""
+    plan = cfg.plan
+    where = plan.position(stuck)
+    out: dict[int, OpState] = {}
+    for d, rep in enumerate(plan.replicas):
+        for s, group in enumerate(rep.stages):
+            for r in group:
+                if r == stuck:
+                    out[r] = OpState("compute", "F mb2", False, 40)
+                elif d != where.replica:
+                    out[r] = OpState("collective", "DP all-reduce", False, 90)
+                elif s == where.stage:
+                    out[r] = OpState("collective", "TP all-reduce in F mb2", False, 41)
+                else:
+                    out[r] = OpState("p2p", "recv F mb2" if s > where.stage else "recv B mb0", False, 38)
+    return out
 
 
 def write_workload(cfg: WorkloadConfig, path: str, job: str = "sim") -> None:

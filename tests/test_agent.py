@@ -242,3 +242,45 @@ def test_probes_go_up_through_the_agent_and_a_bad_one_is_refused_by_name() -> No
     finally:
         c.close(timeout=5.0)
         agent.stop()
+
+
+def test_the_op_a_rank_is_in_goes_up_with_the_agents_heartbeats() -> None:
+    """The hooks' heartbeat names the op its rank is in (trainer_hooks/reporting/opcursor.py); a
+    real agent keeps the latest and sends it with its own beats to the coordinator. A bad op
+    kind is refused by name and changes nothing."""
+    import grpc
+    from cp_helpers import wait_until
+
+    from resihp.agent.daemon import AgentConfig, AgentDaemon
+    from resihp.coordinator.model.trace import OpState
+    from resihp.proto import resihp_pb2 as pb
+    from resihp.proto import resihp_pb2_grpc as pbg
+    from resihp.trainer_hooks.reporting.opcursor import CURSOR
+
+    agent = AgentDaemon(AgentConfig(node="n0", coordinator="127.0.0.1:1", gpu_sampler="off", world_size=4,
+                                    heartbeat_interval_s=0.05))
+    agent.start()
+    agent.hook_hello(1, 1, 4242)
+    c = AgentClient(1, agent.hook_server.address, 1, flush_s=0.05, heartbeat_s=0.05).start()
+    try:
+        CURSOR.enter("compute", "F mb7")
+
+        def beats() -> list[m.RankHeartbeat]:
+            with agent.uplink._lock:
+                return [r for b in agent.uplink._buf if b.heartbeat is not None for r in b.heartbeat.ranks if r.rank == 1]
+
+        wait_until(lambda: any(b.op is not None and b.op.name == "F mb7" for b in beats()), 10,
+                   "the agent's beat naming rank 1's op")
+        got = next(b.op for b in beats() if b.op is not None and b.op.name == "F mb7")
+        assert got == OpState("compute", "F mb7", False, got.seq) and got.seq >= 1
+        with grpc.insecure_channel(agent.hook_server.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pbg.HookStub(ch).Report(pb.HookReportBatch(heartbeats=[pb.RankHeartbeat(
+                    rank=1, time_s=1.0, op_kind="kernel", op_name="x")]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert "heartbeats[0]: op kind must be one of" in err.value.details()  # type: ignore[attr-defined]
+        assert agent.locals[1].op is not None and agent.locals[1].op.kind == "compute"
+    finally:
+        CURSOR.done()
+        c.close(timeout=5.0)
+        agent.stop()

@@ -66,6 +66,7 @@ from resihp.coordinator.model.trace import (
     ExitEvent,
     HeartbeatEvent,
     IterationRecord,
+    OpState,
     PlanChange,
     Record,
     TraceHeader,
@@ -92,6 +93,34 @@ def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float
     return held if 2 * len(held) < len(silence_s) else []
 
 
+def _some(ranks: list[int], shown: int = 8) -> str:
+    """"ranks 1, 2, 3" or "ranks 1, 2, … and 120 more" for a reason text."""
+    head = ", ".join(map(str, ranks[:shown]))
+    return f"ranks {head}" + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
+
+
+STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
+
+
+def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | None],
+                   op_age_s: Mapping[int, float]) -> list[int]:
+    """The ranks that hold up a job with no iteration for ``stalled_s`` while every rank beats
+    on (a kernel or a collective that never returns, a rank stuck in its data loader): those
+    that wait for nobody — inside a compute op, or between ops — while the others wait inside
+    a p2p or collective op that needs them. The idea of torch's NCCL flight recorder, from the
+    last op each rank reported entering and completing. Only op states reported at least
+    ``STATE_SETTLE_S`` after the job stopped count (``op_age_s``: seconds since each was
+    reported); none unless every live rank has one, some wait, and fewer than half do not.
+    Pure: the detector and the coordinator's liveness both use it."""
+    if stalled_s <= wait_s or len(ops) < 3:
+        return []
+    fresh = stalled_s - STATE_SETTLE_S
+    if any(o is None or op_age_s.get(r, float("inf")) > fresh for r, o in ops.items()):
+        return []
+    free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
+    return free if free and 2 * len(free) < len(ops) else []
+
+
 class Detector(IterationJudge, IdleRankVerdicts):
     def __init__(self, header: TraceHeader, config: DetectorConfig | None = None) -> None:
         self.header = header
@@ -110,6 +139,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._seen = 0  # iterations observed with the current evidence level
         self._level = ""
         self._last_beat: dict[int, float] = {}
+        self._ops: dict[int, tuple[OpState, float]] = {}  # rank -> the op its latest beat named, when
         self._beats_on = False
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
@@ -183,7 +213,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         if isinstance(record, IterationRecord):
             return self.observe_timings(timings_from_record(record, self.index), now)
         if isinstance(record, HeartbeatEvent):
-            self._beat(record.rank, record.time_s)
+            self._beat(record.rank, record.time_s, record.op)
             return self.tick(now)
         if isinstance(record, ExitEvent):
             return self._exit(record, now)
@@ -198,7 +228,9 @@ class Detector(IterationJudge, IdleRankVerdicts):
         if np.isfinite(time_s) and time_s > 0:
             self._iter_times.append(float(time_s))
 
-    def _beat(self, rank: int, t: float) -> None:
+    def _beat(self, rank: int, t: float, op: OpState | None = None) -> None:
+        if op is not None:
+            self._ops[rank] = (op, t)
         if not self._beats_on:  # heartbeats are on for this job: every rank starts its clock now
             self._beats_on = True
             for r in self.index.ranks:
@@ -250,7 +282,10 @@ class Detector(IterationJudge, IdleRankVerdicts):
                  if self.state[i] != RankState.DEAD and r in self._last_beat}
         usual = float(np.median(list(quiet.values()))) if quiet else 0.0
         out = []
-        for r in hang_culprits(stalled, wait, quiet):
+        held = hang_culprits(stalled, wait, quiet)
+        if not held:
+            return self._stuck(now, stalled, wait, quiet)
+        for r in held:
             i = self.index.pos[r]
             self.state[i] = RankState.DEAD
             out.append(self._stop_finding(
@@ -259,6 +294,25 @@ class Detector(IterationJudge, IdleRankVerdicts):
                 f" or {self.config.hang_floor_s:g} s); rank {r}'s heartbeats stopped {quiet[r]:.1f} s ago while its "
                 f"peers' go on (last {usual:.1f} s ago): a stopped process or frozen host holds the job up",
                 {"stalled_s": stalled, "silence_s": quiet[r], "peers_silence_s": usual, "hang_after_s": wait}))
+        return out
+
+    def _stuck(self, now: float, stalled: float, wait: float, live: Mapping[int, float]) -> list[Finding]:
+        """No silent rank: name the ranks that wait for nobody while their peers wait in a
+        p2p or collective op (``stuck_culprits``, from the ops the heartbeats name)."""
+        ops = {r: self._ops[r][0] if r in self._ops else None for r in live}
+        ages = {r: now - self._ops[r][1] for r in live if r in self._ops}
+        out = []
+        waiting = sorted(r for r, o in ops.items() if o is not None and o.waiting)
+        for r in stuck_culprits(stalled, wait, ops, ages):
+            self.state[self.index.pos[r]] = RankState.DEAD
+            op = ops[r]
+            assert op is not None
+            out.append(self._stop_finding(
+                r, "no-progress", now,
+                f"no iteration for {stalled:.1f} s (hang after {wait:.1f} s) while every rank beats on; rank {r} is "
+                f"{op.describe()} and waits for nobody, while {_some(waiting)} wait in p2p or collective ops: a stuck "
+                f"kernel, collective or data loader on rank {r} holds the job up",
+                {"stalled_s": stalled, "hang_after_s": wait, "waiting_ranks": float(len(waiting))}))
         return out
 
     def _exit(self, ev: ExitEvent, now: float) -> list[Finding]:

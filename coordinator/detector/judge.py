@@ -16,8 +16,15 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig
-from resihp.coordinator.detector.evidence import (BWD, FWD, IterationTimings, PlanIndex, group_all, host_stats,
-                                                  tp_wait_share)
+from resihp.coordinator.detector.evidence import (
+    BWD,
+    FWD,
+    IterationTimings,
+    PlanIndex,
+    group_all,
+    host_stats,
+    tp_wait_share,
+)
 from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor, fill_nan, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState

@@ -99,10 +99,43 @@ class IterationRecord:
     rank_step_s: Mapping[int, float] = field(default_factory=dict)
 
 
+OP_KINDS = ("compute", "p2p", "collective")
+WAITING_OPS = ("p2p", "collective")  # an op that blocks until a peer does its part
+
+
+@dataclass(frozen=True)
+class OpState:
+    """The operation a rank entered last (hang localisation, docs/trace-format.md): its kind
+    (``OP_KINDS``), a name for people ("F mb3", "DP all-reduce"), whether the rank completed
+    it, and a per-rank counter. A rank inside a p2p or collective op that it has not completed
+    waits for a peer; one inside a compute op, or between ops, waits for nobody."""
+
+    kind: str
+    name: str
+    done: bool
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in OP_KINDS:
+            raise ValueError(f"op kind must be one of {OP_KINDS}, got {self.kind!r}")
+        if not isinstance(self.seq, int) or self.seq < 0:
+            raise ValueError(f"op seq must be a counter >= 0, got {self.seq!r}")
+        if len(self.name) > 80:
+            raise ValueError(f"op name must be at most 80 characters, got {len(self.name)}")
+
+    @property
+    def waiting(self) -> bool:
+        return self.kind in WAITING_OPS and not self.done
+
+    def describe(self) -> str:
+        return f"{'after' if self.done else 'in'} {self.kind} op {self.name!r} (#{self.seq})"
+
+
 @dataclass(frozen=True)
 class HeartbeatEvent:
     rank: int
     time_s: float
+    op: OpState | None = None  # the op it is in, where the writer records one
 
 
 # ExitEvent.code (and RankExit.code) when the agent could not read the exit status (the process
@@ -168,12 +201,30 @@ def record_to_dict(rec: Record) -> dict[str, Any]:
             out["rank_step_s"] = {str(k): round(v, 9) for k, v in sorted(rec.rank_step_s.items())}
         return out
     if isinstance(rec, HeartbeatEvent):
-        return {"type": "heartbeat", "rank": rec.rank, "time_s": rec.time_s}
+        beat: dict[str, Any] = {"type": "heartbeat", "rank": rec.rank, "time_s": rec.time_s}
+        if rec.op is not None:
+            beat["op"] = {"kind": rec.op.kind, "name": rec.op.name, "done": rec.op.done, "seq": rec.op.seq}
+        return beat
     if isinstance(rec, ExitEvent):
         return {"type": "exit", "rank": rec.rank, "time_s": rec.time_s, "code": rec.code}
     if isinstance(rec, PlanChange):
         return {"type": "plan", "iteration": rec.iteration, "plan": rec.plan.to_dict()}
     raise TypeError(f"not a trace record: {rec!r}")
+
+
+def _op(obj: Mapping[str, Any], line: int) -> OpState | None:
+    raw = obj.get("op")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise TraceError(line, "op", 'must be an object {"kind", "name", "done", "seq"}')
+    kind, name, done, seq = raw.get("kind"), raw.get("name", ""), raw.get("done"), raw.get("seq", 0)
+    if not isinstance(name, str) or not isinstance(done, bool) or isinstance(seq, bool) or not isinstance(seq, int):
+        raise TraceError(line, "op", f"needs kind (string), name (string), done (true/false), seq (integer); got {dict(raw)!r}")
+    try:
+        return OpState(str(kind), name, done, seq)
+    except ValueError as exc:
+        raise TraceError(line, "op", str(exc)) from None
 
 
 def write_trace(out: IO[str], header: TraceHeader, records: Iterable[Record]) -> None:
@@ -308,7 +359,7 @@ def parse_record(obj: Any, line: int, header: TraceHeader, plan: Plan) -> Record
             rank_step[r] = _time(v, line, f"rank_step_s[{k}]")
         return IterationRecord(it, start, time_s, tuple(seqlens), tuple(chunks), rank_step)
     if kind == "heartbeat":
-        return HeartbeatEvent(rank_of(obj), _time(_get(obj, "time_s", line), line, "time_s"))
+        return HeartbeatEvent(rank_of(obj), _time(_get(obj, "time_s", line), line, "time_s"), _op(obj, line))
     if kind == "exit":
         return ExitEvent(rank_of(obj), _time(_get(obj, "time_s", line), line, "time_s"), _int(obj, "code", line, None))
     if kind == "plan":

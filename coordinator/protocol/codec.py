@@ -14,7 +14,7 @@ from typing import Any
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
-from resihp.coordinator.model.trace import CHUNK_KINDS, ChunkTiming
+from resihp.coordinator.model.trace import CHUNK_KINDS, ChunkTiming, OpState
 from resihp.coordinator.protocol import messages as m
 from resihp.proto import resihp_pb2 as pb
 
@@ -170,13 +170,27 @@ def report_from_pb(r: pb.RankReport, name: str = "report") -> m.RankReport:
 
 
 def heartbeat_to_pb(h: m.RankHeartbeat) -> pb.RankHeartbeat:
-    return pb.RankHeartbeat(rank=h.rank, time_s=h.time_s, iteration=h.iteration)
+    out = pb.RankHeartbeat(rank=h.rank, time_s=h.time_s, iteration=h.iteration)
+    if h.op is not None:
+        out.op_kind, out.op_name, out.op_done, out.op_seq = h.op.kind, h.op.name, h.op.done, h.op.seq
+    return out
+
+
+def heartbeat_op_from_pb(h: pb.RankHeartbeat, name: str = "heartbeat") -> OpState | None:
+    """The op a heartbeat names (``op_kind`` empty: none), validated."""
+    if not h.op_kind:
+        return None
+    try:
+        return OpState(h.op_kind, h.op_name, bool(h.op_done), int(h.op_seq))
+    except ValueError as exc:
+        raise ValidationError(f"{name}: {exc}") from None
 
 
 def heartbeat_from_pb(h: pb.RankHeartbeat, name: str = "heartbeat") -> m.RankHeartbeat:
     if h.iteration < -1:
         raise ValidationError(f"{name}.iteration must be >= -1, got {h.iteration}")
-    return m.RankHeartbeat(_rank(h.rank, f"{name}.rank"), _time(h.time_s, f"{name}.time_s"), h.iteration)
+    return m.RankHeartbeat(_rank(h.rank, f"{name}.rank"), _time(h.time_s, f"{name}.time_s"), h.iteration,
+                           heartbeat_op_from_pb(h, name))
 
 
 def probe_to_pb(p: m.RankProbe) -> pb.RankProbe:

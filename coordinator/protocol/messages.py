@@ -13,6 +13,7 @@ from typing import Any
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import EXIT_UNKNOWN as EXIT_UNKNOWN  # re-exported: RankExit.code's "unknown"
 from resihp.coordinator.model.trace import ChunkTiming
+from resihp.coordinator.model.trace import OpState as OpState  # re-exported: RankHeartbeat.op
 from resihp.coordinator.model.trace import describe_exit as describe_exit
 
 
@@ -35,6 +36,7 @@ class RankHeartbeat:
     rank: int
     time_s: float
     iteration: int = -1  # last reported iteration; -1 = none yet
+    op: OpState | None = None  # the op the rank is in (hang localisation); None: it names none
 
 
 @dataclass(frozen=True)

@@ -386,6 +386,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
                 # Liveness is the control plane's own clock (tick); per-rank beats are not fed to the
                 # engine: at 1,024 ranks its per-beat timeout scan would dominate the coordinator.
                 info.last_seen = seen
+                info.op, info.op_at = rh.op, seen
 
     def _on_exit(self, ex: m.RankExit, now: float) -> None:
         info = self.ranks[ex.rank]

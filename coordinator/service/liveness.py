@@ -1,13 +1,14 @@
 """Hang detection on the coordinator's own liveness clock: a job with no iteration for the
 engine's hang time, with a rank of the plan silent while its peers beat on, is held up by that
-rank (a stopped process, a frozen host). A part of ``CoordinatorCore``
+rank (a stopped process, a frozen host); with every rank beating on, by the rank that waits for
+nobody while its peers wait for it in p2p or collective ops (the ops the heartbeats name). A part of ``CoordinatorCore``
 (coordinator/service/core.py), kept in its own module; every method runs under the core's lock.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from resihp.coordinator.detector.detector import hang_culprits
+from resihp.coordinator.detector.detector import hang_culprits, stuck_culprits
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import ExitEvent
 from resihp.coordinator.protocol import messages as m
@@ -46,11 +47,33 @@ class LivenessFlow:
         silence = {r: now - info.last_seen for r, info in self.ranks.items()
                    if not info.dead and not info.finished and info.last_seen is not None and self.plan.has_rank(r)}
         out = []
-        for r in hang_culprits(stalled, wait, silence):
+        held = hang_culprits(stalled, wait, silence)
+        if not held:
+            return self._stuck(now, stalled, wait, list(silence))
+        for r in held:
             self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too
             out.append(m.FindingInfo(
                 self.last_iteration, "fail-stop", (r,), "no-progress", 1.0,
                 f"no iteration for {stalled:.1f} s (hang after {wait:.1f} s); rank {r} silent for {silence[r]:.1f} s while "
                 f"its peers beat on: a stopped process or frozen host holds the job up; node {self.ranks[r].node or '?'}",
+                now, **self._where(r)))
+        return out
+
+    def _stuck(self, now: float, stalled: float, wait: float, live: list[int]) -> list[m.FindingInfo]:
+        """Every rank beats on: the ranks its peers wait for (``stuck_culprits``)."""
+        ops = {r: self.ranks[r].op for r in live}
+        ages = {r: now - at for r in live if (at := self.ranks[r].op_at) is not None}
+        waiting = sorted(r for r, o in ops.items() if o is not None and o.waiting)
+        out = []
+        for r in stuck_culprits(stalled, wait, ops, ages):
+            op = ops[r]
+            assert op is not None
+            self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too
+            shown = ", ".join(map(str, waiting[:8])) + (f" and {len(waiting) - 8} more" if len(waiting) > 8 else "")
+            out.append(m.FindingInfo(
+                self.last_iteration, "fail-stop", (r,), "no-progress", 1.0,
+                f"no iteration for {stalled:.1f} s (hang after {wait:.1f} s) while every rank beats on; rank {r} is "
+                f"{op.describe()} and waits for nobody, while ranks {shown} wait in p2p or collective ops: a stuck "
+                f"kernel, collective or data loader on rank {r} holds the job up; node {self.ranks[r].node or '?'}",
                 now, **self._where(r)))
         return out

@@ -5,6 +5,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any
 
+from resihp.coordinator.model.trace import OpState
 from resihp.coordinator.protocol import messages as m
 
 
@@ -23,6 +24,8 @@ class RankInfo:
     dead_reason: str = ""
     reshapes: bool | None = None  # its hello: it applies a ReconfigCommand; None = not said (coordinator/service/observe.py)
     exit_code: int | None = None  # as its agent saw it exit (RankExit.code)
+    op: OpState | None = None  # the op its latest heartbeat named (hang localisation)
+    op_at: float | None = None  # coordinator clock of that heartbeat
 
 
 @dataclass

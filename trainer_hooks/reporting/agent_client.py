@@ -25,6 +25,7 @@ from resihp.coordinator.protocol import messages as m
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
 from resihp.trainer_hooks.reporting.notices import NoticeHandler, exit_on_peer_failure_default
+from resihp.trainer_hooks.reporting.opcursor import CURSOR
 
 log = logging.getLogger(__name__)
 CommandCallback = Callable[[m.Command], None]
@@ -269,8 +270,10 @@ class AgentClient:
             now = self.clock()
             if batch or probes or now - last_sent >= self.heartbeat_s:
                 # packed reports: a few array copies instead of a message per chunk (protocol.wire)
-                yield wire.report_batch(batch, [pb.RankHeartbeat(rank=self.rank, time_s=now, iteration=self.iteration)],
-                                        probes)
+                seq, kind, name, done = CURSOR.snapshot()  # the op this rank is in (hang localisation)
+                beat = pb.RankHeartbeat(rank=self.rank, time_s=now, iteration=self.iteration, op_kind=kind,
+                                        op_name=name, op_done=done, op_seq=seq)
+                yield wire.report_batch(batch, [beat], probes)
                 self.sent += len(batch)
                 last_sent = now
             if self._reports or self._acks or self._probes:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.chunk_clock import HostClock, SpanClock
 from resihp.trainer_hooks.runtime.data import ReplicaBatch
 from resihp.trainer_hooks.runtime.groups import StagePlace
@@ -130,7 +131,8 @@ class PipelineStep:
         rows, cols = shape
         framed = torch.empty((rows + 1, cols), dtype=torch.float32, device=self.device)
         before = log.clock.mark()
-        dist.recv(framed, src=src, tag=tag, group=self._group(src))
+        with CURSOR.op("p2p", f"recv {'F' if tag % 2 == 0 else 'B'} mb{mb} from {src}"):
+            dist.recv(framed, src=src, tag=tag, group=self._group(src))
         end = time.perf_counter()
         sent = float(framed[rows, :2].to("cpu").clone().view(torch.float64)[0])
         if self.device.type == "cuda":
@@ -155,6 +157,10 @@ class PipelineStep:
             self._pending.append((dist.isend(framed, dst=dst, tag=tag, group=self._group(dst)), framed))
 
     def _compute(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
+        with CURSOR.op("compute", f"{kind} mb{mb}"):
+            return self._compute_timed(fn, kind, mb, log)
+
+    def _compute_timed(self, fn: Callable[[], Any], kind: str, mb: int, log: ChunkLog) -> Any:
         if self.device.type == "cuda":
             return self._compute_on_gpu(fn, kind, mb, log)
         if self.compute_clock == "cpu":
@@ -254,8 +260,9 @@ class PipelineStep:
 
     def finish_sends(self, log: ChunkLog) -> None:
         start = log.clock.mark()
-        for work, _ in self._pending:
-            work.wait()
+        with CURSOR.op("p2p", "send wait"):
+            for work, _ in self._pending:
+                work.wait()
         if self._pending:
             log.add_marks("P2P", -1, start, log.clock.mark())
         self._pending.clear()

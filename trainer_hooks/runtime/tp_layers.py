@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.chunk_clock import cuda_mark
 
 _COLLECTIVE_S = [0.0]  # wall seconds this process has spent inside TP all-reduces
@@ -58,7 +59,8 @@ def _timed_all_reduce(t: torch.Tensor, group: Any) -> None:
         _CUDA_SPANS.append((before, cuda_mark()))  # the compute stream waits for the all-reduce there
         return
     start = time.perf_counter()
-    dist.all_reduce(t, group=group)
+    with CURSOR.op("collective", "TP all-reduce"):
+        dist.all_reduce(t, group=group)
     _COLLECTIVE_S[0] += time.perf_counter() - start
 
 

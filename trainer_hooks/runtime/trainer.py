@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.chunk_clock import clock_for
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
 from resihp.trainer_hooks.runtime.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
@@ -201,7 +202,8 @@ class Runtime:
             if group is None:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
+            with CURSOR.op("collective", "DP all-reduce"):
+                dist.all_reduce(flat, group=group)
             offset = 0
             for p, g in zip(params, grads):
                 n = p.numel()
@@ -215,7 +217,8 @@ class Runtime:
         # only TP rank 0 of each last stage contributes, so the sum is exact (x + 0 = x)
         value = local.clone() if self.groups.place.tp_index == 0 else torch.zeros_like(local)
         if self.groups.loss_group is not None:
-            dist.all_reduce(value, group=self.groups.loss_group)
+            with CURSOR.op("collective", "loss all-reduce"):
+                dist.all_reduce(value, group=self.groups.loss_group)
         return float(value)
 
     def train_step(self, step: int) -> StepResult:

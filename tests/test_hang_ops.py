@@ -1,0 +1,205 @@
+"""Hang localisation when every rank beats on (issue #25, item 4): each heartbeat names the op
+its rank entered last and whether it completed it; a job with no progress is held up by the
+rank that waits for nobody while its peers wait for it in p2p or collective ops. The pure
+rule, the trace format, the detector on a generated trace, the coordinator over the wire
+messages, and the hooks' op cursor."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_detector import _cfg, _replay
+
+from resihp.coordinator.detector.detector import STATE_SETTLE_S, stuck_culprits
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import preset
+from resihp.coordinator.model.trace import HeartbeatEvent, OpState, TraceError, read_trace, write_trace
+from resihp.coordinator.protocol import codec
+from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.codec import ValidationError
+from resihp.coordinator.service.config import CoordinatorConfig
+from resihp.coordinator.service.core import CoordinatorCore
+from resihp.coordinator.service.engine import build_header, make_engine
+from resihp.coordinator.service.journal import Journal
+from resihp.coordinator.service.metrics import Registry
+from resihp.proto import resihp_pb2 as pb
+from resihp.sim.workload import Fault, make_header, records_list
+from resihp.trainer_hooks.reporting.opcursor import OpCursor
+
+STUCK = OpState("compute", "F mb2", False, 40)
+RECV = OpState("p2p", "recv F mb2 from 1", False, 38)
+DP = OpState("collective", "DP all-reduce", False, 90)
+
+
+def test_the_rank_that_waits_for_nobody_is_named() -> None:
+    ops = {0: RECV, 1: STUCK, 2: DP, 3: DP}
+    fresh = {r: 0.5 for r in ops}
+    assert stuck_culprits(5.0, 3.0, ops, fresh) == [1]
+    # a rank between ops (its last one completed: a data loader that never returns) too
+    assert stuck_culprits(5.0, 3.0, {**ops, 1: OpState("collective", "DP all-reduce", True, 91)}, fresh) == [1]
+
+
+@pytest.mark.parametrize(("why", "stalled", "ops", "ages"), [
+    ("not stalled yet", 2.0, {0: RECV, 1: STUCK, 2: DP, 3: DP}, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}),
+    ("a state from before the job stopped", 5.0, {0: RECV, 1: STUCK, 2: DP, 3: DP}, {0: 0.1, 1: 4.5, 2: 0.1, 3: 0.1}),
+    ("a rank that names no op (a user's own loop)", 5.0, {0: RECV, 1: STUCK, 2: DP, 3: None}, {0: 0.1, 1: 0.1, 2: 0.1}),
+    ("everyone waits (a lost message, a dead link)", 5.0, {0: RECV, 1: RECV, 2: DP, 3: DP}, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}),
+    ("half wait for nobody", 5.0, {0: STUCK, 1: STUCK, 2: DP, 3: DP}, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}),
+])
+def test_nobody_is_named_without_clear_evidence(why: str, stalled: float, ops: dict[int, OpState | None],
+                                                 ages: dict[int, float]) -> None:
+    assert stuck_culprits(stalled, 3.0, ops, ages) == [], why
+
+
+def test_an_op_state_must_be_reported_after_the_job_stopped() -> None:
+    ops = {0: RECV, 1: STUCK, 2: DP}
+    stalled = 4.0
+    assert stuck_culprits(stalled, 3.0, ops, {r: stalled - STATE_SETTLE_S - 0.01 for r in ops}) == [1]
+    assert stuck_culprits(stalled, 3.0, ops, {r: stalled - STATE_SETTLE_S + 0.01 for r in ops}) == []
+
+
+def test_heartbeat_ops_round_trip_through_the_trace_and_bad_ones_are_named() -> None:
+    header = make_header(_cfg())
+    out = io.StringIO()
+    write_trace(out, header, [HeartbeatEvent(3, 1.5, STUCK), HeartbeatEvent(4, 1.5)])
+    _, records = read_trace(io.StringIO(out.getvalue()))
+    assert list(records) == [HeartbeatEvent(3, 1.5, STUCK), HeartbeatEvent(4, 1.5)]
+    lines = out.getvalue().splitlines()
+    bad = lines[1].replace('"kind":"compute"', '"kind":"gemm"')
+    with pytest.raises(TraceError, match=r"line 2: field 'op': op kind must be one of \('compute', 'p2p', 'collective'\)"):
+        list(read_trace(io.StringIO("\n".join([lines[0], bad])))[1])
+    bad = lines[1].replace('"done":false', '"done":"no"')
+    with pytest.raises(TraceError, match="field 'op': needs kind .*done \\(true/false\\)"):
+        list(read_trace(io.StringIO("\n".join([lines[0], bad])))[1])
+
+
+def test_heartbeat_ops_cross_the_wire_and_bad_ones_are_refused() -> None:
+    beat = m.RankHeartbeat(2, 10.0, 7, RECV)
+    assert codec.heartbeat_from_pb(codec.heartbeat_to_pb(beat)) == beat
+    assert codec.heartbeat_from_pb(codec.heartbeat_to_pb(m.RankHeartbeat(2, 10.0, 7))).op is None
+    with pytest.raises(ValidationError, match="heartbeats\\[0\\]: op kind must be one of"):
+        codec.heartbeat_op_from_pb(pb.RankHeartbeat(rank=2, time_s=1.0, op_kind="nccl"), "heartbeats[0]")
+
+
+@pytest.mark.parametrize("rank", [0, 5, 7])
+def test_a_rank_stuck_in_an_op_is_found_in_a_generated_trace(rank: int) -> None:
+    """Heartbeats go on from every rank; the stuck one names its compute op, the others the
+    p2p and collective ops they wait in. It is named within two iterations and a second."""
+    cfg = _cfg((Fault("stop", rank, 15, exit_event=False, stuck=True),), heartbeats=True)
+    recs = records_list(cfg)
+    its = [r for r in recs if not isinstance(r, HeartbeatEvent) and hasattr(r, "iteration")]
+    usual = sorted(r.time_s for r in its)[len(its) // 2]
+    died = its[-1].start_s + its[-1].time_s + 0.4 * its[-1].time_s
+    _, found, _ = _replay(cfg)
+    assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-stop", (rank,), "no-progress")]
+    assert found[0].time_s - died <= 2 * usual + 1.0
+    assert "waits for nobody" in found[0].reason and "'F mb2'" in found[0].reason
+
+
+def test_the_coordinator_names_the_stuck_rank_from_the_agents_beats(tmp_path: Path) -> None:
+    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01, heartbeat_timeout_s=1000.0)
+    plan = Plan.uniform(1, 2, 2, 8, 4)
+    engine = make_engine("auto", build_header(preset("gpt-tiny"), plan, 4, "job"))
+    t = [1000.0]
+    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
+                           Registry(), lambda: t[0])
+    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
+    from test_coordinator import _chunked
+    for it in range(4):
+        core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, plan) for r in range(4))))
+        t[0] += 0.2
+    ops = {0: DP, 1: DP, 2: STUCK, 3: RECV}
+
+    def hangs() -> list[dict[str, Any]]:
+        return [e for e in core.events.since(0, 1000) if e["event"] == "finding" and e.get("cause") == "no-progress"]
+
+    for second in range(4):
+        t[0] += 1.0
+        beats = tuple(m.RankHeartbeat(r, t[0], 3, ops[r] if second else None) for r in range(4))
+        core.on_batch(conn, m.AgentBatch(heartbeat=m.AgentHeartbeat(t[0], beats)))
+        core.tick()
+        if second == 0:
+            assert hangs() == []  # no op named yet: nobody is accused
+    found = hangs()
+    assert [f["ranks"] for f in found] == [[2]], found
+    assert "rank 2 is in compute op 'F mb2'" in found[0]["reason"] and "ranks 0, 1, 3 wait" in found[0]["reason"]
+
+
+def test_the_cursor_marks_nested_ops_and_completion() -> None:
+    cur = OpCursor()
+    assert cur.snapshot() == (0, "", "", True)
+    with cur.op("compute", "F mb0"):
+        assert cur.snapshot() == (1, "compute", "F mb0", False)
+        with cur.op("collective", "TP all-reduce"):
+            assert cur.snapshot() == (2, "collective", "TP all-reduce", False)
+        assert cur.snapshot() == (2, "compute", "F mb0", False)  # back inside the forward
+    assert cur.snapshot() == (2, "compute", "F mb0", True)
+    with pytest.raises(RuntimeError), cur.op("p2p", "recv"):
+        raise RuntimeError("a failed receive")
+    assert cur.snapshot() == (3, "p2p", "recv", True)
+
+
+def test_a_real_rank_stuck_in_a_compute_op_is_named_while_every_rank_beats_on(tmp_path: Path) -> None:
+    """The real thing: ``resihp launch`` (mpirun, agents, coordinator) runs examples/train_gpt.py
+    with PP2 x DP2; rank 2 is made to stall inside its compute ops (the hooks' throttle at x1000:
+    each op takes seconds, as behind a kernel that does not return), while its heartbeat thread
+    goes on. Its pipeline
+    peer waits in a receive, the other replica in the DP all-reduce; the coordinator names rank
+    2, cause no-progress, from the ops the heartbeats carry — well before any heartbeat timeout."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    resihp = [sys.executable, "-m", "resihp.cli"]
+    cmd = [*resihp, "launch", "-n", "4", "--tp", "1", "--pp", "2", "--dp", "2", "--nodes", "2", "--run-dir", str(tmp_path),
+           "--", sys.executable, str(repo / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "2", "--dp", "2",
+           "--steps", "100000", "--log-every", "1000000"]
+
+    def jsonl(name: str) -> list[dict[str, Any]]:
+        path = tmp_path / name
+        out = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written
+        return out
+
+    def until(what: str, timeout: float, check: Any) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = check()
+            if got:
+                return got
+            assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before {what}: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        raise AssertionError(f"no {what} within {timeout} s; events: {jsonl('events.jsonl')[-10:]}")
+
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        until("20 steps", 180, lambda: [r for r in jsonl("progress.jsonl") if r.get("type") == "step" and r["step"] >= 20])
+        done = subprocess.run([*resihp, "admin", "inject", "slow", "--rank", "2", "--factor", "1000", "--run-dir",
+                               str(tmp_path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        injected = time.monotonic()
+        hung = until("no-progress finding", 60, lambda: [e for e in jsonl("events.jsonl") if e.get("event") == "finding"
+                                                          and e.get("cause") == "no-progress"])
+        took = time.monotonic() - injected
+        assert [(e["kind"], e["ranks"]) for e in hung] == [("fail-stop", [2])], hung
+        assert "rank 2 is in compute op" in hung[0]["reason"] and "waits for nobody" in hung[0]["reason"], hung[0]
+        assert not [e for e in jsonl("events.jsonl") if e.get("event") == "finding" and e.get("cause") == "heartbeat"]
+        print(f"stuck rank named {took:.1f} s after the inject command")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)

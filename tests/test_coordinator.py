@@ -441,16 +441,16 @@ def test_the_end_of_a_degraded_slowdown_asks_for_no_replan(tmp_path: Path) -> No
     moved the job to another layout, whose fresh keys then made findings of their own)."""
     core = _core(tmp_path)
     core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
-    where = {"stage": 1, "replica": 0}
-    core._findings([m.FindingInfo(40, "degraded", (1,), "communication", 3.8, "ring slow, costs 0.0 %", 1000.0, **where)],
-                   1000.0)
-    core._findings([m.FindingInfo(50, "recovered", (1,), "communication", 1.0, "back", 1001.0, **where)], 1001.0)
+    core._findings([m.FindingInfo(40, "degraded", (1,), "communication", 3.8, "ring slow, costs 0.0 %", 1000.0,
+                                  stage=1, replica=0)], 1000.0)
+    core._findings([m.FindingInfo(50, "recovered", (1,), "communication", 1.0, "back", 1001.0, stage=1, replica=0)],
+                   1001.0)
     assert core.state is State.RUNNING and core.epoch == 0
     kinds = [e["event"] for e in core.events.since(0, 100)]
     assert kinds.count("finding") == 2 and "decision" not in kinds and "command" not in kinds
     assert core.degraded_only == set()
     # a slowdown that was acted on: its end is a planning matter again
-    core._findings([m.FindingInfo(60, "degraded", (1,), "compute", 1.02, "cheap", 1002.0, **where)], 1002.0)
-    core._findings([m.FindingInfo(61, "fail-slow", (1,), "compute", 2.0, "dear now", 1003.0, **where)], 1003.0)
+    core._findings([m.FindingInfo(60, "degraded", (1,), "compute", 1.02, "cheap", 1002.0, stage=1, replica=0)], 1002.0)
+    core._findings([m.FindingInfo(61, "fail-slow", (1,), "compute", 2.0, "dear now", 1003.0, stage=1, replica=0)], 1003.0)
     assert core.degraded_only == set()
     assert "decision" in [e["event"] for e in core.events.since(0, 100)]

@@ -15,7 +15,7 @@ from test_detector import _cfg, _replay
 from resihp.coordinator.detector.detector import STATE_SETTLE_S, stuck_culprits
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import HeartbeatEvent, OpState, TraceError, read_trace, write_trace
+from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord, OpState, TraceError, read_trace, write_trace
 from resihp.coordinator.protocol import codec
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.protocol.codec import ValidationError
@@ -88,8 +88,7 @@ def test_a_rank_stuck_in_an_op_is_found_in_a_generated_trace(rank: int) -> None:
     """Heartbeats go on from every rank; the stuck one names its compute op, the others the
     p2p and collective ops they wait in. It is named within two iterations and a second."""
     cfg = _cfg((Fault("stop", rank, 15, exit_event=False, stuck=True),), heartbeats=True)
-    recs = records_list(cfg)
-    its = [r for r in recs if not isinstance(r, HeartbeatEvent) and hasattr(r, "iteration")]
+    its = [r for r in records_list(cfg) if isinstance(r, IterationRecord)]
     usual = sorted(r.time_s for r in its)[len(its) // 2]
     died = its[-1].start_s + its[-1].time_s + 0.4 * its[-1].time_s
     _, found, _ = _replay(cfg)

@@ -113,13 +113,27 @@ def _command(conn: AgentConn) -> m.ReconfigCommand:
 
 
 def _core(tmp_path: Path, world: int = 4) -> CoordinatorCore:
-    cfg = CoordinatorConfig(world_size=world, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01)
-    plan = Plan.uniform(1, 2, world // 2, 8, world)
-    engine = make_engine("auto", build_header(preset("gpt-tiny"), plan, world, "job"))
+    return _clocked_core(tmp_path, Plan.uniform(1, 2, world // 2, 8, world))[0]
+
+
+def _clocked_core(tmp_path: Path, plan: Plan, model: str = "gpt-tiny", **config: Any
+                  ) -> tuple[CoordinatorCore, list[float]]:
+    """A core over ``plan`` on a clock the test moves (``t[0]``), a switch applying 0.01 s
+    after it is issued."""
+    world = max(plan.ranks()) + 1
+    cfg = CoordinatorConfig(world_size=world, pp=plan.replicas[0].pp, run_dir=str(tmp_path), apply_lead_s=0.01,
+                            **config)
+    engine = make_engine("auto", build_header(preset(model), plan, world, "job"))
     t = [1000.0]
     core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
                            Registry(), lambda: t[0])
-    return core
+    return core, t
+
+
+def _one_agent(core: CoordinatorCore, world: int) -> AgentConn:
+    """Every rank registered on one agent (node n0)."""
+    return core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True)
+                                                            for r in range(world))))[0]
 
 
 def test_core_fail_stop_plans_commands_and_waits_for_every_live_ack(tmp_path: Path) -> None:
@@ -392,14 +406,9 @@ def test_a_switch_in_progress_is_no_hang_and_the_hang_clock_restarts_when_it_is_
     too. A planned exclude was once declared a no-progress fail-stop that way. The hang rule
     waits while a command is pending and counts from its acknowledgement, and still finds a
     rank of the new plan that goes silent after it."""
-    cfg = CoordinatorConfig(world_size=8, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01, ack_timeout_s=60.0,
-                            heartbeat_timeout_s=1000.0)
     plan = Plan.uniform(1, 2, 4, 32, 8)  # a model that needs several ranks after the loss of one
-    engine = make_engine("auto", build_header(preset("llama2-7b"), plan, 8, "job"))
-    t = [1000.0]
-    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
-                           Registry(), lambda: t[0])
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(8))))
+    core, t = _clocked_core(tmp_path, plan, "llama2-7b", ack_timeout_s=60.0, heartbeat_timeout_s=1000.0)
+    conn = _one_agent(core, 8)
     for it in range(4):
         core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, plan) for r in range(8))))
         t[0] += 0.2

@@ -10,20 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cp_helpers import read_jsonl, wait_until
 from test_detector import _cfg, _replay
 
 from resihp.coordinator.detector.detector import STATE_SETTLE_S, stuck_culprits
 from resihp.coordinator.model.plan import Plan
-from resihp.coordinator.model.spec import preset
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord, OpState, TraceError, read_trace, write_trace
 from resihp.coordinator.protocol import codec
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.protocol.codec import ValidationError
-from resihp.coordinator.service.config import CoordinatorConfig
-from resihp.coordinator.service.core import CoordinatorCore
-from resihp.coordinator.service.engine import build_header, make_engine
-from resihp.coordinator.service.journal import Journal
-from resihp.coordinator.service.metrics import Registry
 from resihp.proto import resihp_pb2 as pb
 from resihp.sim.workload import Fault, make_header, records_list
 from resihp.trainer_hooks.reporting.opcursor import OpCursor
@@ -98,14 +93,11 @@ def test_a_rank_stuck_in_an_op_is_found_in_a_generated_trace(rank: int) -> None:
 
 
 def test_the_coordinator_names_the_stuck_rank_from_the_agents_beats(tmp_path: Path) -> None:
-    cfg = CoordinatorConfig(world_size=4, pp=2, run_dir=str(tmp_path), apply_lead_s=0.01, heartbeat_timeout_s=1000.0)
+    from test_coordinator import _chunked, _clocked_core, _one_agent
+
     plan = Plan.uniform(1, 2, 2, 8, 4)
-    engine = make_engine("auto", build_header(preset("gpt-tiny"), plan, 4, "job"))
-    t = [1000.0]
-    core = CoordinatorCore(cfg, plan, engine, Journal(tmp_path / "journal.jsonl"), tmp_path / "events.jsonl",
-                           Registry(), lambda: t[0])
-    conn, _ = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, reshapes=True) for r in range(4))))
-    from test_coordinator import _chunked
+    core, t = _clocked_core(tmp_path, plan, heartbeat_timeout_s=1000.0)
+    conn = _one_agent(core, 4)
     for it in range(4):
         core.on_batch(conn, m.AgentBatch(reports=tuple(_chunked(r, it, 0, plan) for r in range(4))))
         t[0] += 0.2
@@ -147,7 +139,6 @@ def test_a_real_rank_stuck_in_a_compute_op_is_named_while_every_rank_beats_on(tm
     goes on. Its pipeline
     peer waits in a receive, the other replica in the DP all-reduce; the coordinator names rank
     2, cause no-progress, from the ops the heartbeats carry — well before any heartbeat timeout."""
-    import json
     import os
     import signal
     import subprocess
@@ -161,24 +152,13 @@ def test_a_real_rank_stuck_in_a_compute_op_is_named_while_every_rank_beats_on(tm
            "--steps", "100000", "--log-every", "1000000"]
 
     def jsonl(name: str) -> list[dict[str, Any]]:
-        path = tmp_path / name
-        out = []
-        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line being written
-        return out
+        return read_jsonl(tmp_path / name)
 
     def until(what: str, timeout: float, check: Any) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = check()
-            if got:
-                return got
+        def alive_and() -> Any:
             assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before {what}: {log.read_text()[-3000:]}"
-            time.sleep(0.2)
-        raise AssertionError(f"no {what} within {timeout} s; events: {jsonl('events.jsonl')[-10:]}")
+            return check()
+        return wait_until(alive_and, timeout, what, interval=0.2)
 
     log = tmp_path / "launch.log"
     with open(log, "wb") as out:

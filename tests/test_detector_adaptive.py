@@ -114,3 +114,14 @@ def test_a_slow_rank_that_moves_stays_slow_until_its_new_windows_say_otherwise(s
     else:
         assert [(f.kind, f.ranks) for f in found] == [("recovered", (5,))]
         assert found[0].iteration > change + det.config.rewarm_iters
+
+
+def test_a_slowdown_that_starts_before_its_key_is_judged_is_still_found() -> None:
+    """A key learns its first samples at once; one whose slowdown begins while it is still
+    learning them (a fault at iteration 14, judged from 16) must keep learning until it can be
+    judged — held back as 'leaning' it never reached its eighth sample and was never judged."""
+    start = ADAPTIVE.warmup_iters + ADAPTIVE.noise_min_samples - 2
+    cfg = _cfg((Fault("compute", 5, start, 3.0),), iterations=start + 20, noise=Noise.quiet(), seed=2)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    slow = _slow(found)
+    assert slow and slow[0].ranks == (5,) and slow[0].iteration <= ADAPTIVE.judged_from + 3, slow

@@ -176,12 +176,13 @@ class NoiseModel:
         statistic, which keeps a leaning key from learning at once (below)."""
         slot = self.zpos % QUARANTINE  # test() advanced zpos: one slot per iteration
         old = self.pending[slot].copy()
-        # a key still warming up (a job's first iterations) learns at once — unless its shift
-        # test already leans (half the level): a slowdown soon after the start must not teach
-        # the baseline it is judged against
+        # a key still warming up (a job's first iterations) learns at once — unless, once it is
+        # judged, its shift test already leans (half the level): a slowdown soon after the start
+        # must not teach the baseline it is judged against. Before it is judged it always
+        # learns: a key held back then would never get the samples to be judged at all
         warm_up = (self.hcount < QUARANTINE // 2) & ~self._measured
         if g is not None:
-            warm_up &= g < 0.5 * self.level
+            warm_up &= (self.hcount < self.min_samples) | (g < 0.5 * self.level)
         self.pending[slot] = np.where(warm_up, np.nan, x)
         x = np.where(warm_up, x, old)
         take = ok & np.isfinite(x)

@@ -177,8 +177,13 @@ def test_a_real_rank_stuck_in_a_compute_op_is_named_while_every_rank_beats_on(tm
         assert not [e for e in jsonl("events.jsonl") if e.get("event") == "finding" and e.get("cause") == "heartbeat"]
         print(f"stuck rank named {took:.1f} s after the inject command")
     finally:
+        # the launcher stops what it started (its daemons run in sessions of their own), as on
+        # Ctrl-C; a group kill only if it does not
+        proc.send_signal(signal.SIGTERM)
         try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
+            proc.wait(30)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the job outlived its launcher: {left}"

@@ -31,7 +31,7 @@ from resihp.coordinator.detector.detector import Detector, DetectorConfig, Findi
 from resihp.coordinator.detector.evidence import IterationTimings, batch_features, timings_from_record
 from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import DeviceInfo, ExitEvent, HeartbeatEvent, IterationRecord, TraceHeader
+from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord
 from resihp.sim.detect_baselines import BocdBaseline, ThresholdBaseline
 from resihp.sim.workload import Fault, Noise, WorkloadConfig, generate, heavy_tail_document_lengths, make_header
 
@@ -68,7 +68,6 @@ class RunResult:
 
 
 DETECTOR = DetectorConfig()  # main() sets the options it is given
-WARMUP_COST: dict[int, float] = {}  # ranks -> CPU ms per iteration while the detector warms up
 
 
 def run(name: str, cfg: WorkloadConfig, measure: bool = False) -> RunResult:
@@ -300,70 +299,6 @@ def score_baseline(runs: list[RunResult], attr: str) -> dict[str, float]:
     return {"tp": tp, "fp": fp, "fn": fn, "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0}
 
 
-def time_detector(ranks_target: int) -> tuple[float, float, float]:
-    """Online cost of the detector per iteration at ``ranks_target`` ranks (LLaMA-2-70B,
-    TP 8 x PP 8 x DP n, 8 micro-batches per replica): (CPU ms, wall ms) per iteration, mean
-    over 32 post-warm-up iterations including the periodic calibration and the noise model's
-    refreshes (the warm-up's mean goes to WARMUP_COST); plus the ms it
-    takes to turn one trace record into arrays (not part of the online cost: the
-    coordinator's aggregator fills the arrays as reports arrive)."""
-    from resihp.sim.workload_truth import GroundTruth, to_record
-
-    model = preset("llama2-70b")
-    dp = ranks_target // 64
-    plan = Plan.uniform(8, 8, dp, model.num_layers, 8 * dp)
-    cfg = WorkloadConfig(model, plan, budget=32768, seed=7, iterations=16, heartbeats=False)
-    truth = GroundTruth(cfg)
-    det = Detector(make_header(cfg), replace(DETECTOR, warmup_iters=8))
-    timings = []
-    t0 = 0.0
-    for it in range(13):
-        t = truth.timings(it, t0)
-        t0 += t.time_s
-        timings.append(t)
-    rec = to_record(timings[-1], truth)
-    conv_t = time.perf_counter()
-    timings_from_record(rec, det.index)
-    conv_ms = (time.perf_counter() - conv_t) * 1000
-    for t in timings[:9]:
-        det.observe_timings(t, t.start_s + t.time_s)
-    cpu, wall = [], []
-    # fresh iteration numbers, so every calib_every-th one calibrates; the adaptive detector's
-    # keys learn their first samples (a refresh on every other one) until DETECTOR.judged_from + 8
-    steady_from = DETECTOR.judged_from + 8 - 9
-    for k in range(steady_from + 32):
-        t = replace(timings[9 + k % 4], iteration=9 + k)
-        c, w = time.process_time(), time.perf_counter()
-        det.observe_timings(t, t.start_s + t.time_s)
-        cpu.append((time.process_time() - c) * 1000)
-        wall.append((time.perf_counter() - w) * 1000)
-    WARMUP_COST[ranks_target] = float(np.mean(cpu[:steady_from]))
-    return float(np.mean(cpu[steady_from:])), float(np.mean(wall[steady_from:])), conv_ms
-
-
-def time_probes(ranks_target: int, spares: int = 32) -> tuple[float, float]:
-    """Coordinator CPU cost of compute probes at ``ranks_target`` ranks (LLaMA-2-70B, TP 8 x
-    PP 4): (µs per start-up probe of a rank of the plan, ms per judged probe of an idle
-    rank). Every rank probes at start-up, thousands at once; idle ranks every 30 s."""
-    model = preset("llama2-70b")
-    dp = ranks_target // 32
-    plan = Plan.uniform(8, 4, dp, model.num_layers, 4 * dp)
-    header = TraceHeader(model, plan, tuple(DeviceInfo(r, f"node{r // 8}", r % 8) for r in range(ranks_target)),
-                         job="probe-cost")
-    det = Detector(header)
-    c = time.process_time()
-    for r in range(ranks_target):
-        det.observe_probe(r, 0.010 + 1e-5 * (r % 7), now=1.0)
-    startup_us = (time.process_time() - c) / ranks_target * 1e6
-    smaller = Plan.uniform(8, 4, dp - 1, model.num_layers, 4 * (dp - 1))
-    det.set_plan(replace(smaller, spares=tuple(range(ranks_target - 32, ranks_target)), epoch=1))
-    c = time.process_time()
-    for i in range(spares):
-        det.observe_probe(ranks_target - 32 + i % 32, 0.010, now=2.0 + i)
-    idle_ms = (time.process_time() - c) / spares * 1e3
-    return startup_us, idle_ms
-
-
 def real_run_check(quick: bool) -> dict[str, object]:
     """bench/real_runs.py in its own process (it starts real jobs); its table goes through,
     its JSON line's two headline metrics come back."""
@@ -419,9 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     calm = [e for r in healthy for e in r.itp_err_calm]
     itp_calm = float(np.mean(calm))
     calm_share = len(calm) / max(1, sum(len(r.itp_err) for r in healthy))
-    ms256, wall256, conv256 = time_detector(256)
-    ms4096, wall4096, conv4096 = time_detector(4096)
-    probe_us, idle_ms = time_probes(16384)
+    import detect_cost
+
+    ms256, wall256, conv256 = detect_cost.time_detector(256, DETECTOR)
+    ms4096, wall4096, conv4096 = detect_cost.time_detector(4096, DETECTOR)
+    probe_us, idle_ms = detect_cost.time_probes(16384)
+    WARMUP_COST = detect_cost.WARMUP_COST
 
     print(f"{len(healthy)} healthy 32K-packed runs, {len(faulty)} fault runs "
           f"({sum(len(r.faults) for r in faulty)} injected faults), {sum(r.iterations for r in everything)} iterations")

@@ -93,12 +93,6 @@ def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float
     return held if 2 * len(held) < len(silence_s) else []
 
 
-def _some(ranks: list[int], shown: int = 8) -> str:
-    """"ranks 1, 2, 3" or "ranks 1, 2, … and 120 more" for a reason text."""
-    head = ", ".join(map(str, ranks[:shown]))
-    return f"ranks {head}" + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
-
-
 STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
 
 
@@ -119,6 +113,17 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
         return []
     free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
     return free if free and 2 * len(free) < len(ops) else []
+
+
+def stuck_reason(rank: int, ops: Mapping[int, OpState | None], stalled_s: float, wait_s: float) -> str:
+    """Why ``rank`` (one ``stuck_culprits`` named) holds the job up, for a finding's reason:
+    the op it is in and the ranks that wait for it (the first eight)."""
+    op = ops[rank]
+    waiting = sorted(r for r, o in ops.items() if o is not None and o.waiting)
+    shown = ", ".join(map(str, waiting[:8])) + (f" and {len(waiting) - 8} more" if len(waiting) > 8 else "")
+    return (f"no iteration for {stalled_s:.1f} s (hang after {wait_s:.1f} s) while every rank beats on; rank {rank} "
+            f"is {op.describe() if op is not None else 'in no op'} and waits for nobody, while ranks {shown} wait in "
+            f"p2p or collective ops: a stuck kernel, collective or data loader on rank {rank} holds the job up")
 
 
 class Detector(IterationJudge, IdleRankVerdicts):
@@ -302,17 +307,11 @@ class Detector(IterationJudge, IdleRankVerdicts):
         ops = {r: self._ops[r][0] if r in self._ops else None for r in live}
         ages = {r: now - self._ops[r][1] for r in live if r in self._ops}
         out = []
-        waiting = sorted(r for r, o in ops.items() if o is not None and o.waiting)
         for r in stuck_culprits(stalled, wait, ops, ages):
             self.state[self.index.pos[r]] = RankState.DEAD
-            op = ops[r]
-            assert op is not None
-            out.append(self._stop_finding(
-                r, "no-progress", now,
-                f"no iteration for {stalled:.1f} s (hang after {wait:.1f} s) while every rank beats on; rank {r} is "
-                f"{op.describe()} and waits for nobody, while {_some(waiting)} wait in p2p or collective ops: a stuck "
-                f"kernel, collective or data loader on rank {r} holds the job up",
-                {"stalled_s": stalled, "hang_after_s": wait, "waiting_ranks": float(len(waiting))}))
+            waiting = sum(1 for o in ops.values() if o is not None and o.waiting)
+            out.append(self._stop_finding(r, "no-progress", now, stuck_reason(r, ops, stalled, wait),
+                                          {"stalled_s": stalled, "hang_after_s": wait, "waiting_ranks": float(waiting)}))
         return out
 
     def _exit(self, ev: ExitEvent, now: float) -> list[Finding]:

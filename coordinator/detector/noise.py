@@ -139,8 +139,7 @@ class NoiseModel:
         # √(1 + 1.57·w/n) too (at w = n = 64 this alone would otherwise read 6 spreads about
         # once per key in some hundreds of iterations of healthy noise)
         if self._inv_scale is None:  # changes only when a baseline is refreshed or grows
-            n_base = np.maximum(np.minimum(self.hcount, self.window), self.min_samples)[None]
-            scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / n_base))
+            scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / self._n_base()[None]))
             self._inv_scale = 1.0 / (self.s2[None] * scale)
         g_all = self.sums * self._inv_scale
         g = g_all.max(axis=0)
@@ -223,8 +222,12 @@ class NoiseModel:
     def recent_tolerance(self) -> FloatArray:
         """(n, kinds): how much wider than its own noise a RECENT-iteration mean deviation
         reads for a key whose baseline is a median of few samples (1 for a well-known one)."""
-        n_base = np.maximum(np.minimum(self.hcount, self.window), self.min_samples)
-        return np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / n_base), dtype=np.float64)
+        return np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / self._n_base()), dtype=np.float64)
+
+    def _n_base(self) -> npt.NDArray[np.int64]:
+        """(n, kinds): the samples each key's baseline median rests on (at least min_samples:
+        before that the prior stands in)."""
+        return np.maximum(np.minimum(self.hcount, self.window), self.min_samples)
 
     def forget(self, rows: BoolArray) -> None:
         """Drop the queued ratios of ranks (``rows`` (n,)) just found slow: their slowdown began

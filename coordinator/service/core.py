@@ -27,7 +27,7 @@ from resihp.coordinator.service.journal import EventLog, Journal, JournalState
 from resihp.coordinator.service.liveness import LivenessFlow
 from resihp.coordinator.service.metrics import Registry
 from resihp.coordinator.service.observe import ObserveFlow
-from resihp.coordinator.service.planning import PlanFlow
+from resihp.coordinator.service.planning import PlanFlow, worth_acting
 from resihp.coordinator.service.records import AgentConn, Pending, RankInfo, record_gpu_sample
 from resihp.coordinator.service.statemachine import State, Trigger, can, step
 from resihp.coordinator.service.trace_sink import TraceSink
@@ -60,9 +60,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
         self.agents: dict[str, AgentConn] = {}
         self.pending: Pending | None = None
         self.queued_findings: list[m.FindingInfo] = []
-        # ranks whose slow verdict was only ever `degraded` (logged, never acted on): their
-        # recovery changes nothing the plan was built around, so it asks for no re-plan either
-        self.degraded_only: set[int] = set()
+        self.degraded_only: set[int] = set()  # slow verdicts never acted on (planning.worth_acting)
         self.audits = Audits()  # did the planner's own switches pay off? (coordinator/service/audit.py)
         self.audits.regrets = {i: Regret.from_json(r) for i, r in saved.regrets.items()}
         self.policy: dict[str, str] = {"auto_reconfigure": "on" if config.auto_reconfigure else "off",
@@ -444,13 +442,8 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             self._notify("finding", f)
-            if f.kind == "degraded":  # costs under the floor: logged and counted, not worth moving state for
-                self.degraded_only.update(f.ranks)
+            if not worth_acting(f, self.degraded_only):  # under the impact floor, or the end of such a slowdown
                 continue
-            if f.kind == "recovered" and f.ranks and set(f.ranks) <= self.degraded_only:
-                self.degraded_only.difference_update(f.ranks)
-                continue  # the end of a slowdown nobody acted on: nothing to undo
-            self.degraded_only.difference_update(f.ranks)  # acted on from here (or gone)
             observe_only = self.observe_only()
             if observe_only:  # reported, never acted on: no plan, no command, no abort
                 self._observe(f, observe_only)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from resihp.coordinator.detector.detector import hang_culprits, stuck_culprits
+from resihp.coordinator.detector.detector import hang_culprits, stuck_culprits, stuck_reason
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import ExitEvent
 from resihp.coordinator.protocol import messages as m
@@ -63,17 +63,10 @@ class LivenessFlow:
         """Every rank beats on: the ranks its peers wait for (``stuck_culprits``)."""
         ops = {r: self.ranks[r].op for r in live}
         ages = {r: now - at for r in live if (at := self.ranks[r].op_at) is not None}
-        waiting = sorted(r for r, o in ops.items() if o is not None and o.waiting)
         out = []
         for r in stuck_culprits(stalled, wait, ops, ages):
-            op = ops[r]
-            assert op is not None
             self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too
-            shown = ", ".join(map(str, waiting[:8])) + (f" and {len(waiting) - 8} more" if len(waiting) > 8 else "")
             out.append(m.FindingInfo(
                 self.last_iteration, "fail-stop", (r,), "no-progress", 1.0,
-                f"no iteration for {stalled:.1f} s (hang after {wait:.1f} s) while every rank beats on; rank {r} is "
-                f"{op.describe()} and waits for nobody, while ranks {shown} wait in p2p or collective ops: a stuck "
-                f"kernel, collective or data loader on rank {r} holds the job up; node {self.ranks[r].node or '?'}",
-                now, **self._where(r)))
+                f"{stuck_reason(r, ops, stalled, wait)}; node {self.ranks[r].node or '?'}", now, **self._where(r)))
         return out

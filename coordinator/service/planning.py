@@ -29,6 +29,19 @@ if TYPE_CHECKING:
     from resihp.coordinator.service.trace_sink import TraceSink
 
 log = logging.getLogger(__name__)
+
+
+def worth_acting(f: m.FindingInfo, degraded_only: set[int]) -> bool:
+    """Whether a finding may lead to a plan, keeping ``degraded_only`` (ranks whose slow
+    verdict was only ever `degraded`) up to date: a `degraded` finding costs under the impact
+    floor, not worth moving state for; the recovery of such ranks changes nothing the plan
+    was built around; anything else is acted on from here."""
+    if f.kind == "degraded":
+        degraded_only.update(f.ranks)
+        return False
+    was_degraded = bool(f.ranks) and set(f.ranks) <= degraded_only
+    degraded_only.difference_update(f.ranks)
+    return not (f.kind == "recovered" and was_degraded)
 # _apply_at: a report's end time says how far the ranks got since, for up to REPORT_LAG_S (the
 # hooks' 1 s flush + linger + transit; more is a stall, not lag); one older than
 # MAX_EXTRAPOLATE_S (or from the future) says nothing about now

@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-adapt", action="store_true", help="static: detect but do not reconfigure")
     ap.add_argument("--no-reference", action="store_true", help="skip the single-process reference run")
     ap.add_argument("--run-dir", default="", help="default resihp-runs/demo-TIMESTAMP")
+    ap.add_argument("--script", default=str(EXAMPLE),
+                    help="the training script (default examples/train_gpt.py; it must take that script's "
+                         "--tp/--pp/--dp/--steps/--seq/--microbatches/--seed/--log-every/--threads options, as "
+                         "examples/nanogpt/train_resilient.py and examples/llama/train.py do)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -169,7 +173,7 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     if args.no_adapt:
         coord_args.append("--coordinator-arg=--no-auto-reconfigure")
     layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp)]
-    train = [sys.executable, str(EXAMPLE), *layout, "--steps", str(args.steps),
+    train = [sys.executable, str(args.script), *layout, "--steps", str(args.steps),
              "--seq", str(args.seq), "--microbatches", str(args.microbatches), "--seed", str(args.seed),
              "--log-every", "1000000"]
     if args.checkpoint_every:
@@ -234,7 +238,8 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
         for ev in events.new():
             _show_event(shown, ev, t0)
         shown.close()
-    return {"scenario": {"layout": f"TP{args.tp}xPP{args.pp}xDP{args.dp}", "ranks": args.tp * args.pp * args.dp, "steps": args.steps, "model": "gpt-tiny",
+    return {"scenario": {"layout": f"TP{args.tp}xPP{args.pp}xDP{args.dp}", "ranks": args.tp * args.pp * args.dp, "steps": args.steps,
+                         "model": "gpt-tiny" if Path(args.script) == EXAMPLE else Path(args.script).name,
                          "seq": args.seq, "microbatches": args.microbatches, "seed": args.seed,
                          "adapt": not args.no_adapt, "launch_rc": proc.returncode,
                          "wall_s": round(time.time() - t0, 3)},
@@ -295,7 +300,7 @@ def run_reference(args: argparse.Namespace, run: Path) -> None:
     (ref / "progress.jsonl").unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
     env["RESIHP_PROGRESS"] = str(ref / "progress.jsonl")
-    cmd = [sys.executable, str(EXAMPLE), "--steps", str(args.steps), "--seq", str(args.seq), "--microbatches",
+    cmd = [sys.executable, str(args.script), "--steps", str(args.steps), "--seq", str(args.seq), "--microbatches",
            str(args.microbatches), "--seed", str(args.seed), "--log-every", "1000000", "--threads", "1"]
     with open(ref / "run.log", "wb") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=True)
@@ -313,7 +318,8 @@ def main(argv: list[str]) -> int:
     run = Path(args.run_dir or Path("resihp-runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.mkdir(parents=True, exist_ok=True)
     n = args.tp * args.pp * args.dp
-    print(f"resihp demo: {n} ranks (TP{args.tp} x PP{args.pp} x DP{args.dp}) of gpt-tiny on CPU, {args.steps} steps; "
+    what = "gpt-tiny" if Path(args.script) == EXAMPLE else Path(args.script).name
+    print(f"resihp demo: {n} ranks (TP{args.tp} x PP{args.pp} x DP{args.dp}) of {what} on CPU, {args.steps} steps; "
           f"run directory {run}")
     if not args.no_slow:
         print(f"  fail-slow: rank {args.slow_rank} computes {args.slow_factor:g}x slower from step {args.slow_at}")

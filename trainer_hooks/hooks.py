@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
@@ -349,7 +349,7 @@ class Job:
 
 
 def init(
-    model: Any, plan: Plan | None = None, *, config: TrainConfig | None = None,
+    model: Any, plan: Plan | None = None, *, layout: Any = None, config: TrainConfig | None = None,
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
     job: str = "", backend: str | None = None, microbatches_per_rank: int | None = None, timeout_s: float = 120.0,
     comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
@@ -371,10 +371,16 @@ def init(
     ``resihp launch``, and the name the node agent checks) takes precedence. probe_every_s: how
     often a resilient job's idle spare times and reports a compute probe (default
     $RESIHP_PROBE_EVERY_S, else 30 s); every rank of a resilient job probes once here.
+
+    With a plan, ``model`` may be the user's own model (an ``nn.Module``, or a function that builds
+    one) with ``layout`` a ``LayoutSpec`` saying how it is laid out (a Hugging Face model needs
+    none: it declares its plans); resihp then cuts, shards and reshards that model
+    (docs/your-model.md). A spec or preset name trains resihp's own GPT of that shape.
     """
-    spec = resolve_model(model)
-    check_launch_model(spec)
     cfg = config or TrainConfig()
+    recipe = user_recipe(model, layout, plan, cfg) if plan is not None else None
+    spec = recipe.spec if recipe is not None else resolve_model(model)
+    check_launch_model(spec)
     probe_every = probe_interval(probe_every_s)
     external_store = bool(os.environ.get(STORE_ENV, "").strip())
     resilient = (plan is not None and external_store) if resilient is None else resilient
@@ -396,7 +402,8 @@ def init(
             )
         # a resilient job's sub-groups time out quickly too: a silent peer is a failed peer
         with group_timeout(failure_timeout_s if resilient else None):
-            runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch)
+            runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch,
+                              recipe=recipe)
     else:
         plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * (microbatches_per_rank or 1))
     job = os.environ.get("RESIHP_JOB") or job  # under `resihp launch` the agent knows the job by its name
@@ -439,7 +446,8 @@ def init(
 
         assert runtime is not None
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
-                              timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend)
+                              timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend,
+                              recipe=recipe)
         job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
                                         checkpoint_root=checkpoint_dir or None,
                                         probe=ComputeProbe(info.device, throttle, seed=cfg.seed),
@@ -456,6 +464,26 @@ def init(
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())
     return job_obj
+
+
+def user_recipe(model: Any, layout: Any, plan: Plan, config: TrainConfig) -> Any:
+    """The recipe that reshapes a user's own model under ``plan`` (None: ``model`` names a shape,
+    and the runtime trains its own GPT). Checked before any stage is allocated."""
+    is_module = callable(getattr(model, "named_parameters", None))
+    if not is_module and not (callable(model) and not isinstance(model, (str, Path, ModelSpec))):
+        if layout is not None:
+            raise SpecError("init: layout= describes a model of yours; pass that model (or a function that builds "
+                            "it) as model=")
+        return None
+    from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe, tp_sizes
+
+    recipe = UserModelRecipe(cast(Any, model), layout, seed=config.seed)
+    recipe.validate(tp_sizes([plan]))
+    limit = recipe.max_positions
+    if limit is not None and config.budget > limit:
+        raise SpecError(f"init: a micro-batch holds {config.budget} tokens but {recipe.spec.name} takes rows of at most "
+                        f"{limit} (its position table); lower TrainConfig.max_seq_len / tokens_per_microbatch")
+    return recipe
 
 
 def probe_interval(value: float | None) -> float:

@@ -50,14 +50,16 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
+        B, T, _ = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # (B, T, n_embd) -> (B, n_head, T, head_size). nanoGPT takes the head size from the input's
+        # width (C // n_head); taking it from n_embd lets a tensor-parallel rank hold some of the heads
+        hs = self.n_embd // self.n_head
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_embd)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -52,7 +52,7 @@ from resihp.trainer_hooks.checkpoint.format import (
 )
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport, load_shards, optimizer_steps
 from resihp.trainer_hooks.reconfig.transfer import Shards
-from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs, tensors_of_rank
+from resihp.trainer_hooks.runtime.layout import ModelLayout, TensorSpec, gpt_tensor_specs, tensors_of_rank
 from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
 
 __all__ = [
@@ -111,7 +111,7 @@ class AsyncCheckpointer:
     def __init__(self, root: Path | str, rank: int, spec: ModelSpec, config: TrainConfig, *, keep: int = 2,
                  run_id: str | None = None, commit_timeout_s: float = 300.0, poll_s: float = 0.02,
                  fsync: bool = True, clock: Callable[[], float] = time.perf_counter,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, layout: ModelLayout | None = None) -> None:
         if keep < 1:
             raise ValueError(f"checkpoint: keep must be >= 1, got {keep}")
         self.root = Path(root)
@@ -125,7 +125,9 @@ class AsyncCheckpointer:
         self.fsync = fsync
         self.clock = clock
         self.wall = wall
-        self.specs: list[TensorSpec] = gpt_tensor_specs(spec, config.max_seq_len)
+        # ``layout``: a user's model's tensors (Runtime.recipe.layout()); None: the runtime's GPT
+        self.specs: list[TensorSpec] = layout.tensor_specs() if layout is not None else gpt_tensor_specs(
+            spec, config.max_seq_len)
         self.records: list[SaveRecord] = []
         self.errors: list[str] = []
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -330,13 +332,14 @@ def _check_data(meta: dict[str, Any], config: TrainConfig, global_microbatches: 
 
 
 def shards_for(path: Path | str, plan: Plan, rank: int, spec: ModelSpec, max_seq_len: int,
-               device: torch.device | None = None) -> tuple[Shards, float, int]:
+               device: torch.device | None = None, layout: ModelLayout | None = None) -> tuple[Shards, float, int]:
     """(this rank's shards under ``plan``, AdamW's step count, the step to resume at)."""
     meta = read_meta(path)
     check_model(meta, spec, max_seq_len, str(path))
     reader = Reader(path, meta)
     shards: Shards = {}
-    for tspec, idx in tensors_of_rank(plan, rank, gpt_tensor_specs(spec, max_seq_len)):
+    specs = layout.tensor_specs() if layout is not None else gpt_tensor_specs(spec, max_seq_len)
+    for tspec, idx in tensors_of_rank(plan, rank, specs):
         for state in meta["states"]:
             arr = reader.read(state, tspec.name, bounds_of(idx))
             t = torch.from_numpy(arr.copy())  # own, writable memory
@@ -359,7 +362,9 @@ def load_into(runtime: Runtime | None, plan: Plan, rank: int, path: Path | str, 
         _check_data(meta, config, plan.global_microbatches, str(path))
     if runtime is None:
         return int(meta["resume_step"])
-    shards, adam, resume = shards_for(path, plan, rank, spec, config.max_seq_len, runtime.device)
+    recipe = runtime.recipe
+    shards, adam, resume = shards_for(path, plan, rank, spec, config.max_seq_len, runtime.device,
+                                      recipe.layout() if recipe is not None else None)
     have = {n: tuple(p.shape) for n, p in runtime.shards().items()}
     got = {n: tuple(t.shape) for n, t in shards.get("param", {}).items()}
     if have != got:
@@ -379,7 +384,7 @@ def restore_live(rc: LiveReconfigurer, new_plan: Plan, epoch: int, path: Path | 
     with a reshard that is local on every rank. Returns the report and the step to resume at."""
     members = tuple(members) if members is not None else rc.members
     if new_plan.has_rank(rc.rank):
-        shards, adam, resume = shards_for(path, new_plan, rc.rank, rc.spec, rc.config.max_seq_len)
+        shards, adam, resume = shards_for(path, new_plan, rc.rank, rc.spec, rc.config.max_seq_len, layout=rc.layout)
     else:
         shards, adam, resume = {}, 0.0, int(read_meta(path)["resume_step"])
     # the checkpoint puts every slice where new_plan wants it: present that as the current layout

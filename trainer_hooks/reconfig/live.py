@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import Runtime, StageAhead, StepResult, TrainConfig, build_stage_ahead
+
+if TYPE_CHECKING:
+    from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +198,11 @@ class LiveReconfigurer:
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, store_addr: str, *,
         members: Sequence[int] | None = None, runtime: Runtime | None = None, throttle: Throttle | None = None,
         timeout_s: float = 60.0, group_timeout_s: float | None = None, backend: str = "gloo",
-        epoch: int | None = None,
+        epoch: int | None = None, recipe: UserModelRecipe | None = None,
     ) -> None:
         self.spec = spec
+        self.recipe = recipe  # a user's model (trainer_hooks/usermodel); None: the runtime's GPT
+        self.layout = recipe.layout() if recipe is not None else None
         self.config = config
         self.rank = rank
         self.store_addr = store_addr
@@ -206,7 +211,8 @@ class LiveReconfigurer:
         self.group_timeout_s = group_timeout_s
         self.backend = backend
         self.throttle = throttle or Throttle()
-        self.specs: list[TensorSpec] = gpt_tensor_specs(spec, config.max_seq_len)
+        self.specs: list[TensorSpec] = (self.layout.tensor_specs() if self.layout is not None
+                                        else gpt_tensor_specs(spec, config.max_seq_len))
         self.plan = plan
         self.epoch = plan.epoch if epoch is None else epoch
         self.history: list[ReconfigReport] = []
@@ -239,7 +245,7 @@ class LiveReconfigurer:
     def _make_groups(self, plan: Plan) -> dict[tuple[int, ...], Any]:
         """The process groups of ``plan`` (collective: every rank of the world creates every group)."""
         with group_timeout(self.group_timeout_s):
-            return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank)
+            return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank, self.layout)
 
     def _build(self, plan: Plan, *, init_weights: bool = True, made: dict[tuple[int, ...], Any] | None = None) -> None:
         """Runtime (member) or bare group creation (spare) for ``plan``; collective unless
@@ -257,7 +263,7 @@ class LiveReconfigurer:
                 rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch,
                              data=self._data,  # the packed stream goes on: same samples, no re-packing
                              model=stage[1] if stage is not None else None, init_weights=init_weights,
-                             made_groups=made)
+                             made_groups=made, recipe=self.recipe)
                 self._data = rt.data
                 self.runtime = rt
             else:
@@ -278,7 +284,8 @@ class LiveReconfigurer:
         place = place_of(new_plan, self.rank)  # the structure does not depend on the numbering
         if self._stage is None or self._stage[0] != _stage_key(place):
             device = self.runtime.device if self.runtime is not None else None
-            self._stage = (_stage_key(place), build_stage_ahead(self.spec, self.config, place, device=device))
+            self._stage = (_stage_key(place), build_stage_ahead(self.spec, self.config, place, device=device,
+                                                                           recipe=self.recipe))
 
     def prepare(self, new_plan: Plan, alive: Sequence[int] | None = None,
                 states: Sequence[str] = STATES, *, stock: bool = True) -> ReshardPlan:
@@ -297,7 +304,7 @@ class LiveReconfigurer:
             cached = plan_reshard(self.plan, new_plan, self.specs, who, states=states)
             self._prepared = {key: cached}  # only the next switch is worth keeping
             with contextlib.suppress(SpecError):  # the groups' rank sets (cached), in group numbering
-                rank_sets(renumber(new_plan, self.pg_rank_of()))
+                rank_sets(renumber(new_plan, self.pg_rank_of()), self.layout)
         # this rank's part of it; for a planned switch (no ``alive``: it reshards from the live
         # runtime) its pieces are cut ahead out of the runtime's tensors
         live = runtime_shards(self.runtime) if stock and alive is None and self.runtime is not None else None

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.runtime.layout import ModelLayout
 from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp
 
 LAYER_PARAMS = (
@@ -99,7 +100,10 @@ def pipeline_peers(place: StagePlace) -> tuple[int, ...]:
     return tuple(sorted(peers | set(place.send_fwd_to) | set(place.send_bwd_to)))
 
 
-def param_names(place: StagePlace) -> list[str]:
+def param_names(place: StagePlace, layout: ModelLayout | None = None) -> list[str]:
+    """The tensors this place holds: ``layout``'s (a user's model), by default the runtime GPT's."""
+    if layout is not None:
+        return layout.names(place.first, place.last, place.layer_range)
     names = list(FIRST_PARAMS) if place.first else []
     start, end = place.layer_range
     names += [f"layers.{i}.{leaf}" for i in range(start, end) for leaf in LAYER_PARAMS]
@@ -108,22 +112,23 @@ def param_names(place: StagePlace) -> list[str]:
     return names
 
 
-def shard_holders(plan: Plan) -> dict[tuple[str, int, int], tuple[int, ...]]:
-    """(param name, tp_index, tp_size) → the ranks holding that shard (one per replica).
-    Cached per layout (callers must not modify it): a switch asks for it several times, and
+def shard_holders(plan: Plan, layout: ModelLayout | None = None) -> dict[tuple[str, int, int], tuple[int, ...]]:
+    """(param name, tp_index, tp_size) → the ranks holding that shard (one per replica; a weight
+    tied between the first and last stage: both ends of every replica). Cached per layout
+    (callers must not modify it): a switch asks for it several times, and
     ``LiveReconfigurer.prepare`` asks ahead, under another epoch."""
-    return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks)
+    return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks, layout)
 
 
 @functools.lru_cache(maxsize=16)
-def _shard_holders(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int
+def _shard_holders(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int, layout: ModelLayout | None
                    ) -> dict[tuple[str, int, int], tuple[int, ...]]:
     plan = Plan(replicas, schedule, virtual_chunks)
     holders: dict[tuple[str, int, int], list[int]] = {}
     sizes: dict[str, int] = {}
     for rank in plan.ranks():
         place = place_of(plan, rank)
-        for name in param_names(place):
+        for name in param_names(place, layout):
             size = place.tp_size
             if sizes.setdefault(name, size) != size:
                 raise SpecError(
@@ -156,24 +161,25 @@ class EpochGroups:
         return self._by_ranks.get(ranks)
 
 
-def rank_sets(plan: Plan) -> frozenset[tuple[int, ...]]:
+def rank_sets(plan: Plan, layout: ModelLayout | None = None) -> frozenset[tuple[int, ...]]:
     """Every rank set that needs a group under ``plan`` (TP, DP holders, loss, pipeline
     neighbours); cached per layout."""
-    return _rank_sets(plan.replicas, plan.schedule, plan.virtual_chunks)
+    return _rank_sets(plan.replicas, plan.schedule, plan.virtual_chunks, layout)
 
 
 @functools.lru_cache(maxsize=16)
-def _rank_sets(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int) -> frozenset[tuple[int, ...]]:
+def _rank_sets(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int, layout: ModelLayout | None
+               ) -> frozenset[tuple[int, ...]]:
     plan = Plan(replicas, schedule, virtual_chunks)
     sets: set[tuple[int, ...]] = {tuple(sorted(g)) for rep in plan.replicas for g in rep.stages}
-    sets |= set(shard_holders(plan).values())
+    sets |= set(shard_holders(plan, layout).values())
     sets.add(tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1])))
     for rank in plan.ranks():
         sets |= {tuple(sorted((rank, peer))) for peer in pipeline_peers(place_of(plan, rank))}
     return frozenset(sets)
 
 
-def make_groups(plans: Sequence[Plan], rank: int) -> dict[tuple[int, ...], Any]:
+def make_groups(plans: Sequence[Plan], rank: int, layout: ModelLayout | None = None) -> dict[tuple[int, ...], Any]:
     """Create the groups of ``plans``; EVERY rank of the world calls this with the same plans.
 
     torch names a group after a per-process counter, so all ranks must create all groups in
@@ -182,7 +188,7 @@ def make_groups(plans: Sequence[Plan], rank: int) -> dict[tuple[int, ...], Any]:
     """
     wanted: set[tuple[int, ...]] = set()
     for plan in plans:
-        wanted |= rank_sets(plan)
+        wanted |= rank_sets(plan, layout)
     world = dist.get_world_size()
     made: dict[tuple[int, ...], Any] = {}
     for ranks in sorted(wanted):
@@ -199,22 +205,22 @@ def make_groups(plans: Sequence[Plan], rank: int) -> dict[tuple[int, ...], Any]:
 
 def build_groups(
     plan: Plan, rank: int, epoch: int, spec: ModelSpec | None = None, cohabitants: Sequence[Plan] = (),
-    made: dict[tuple[int, ...], Any] | None = None,
+    made: dict[tuple[int, ...], Any] | None = None, layout: ModelLayout | None = None,
 ) -> EpochGroups:
     """This rank's groups under ``plan``. Collective over the whole world: every rank calls it
     (with the same ``cohabitants``: other plans running on disjoint ranks of the same world).
     ``made``: what ``make_groups([plan, *cohabitants], rank)`` returned, if it ran already
-    (then this call is local)."""
+    (then this call is local). ``layout``: the model's tensors (None: the runtime's GPT)."""
     if spec is not None:
         plan.validate_for(spec.num_layers, spec.num_heads)
     place = place_of(plan, rank)
-    holders = shard_holders(plan)
+    holders = shard_holders(plan, layout)
     if made is None:
-        made = make_groups([plan, *cohabitants], rank)
+        made = make_groups([plan, *cohabitants], rank, layout)
     loss_ranks = tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1]))
     tp = TPContext(group=made.get(tuple(sorted(place.tp_ranks))), index=place.tp_index, size=place.tp_size)
     buckets: dict[tuple[int, ...], list[str]] = {}
-    for name in param_names(place):
+    for name in param_names(place, layout):
         buckets.setdefault(holders[(name, place.tp_index, place.tp_size)], []).append(name)
     return EpochGroups(
         epoch=epoch, plan=plan, rank=rank, place=place, tp=tp,

@@ -16,6 +16,7 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 
 Index = tuple[slice, ...]
+WHERE = ("layer", "first", "last", "ends")
 
 # (suffix, shape key, tp_dim, unit key) for the tensors of one transformer layer; the unit
 # keeps whole heads together: q, k, v rows of a head (3·head_dim) or its proj columns (head_dim)
@@ -42,13 +43,15 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     layer: int | None  # global layer index; None for the first/last-stage tensors
-    where: str  # "layer" | "first" | "last"
+    # "layer" | "first" | "last" | "ends": a weight tied between the first and the last stage (an
+    # embedding shared with the LM head): both hold a copy, and their gradients are summed
+    where: str
     tp_dim: int | None  # dimension TP splits, None if replicated within a TP group
     tp_unit: int = 1  # rows along tp_dim that must stay together (one attention head's q,k,v)
 
     def __post_init__(self) -> None:
-        if self.where not in ("layer", "first", "last"):
-            raise SpecError(f"tensor {self.name!r}: where must be 'layer', 'first' or 'last', got {self.where!r}")
+        if self.where not in WHERE:
+            raise SpecError(f"tensor {self.name!r}: where must be one of {list(WHERE)}, got {self.where!r}")
         if (self.where == "layer") != (self.layer is not None):
             raise SpecError(f"tensor {self.name!r}: a layer index is given exactly when where == 'layer'")
         if any(d <= 0 for d in self.shape):
@@ -66,8 +69,56 @@ class TensorSpec:
         return n
 
 
-def gpt_tensor_specs(model: ModelSpec, max_seq_len: int) -> list[TensorSpec]:
-    """Every tensor of the reference GPT, in model order (embeddings, layers, head)."""
+@dataclass(frozen=True)
+class TensorRule:
+    """One parameter of a model's layout: its name (relative to a block for layer tensors), its
+    global shape and the dimension TP splits (None = replicated in a TP group)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None = None
+    tp_unit: int = 1
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Every tensor of a model, by where a pipeline holds it: what the first stage runs before the
+    blocks, the tensors of one block (every block alike, under ``layer_prefix + i + "."``),
+    what the last stage runs after them, and weights tied between the two ends.
+
+    The runtime's GPT has one (``gpt_layout``); a user's model gets one from its layout spec
+    (trainer_hooks/usermodel). Hashable: process-group tables are cached per layout."""
+
+    first: tuple[TensorRule, ...]
+    layer_prefix: str
+    layer: tuple[TensorRule, ...]
+    num_layers: int
+    last: tuple[TensorRule, ...]
+    ends: tuple[TensorRule, ...] = ()
+
+    def tensor_specs(self) -> list[TensorSpec]:
+        """Every tensor, in model order (first stage, blocks, last stage, tied)."""
+        specs = [TensorSpec(r.name, r.shape, None, "first", r.tp_dim, r.tp_unit) for r in self.first]
+        for i in range(self.num_layers):
+            specs += [TensorSpec(f"{self.layer_prefix}{i}.{r.name}", r.shape, i, "layer", r.tp_dim, r.tp_unit)
+                      for r in self.layer]
+        specs += [TensorSpec(r.name, r.shape, None, "last", r.tp_dim, r.tp_unit) for r in self.last]
+        specs += [TensorSpec(r.name, r.shape, None, "ends", r.tp_dim, r.tp_unit) for r in self.ends]
+        return specs
+
+    def names(self, first: bool, last: bool, layer_range: tuple[int, int]) -> list[str]:
+        """The tensors a stage holds: the first/last stage's own, its blocks', the tied ones."""
+        out = [r.name for r in self.first] if first else []
+        out += [f"{self.layer_prefix}{i}.{r.name}" for i in range(*layer_range) for r in self.layer]
+        if last:
+            out += [r.name for r in self.last]
+        if first or last:
+            out += [r.name for r in self.ends]
+        return out
+
+
+def gpt_layout(model: ModelSpec, max_seq_len: int = 1) -> ModelLayout:
+    """The reference GPT's layout (``max_seq_len``: the position table's rows)."""
     if model.gated_mlp or model.kv_heads != model.num_heads:
         raise SpecError(
             f"model {model.name!r}: the reference GPT has a plain GELU MLP and full multi-head attention; "
@@ -77,20 +128,20 @@ def gpt_tensor_specs(model: ModelSpec, max_seq_len: int) -> list[TensorSpec]:
         raise SpecError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     h, f, v = model.hidden, model.ffn_hidden, model.vocab
     dims = {"h": (h,), "3h": (3 * h,), "f": (f,), "3h,h": (3 * h, h), "h,h": (h, h), "f,h": (f, h), "h,f": (h, f)}
-    specs = [
-        TensorSpec("embed.weight", (v, h), None, "first", None),
-        TensorSpec("pos_embed.weight", (max_seq_len, h), None, "first", None),
-    ]
     units = {"1": 1, "d": model.head_dim, "3d": 3 * model.head_dim}
-    for i in range(model.num_layers):
-        for suffix, key, tp_dim, unit in _LAYER_TENSORS:
-            specs.append(TensorSpec(f"layers.{i}.{suffix}", dims[key], i, "layer", tp_dim, units[unit]))
-    specs += [
-        TensorSpec("final_ln.weight", (h,), None, "last", None),
-        TensorSpec("final_ln.bias", (h,), None, "last", None),
-        TensorSpec("lm_head.weight", (v, h), None, "last", None),
-    ]
-    return specs
+    return ModelLayout(
+        first=(TensorRule("embed.weight", (v, h)), TensorRule("pos_embed.weight", (max_seq_len, h))),
+        layer_prefix="layers.",
+        layer=tuple(TensorRule(suffix, dims[key], tp_dim, units[unit]) for suffix, key, tp_dim, unit in _LAYER_TENSORS),
+        num_layers=model.num_layers,
+        last=(TensorRule("final_ln.weight", (h,)), TensorRule("final_ln.bias", (h,)),
+              TensorRule("lm_head.weight", (v, h))),
+    )
+
+
+def gpt_tensor_specs(model: ModelSpec, max_seq_len: int) -> list[TensorSpec]:
+    """Every tensor of the reference GPT, in model order (embeddings, layers, head)."""
+    return gpt_layout(model, max_seq_len).tensor_specs()
 
 
 def split_bounds(spec: TensorSpec, tp_index: int, tp_size: int) -> tuple[int, int]:
@@ -129,6 +180,8 @@ def stage_holds(plan: Plan, replica: int, stage: int, spec: TensorSpec) -> bool:
         return stage == 0
     if spec.where == "last":
         return stage == (n_virtual - 1) % rep.pp
+    if spec.where == "ends":
+        return stage in (0, (n_virtual - 1) % rep.pp)
     assert spec.layer is not None
     for j, (lo, hi) in enumerate(rep.layer_ranges()):
         if lo <= spec.layer < hi:

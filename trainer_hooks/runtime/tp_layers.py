@@ -53,6 +53,8 @@ def take_cuda_spans(first: int) -> list[tuple[Any, Any]]:
 
 
 def _timed_all_reduce(t: torch.Tensor, group: Any) -> None:
+    if t.is_meta:  # a shape check of a sharded module (usermodel's spec validation): nothing to sum
+        return
     if t.is_cuda:
         before = cuda_mark()
         dist.all_reduce(t, group=group)
@@ -185,3 +187,28 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
+
+
+class FusedColumnParallelLinear(nn.Module):
+    """A column-parallel linear whose output is ``parts`` tensors side by side (nanoGPT's
+    ``c_attn``: q, k and v in one matmul). TP rank t holds rows ``[t·n/k, (t+1)·n/k)`` of every
+    part, so its output is its own slice of each part, side by side again. The weight is kept
+    as ``[parts, rows, in]`` (the bias ``[parts, rows]``): the layout's logical shape, in which a
+    rank's shard is one interval on dimension 1, as the reshard planner needs."""
+
+    def __init__(self, in_features: int, out_features: int, parts: int, tp: TPContext = SINGLE,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parts = parts
+        if out_features % parts:
+            raise ValueError(f"output features ({out_features}) do not split into {parts} parts")
+        local = _split(out_features // parts, tp, "output features of one part")
+        self.weight = nn.Parameter(torch.empty(parts, local, in_features))
+        self.bias = nn.Parameter(torch.empty(parts, local)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        return F.linear(copy_to_tp(x, self.tp), self.weight.reshape(-1, self.in_features), bias)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from resihp.trainer_hooks.runtime.model import GPTStage
 from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp, tp_modules
+
+if TYPE_CHECKING:
+    from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe
 
 
 @dataclass(frozen=True)
@@ -97,10 +100,20 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+@overload
 def build_stage(spec: ModelSpec, max_seq_len: int, place: StagePlace, tp: TPContext | None = None,
-                device: torch.device | None = None) -> GPTStage:
-    """The stage module of ``place`` with undrawn weights. Without ``tp`` its TP group is
-    pending (``bind_tp`` gives it the real one once the groups exist)."""
+                device: torch.device | None = None, recipe: None = None) -> GPTStage: ...
+@overload
+def build_stage(spec: ModelSpec, max_seq_len: int, place: StagePlace, tp: TPContext | None = None,
+                device: torch.device | None = None, recipe: UserModelRecipe | None = None) -> torch.nn.Module: ...
+def build_stage(spec: ModelSpec, max_seq_len: int, place: StagePlace, tp: TPContext | None = None,
+                device: torch.device | None = None, recipe: UserModelRecipe | None = None) -> torch.nn.Module:
+    """The stage module of ``place`` with undrawn weights (the runtime's GPT) or a user's model's
+    initial ones (``recipe``). Without ``tp`` its TP group is pending (``bind_tp`` gives it the
+    real one once the groups exist)."""
+    if recipe is not None:
+        return recipe.build_stage(place.layer_range, place.first, place.last,
+                                  tp or pending_tp(place.tp_index, place.tp_size), device)
     with torch.device(device or torch.device("cpu")):
         return GPTStage(spec, max_seq_len, place.layer_range, place.first, place.last,
                         tp or pending_tp(place.tp_index, place.tp_size))
@@ -112,7 +125,7 @@ class StageAhead:
     a module tree costs ~1 ms per walk in Python, and a switch walked it five times (device
     check, AdamW, parameter table, TP binding, loading) with several ranks sharing a core."""
 
-    model: GPTStage
+    model: torch.nn.Module
     params: dict[str, torch.nn.Parameter]
     tp_modules: list[torch.nn.Module]  # the sub-modules that hold a TP place
     optimizer: torch.optim.Optimizer
@@ -123,11 +136,17 @@ def new_adamw(params: Any, config: TrainConfig) -> torch.optim.Optimizer:
                              weight_decay=config.weight_decay)
 
 
+def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """A stage's parameters by layout name (a user's model names a tied weight once)."""
+    logical = getattr(model, "logical_parameters", None)
+    return cast("dict[str, torch.nn.Parameter]", logical()) if callable(logical) else dict(model.named_parameters())
+
+
 def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
-                      device: torch.device | None = None) -> StageAhead:
+                      device: torch.device | None = None, recipe: UserModelRecipe | None = None) -> StageAhead:
     """``build_stage`` (TP group pending) with its parameter table, TP layers and an empty AdamW."""
-    model = build_stage(spec, config.max_seq_len, place, device=device)
-    params = dict(model.named_parameters())
+    model = build_stage(spec, config.max_seq_len, place, device=device, recipe=recipe)
+    params = stage_parameters(model)
     return StageAhead(model, params, tp_modules(model), new_adamw(list(params.values()), config))
 
 
@@ -137,8 +156,9 @@ class Runtime:
     def __init__(
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, device: torch.device | None = None,
         throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
-        data: GlobalBatches | None = None, model: GPTStage | StageAhead | None = None, init_weights: bool = True,
-        made_groups: dict[tuple[int, ...], Any] | None = None,
+        data: GlobalBatches | None = None, model: torch.nn.Module | StageAhead | None = None,
+        init_weights: bool = True, made_groups: dict[tuple[int, ...], Any] | None = None,
+        recipe: UserModelRecipe | None = None,
     ) -> None:
         """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
         the same samples, no re-packing); by default a fresh one from the config's seed.
@@ -147,8 +167,12 @@ class Runtime:
         ``StageAhead`` (the module with its parameter table and AdamW); it gets the new groups
         here. ``init_weights=False`` leaves the weights undrawn (the caller loads
         every one, as a reshard does). ``made_groups``: the plan's process groups, if the caller
-        created them already (``groups.make_groups``); else they are created here, collectively."""
+        created them already (``groups.make_groups``); else they are created here, collectively.
+        ``recipe``: a user's model (trainer_hooks/usermodel) instead of the runtime's GPT."""
         plan.validate_for(spec.num_layers, spec.num_heads)
+        if recipe is not None:
+            recipe.check_plan(plan)
+        self.recipe = recipe
         self.spec = spec
         self.config = config
         self.rank = rank
@@ -163,11 +187,12 @@ class Runtime:
             )
             self.data = GlobalBatches(stream, plan.global_microbatches)
         self.plan = plan
-        self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants, made=made_groups)
+        self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants, made=made_groups,
+                                                layout=recipe.layout() if recipe is not None else None)
         place = self.groups.place
         ahead = model if isinstance(model, StageAhead) else None
         if model is None:
-            model = build_stage(spec, config.max_seq_len, place, self.groups.tp, self.device)
+            model = build_stage(spec, config.max_seq_len, place, self.groups.tp, self.device, recipe)
         else:
             model = model.model if isinstance(model, StageAhead) else model
             want = (place.layer_range, place.first, place.last)
@@ -175,10 +200,12 @@ class Runtime:
                 raise SpecError(f"runtime: the module built ahead holds layers {model.layer_range} "
                                 f"(first={model.first}, last={model.last}); this place needs {want}")
             bind_tp(model, self.groups.tp, ahead.tp_modules if ahead is not None else None)
-        self.model = model
+        # typed as the runtime's GPT stage: a user's model's UserStage has the same call interface
+        # (stage(x, meta), spec, layer_range, first, last, init_from_seed)
+        self.model = cast(GPTStage, model)
         if init_weights:
             self.model.init_from_seed(config.seed)
-        params = ahead.params if ahead is not None else dict(self.model.named_parameters())
+        params = ahead.params if ahead is not None else stage_parameters(self.model)
         if any(p.device != self.device for p in params.values()):
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
         self.optimizer = ahead.optimizer if ahead is not None else new_adamw(list(params.values()), config)
@@ -238,7 +265,9 @@ class Runtime:
         return StepResult(
             iteration=step, replica=place.replica, loss=loss,
             tokens=sum(mb.num_tokens for mb in batch.microbatches), global_tokens=batch.global_tokens,
-            seqlens=batch.seqlens, sample_ids=batch.sample_ids, wall_start_s=wall,
+            seqlens=batch.seqlens if self.recipe is None or self.recipe.packed else
+            tuple((sum(lens),) for lens in batch.seqlens),  # a model without document masks: one sequence a row
+            sample_ids=batch.sample_ids, wall_start_s=wall,
             time_s=time_s, chunks=log.chunks,
         )
 

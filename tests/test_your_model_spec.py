@@ -1,0 +1,122 @@
+"""A wrong layout spec is a clear error at init, before any rank allocates the model: the model
+is only ever built on the meta device until the spec has been checked against it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from usermodel_models import NANOGPT_LAYOUT, SEQ, llama_factory, nanogpt_factory
+
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import SpecError
+from resihp.trainer_hooks.hooks import user_recipe
+from resihp.trainer_hooks.runtime.trainer import TrainConfig
+from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe
+from resihp.trainer_hooks.usermodel.spec import LayoutSpec
+
+CONFIG = TrainConfig(max_seq_len=SEQ)
+
+
+class Recording:
+    """A factory that notes on which device each model it built holds its weights."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+        self.devices: list[str] = []
+
+    def __call__(self) -> nn.Module:
+        model = self.factory()
+        self.devices.append(next(model.parameters()).device.type)
+        return model
+
+
+def fails(model: Any, layout: Any, plan: Plan, match: str) -> None:
+    with pytest.raises(SpecError, match=match):
+        user_recipe(model, layout, plan, CONFIG)
+    if isinstance(model, Recording):
+        assert model.devices == ["meta"], "the model was only built on the meta device"
+
+
+def test_a_block_path_that_does_not_exist_names_the_model_s_modules() -> None:
+    spec = dataclasses.replace(NANOGPT_LAYOUT, blocks="transformer.blocks")
+    fails(Recording(nanogpt_factory()), spec, Plan.uniform(1, 2, 1, 4, 4),
+          r"blocks 'transformer.blocks' is not a module of GPT \(its top-level modules: transformer, lm_head\)")
+
+
+def test_a_tp_plan_naming_a_missing_module_lists_the_block_s_linear_layers() -> None:
+    spec = dataclasses.replace(NANOGPT_LAYOUT, tp_plan={**NANOGPT_LAYOUT.tp_plan, "attn.qkv": "colwise"},
+                               fused={})
+    fails(Recording(nanogpt_factory()), spec, Plan.uniform(2, 1, 1, 4, 4),
+          r"tp_plan names 'attn.qkv', which block 0 \(transformer.h.0, a Block\) does not have; its linear layers: "
+          r"attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj")
+
+
+def test_heads_not_divisible_by_tp_are_refused() -> None:
+    fails(Recording(llama_factory(heads=8, kv_heads=2)), None, Plan.uniform(4, 1, 1, 4, 4),
+          r"TP size 4 does not divide the model's 2 key/value heads")
+    fails(Recording(nanogpt_factory(n_head=2)), NANOGPT_LAYOUT, Plan.uniform(4, 1, 1, 4, 4),
+          r"TP size 4 does not divide the model's 2 attention heads")
+
+
+def test_a_forward_that_cannot_run_split_is_named_at_init() -> None:
+    """nanoGPT's original attention takes its head size from the input's width (C // n_head):
+    with its heads split over TP it cannot run, and the check says so before training."""
+    def nanogpt_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+    factory = nanogpt_factory()
+
+    def original() -> nn.Module:
+        model = factory()
+        for block in model.transformer.h:
+            block.attn.forward = nanogpt_forward.__get__(block.attn)
+        return model
+
+    fails(Recording(original), NANOGPT_LAYOUT, Plan.uniform(2, 1, 1, 4, 4),
+          r"one block of 'transformer.h' does not run split over TP size 2: RuntimeError: shape .* is invalid")
+    user_recipe(original, NANOGPT_LAYOUT, Plan.uniform(1, 2, 2, 4, 4), CONFIG)  # PP x DP needs no split
+
+
+def test_other_spec_mistakes_say_what_to_do() -> None:
+    plan = Plan.uniform(1, 2, 1, 4, 4)
+    fails(Recording(nanogpt_factory()), dataclasses.replace(NANOGPT_LAYOUT, post=("lm_head",)), plan,
+          r"parameter 'transformer.ln_f.weight' lies in no pre, block or post module")
+    fails(Recording(nanogpt_factory()), dataclasses.replace(NANOGPT_LAYOUT, tied={"lm_head.weight": "transformer.wpe.weight"}),
+          plan, r"tied says 'lm_head.weight' is 'transformer.wpe.weight', but the model holds them as two")
+    fails(Recording(nanogpt_factory()), None, plan, r"cannot tell how GPT is laid out; pass layout=LayoutSpec")
+    with pytest.raises(SpecError, match=r"a micro-batch holds 64 tokens but nanoGPT takes rows of at most 32"):
+        user_recipe(nanogpt_factory(), NANOGPT_LAYOUT, plan, TrainConfig(max_seq_len=64))
+    with pytest.raises(SpecError, match=r"tp_plan\['mlp.c_fc'\] = 'sequence_parallel' is not a style"):
+        dataclasses.replace(NANOGPT_LAYOUT, tp_plan={"mlp.c_fc": "sequence_parallel"})
+    with pytest.raises(SpecError, match=r"fused\['mlp.c_fc'\] names a module the TP plan does not split colwise"):
+        LayoutSpec(blocks="h", embed=lambda m, x, c: x, head=lambda m, x, c: x, tp_plan={"mlp.c_fc": "rowwise"}, fused={"mlp.c_fc": 2})
+    with pytest.raises(SpecError, match=r"layout= describes a model of yours"):
+        user_recipe("gpt-tiny", NANOGPT_LAYOUT, plan, CONFIG)
+
+
+def test_torch_parallel_style_objects_are_accepted() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    spec = dataclasses.replace(NANOGPT_LAYOUT, tp_plan={"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                                        "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    assert spec.styles() == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                             "mlp.c_proj": "rowwise"}
+    recipe = UserModelRecipe(nanogpt_factory(), spec)
+    recipe.validate([2, 4])
+
+
+def test_a_hugging_face_model_needs_no_spec() -> None:
+    recipe = UserModelRecipe(llama_factory())
+    ls = recipe.layout_spec
+    assert (ls.blocks, ls.pre, ls.post, ls.shared) == ("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"),
+                                                       ("model.rotary_emb",))
+    assert ls.styles()["self_attn.k_proj"] == "colwise" and ls.styles()["mlp.down_proj"] == "rowwise"
+    assert ls.packed
+    assert (recipe.spec.num_kv_heads, recipe.spec.gated_mlp) == (4, True)

@@ -1,0 +1,86 @@
+"""The layout spec of a Hugging Face decoder-only model, written from what the model declares.
+
+``transformers`` models carry their own plans: ``config.base_model_tp_plan`` (per-block TP
+styles, e.g. ``layers.*.self_attn.q_proj: colwise``) and ``base_model_pp_plan`` (the modules a
+pipeline runs in order: ``embed_tokens``, ``layers``, ``norm``), plus the class's
+``_pp_plan`` for the head and ``_tied_weights_keys`` for tied weights. ``hf_layout`` reads
+them, so a ``transformers`` user writes no spec. The calls follow the decoder families that
+share Llama's forward (Llama, Mistral, Qwen2, …): a rotary embedding module computes
+``position_embeddings`` once per micro-batch, every decoder layer takes them with
+``position_ids`` and an attention mask. Packed rows are supported: the mask is each
+document's causal block and positions restart per document.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from resihp.coordinator.model.spec import SpecError
+from resihp.trainer_hooks.usermodel.spec import CallContext, LayoutSpec, block_relative
+
+
+def _plan(obj: Any, name: str) -> Mapping[str, Any]:
+    value = getattr(obj, name, None)
+    return value if isinstance(value, Mapping) else {}
+
+
+def hf_layout(model: Any) -> LayoutSpec:
+    """A LayoutSpec for a ``transformers`` causal LM (built or on meta); SpecError when the model
+    does not declare the plans this needs."""
+    config = getattr(model, "config", None)
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    tp_plan = _plan(config, "base_model_tp_plan")
+    pp_plan = _plan(config, "base_model_pp_plan")
+    kind = type(model).__name__
+    if config is None or not prefix or not pp_plan:
+        raise SpecError(f"init: {kind} declares no base_model_pp_plan (or no base model); pass layout= a "
+                        "LayoutSpec naming its blocks, pre and post modules")
+    names = list(pp_plan)
+    if len(names) < 2:
+        raise SpecError(f"init: {kind}'s base_model_pp_plan {names} names no block list between its embedding and norm")
+    base = getattr(model, prefix)
+    blocks = next((n for n in names if type(getattr(base, n, None)).__name__ in ("ModuleList", "Sequential")), "")
+    if not blocks:
+        raise SpecError(f"init: none of {kind}'s base_model_pp_plan modules {names} is a block list")
+    before = [f"{prefix}.{n}" for n in names[:names.index(blocks)]]
+    after = [f"{prefix}.{n}" for n in names[names.index(blocks) + 1:]]
+    head = [n for n in _plan(type(model), "_pp_plan") if n not in names] or ["lm_head"]  # the class's own plan: the head
+    shared = [f"{prefix}.{n}" for n, m in base.named_children() if n not in names and not list(m.parameters())]
+    rotary = next((s for s in shared if "rotary" in s), "")
+    layer_plan = {block_relative(k, blocks): v for k, v in tp_plan.items() if block_relative(k, blocks)}
+    tied: dict[str, str] = {}
+    if getattr(config, "tie_word_embeddings", False):
+        tied = {str(k): str(v) for k, v in _plan(model, "_tied_weights_keys").items()}
+    embed_path = before[0]
+    norm_paths = after
+
+    def embed(stage: Any, ids: Any, ctx: CallContext) -> Any:
+        return stage.get_submodule(embed_path)(ids)
+
+    def prepare(stage: Any, hidden: Any, ctx: CallContext) -> dict[str, Any]:
+        if not rotary:
+            return {}
+        return {"position_embeddings": stage.get_submodule(rotary)(hidden, ctx.positions)}
+
+    def call_block(block: Any, hidden: Any, ctx: CallContext) -> Any:
+        out = block(hidden, attention_mask=ctx.mask, position_ids=ctx.positions, use_cache=False, **ctx.extras)
+        return out[0] if isinstance(out, tuple) else out
+
+    def run_head(stage: Any, hidden: Any, ctx: CallContext) -> Any:
+        for path in norm_paths:
+            hidden = stage.get_submodule(path)(hidden)
+        for path in head:
+            hidden = stage.get_submodule(path)(hidden)
+        return hidden
+
+    return LayoutSpec(
+        blocks=f"{prefix}.{blocks}", pre=tuple(before), post=tuple(after + head), shared=tuple(shared),
+        embed=embed, head=run_head, call_block=call_block, prepare=prepare, tp_plan=layer_plan, tied=tied,
+        packed=True, max_positions=getattr(config, "max_position_embeddings", None), name=kind,
+    )
+
+
+def is_hf_model(model: Any) -> bool:
+    """A ``transformers`` model (it declares a base-model pipeline plan)."""
+    return bool(_plan(getattr(model, "config", None), "base_model_pp_plan")) and bool(
+        getattr(model, "base_model_prefix", ""))

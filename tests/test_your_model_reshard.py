@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import zlib
 from functools import cache
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,3 +93,47 @@ def test_every_layout_pair_reshards_parameters_and_adamw_state_bit_exact(model: 
                         f"{model}: TP{tp_a}xPP{pp_a} -> TP{tp_b}xPP{pp_b}: rank {rank} {state} of {name}")
                     checked += 1
     assert checked > 81 * 3 * 10
+
+
+class _Held:
+    """What the checkpointer reads from a runtime: one rank's shards and AdamW state."""
+
+    def __init__(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.states = states
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        return self.states["param"]
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        return {n: {"step": torch.tensor(7.0), "exp_avg": self.states["exp_avg"][n],
+                    "exp_avg_sq": self.states["exp_avg_sq"][n]} for n in self.states["param"]}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_checkpoint_of_one_layout_loads_into_another_by_the_model_s_names(model: str, tmp_path: Path) -> None:
+    """Layout-free checkpoints of a user's model: saved by the ranks of TP2 x PP2, read back by
+    the ranks of TP4 x PP1 (reversed) and of TP1 x PP4, bit-exact against their stage modules."""
+    from resihp.trainer_hooks.checkpoint.saver import AsyncCheckpointer, latest_checkpoint, shards_for
+    from resihp.trainer_hooks.runtime.trainer import TrainConfig
+
+    r = _recipe(model)
+    config = TrainConfig(max_seq_len=32)
+    old_plan = plan(2, 2, False)
+    held = shards(model, 2, 2, False)
+    cps = [AsyncCheckpointer(tmp_path, rank, r.spec, config, run_id="t", fsync=False, layout=r.layout())
+           for rank in old_plan.ranks()]
+    for cp in cps:
+        cp.save(6, _Held(held[cp.rank]), old_plan)  # type: ignore[arg-type]
+    for cp in cps:
+        cp.close(30)
+    path = latest_checkpoint(tmp_path)
+    assert path is not None
+    for tp, pp, reverse in ((4, 1, True), (1, 4, False)):
+        want = shards(model, tp, pp, reverse)
+        for rank in plan(tp, pp, reverse).ranks():
+            got, adam, resume = shards_for(path, plan(tp, pp, reverse), rank, r.spec, 32, layout=r.layout())
+            assert (adam, resume) == (7.0, 7)
+            for state, tensors in want[rank].items():
+                assert sorted(got[state]) == sorted(tensors)
+                for name, value in tensors.items():
+                    assert torch.equal(got[state][name], value), (model, tp, pp, rank, state, name)

@@ -111,12 +111,13 @@ def writer_assignment(plan: Plan, specs: Sequence[TensorSpec]) -> dict[int, list
     """rank → the slices it writes, so that the checkpoint holds every element once.
 
     Replica 0 runs the whole model and its TP groups partition every split tensor; a tensor a
-    TP group replicates (``tp_dim`` None) is written by the group's TP rank 0 only."""
+    TP group replicates (``tp_dim`` None) is written by the group's TP rank 0 only, and a weight
+    tied between the first and the last stage (``where == "ends"``) by the first stage only."""
     out: dict[int, list[tuple[TensorSpec, Index]]] = {}
     for rank in plan.replicas[0].ranks():
         pos = plan.position(rank)
         mine = [(s, idx) for s, idx in tensors_of_rank(plan, rank, specs)
-                if s.tp_dim is not None or pos.tp_index == 0]
+                if (s.tp_dim is not None or pos.tp_index == 0) and (s.where != "ends" or pos.stage == 0)]
         if mine:
             out[rank] = mine
     return out

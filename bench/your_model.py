@@ -1,0 +1,237 @@
+"""Your own model, fully resilient: nanoGPT and a Hugging Face Llama under `resihp launch`.
+
+    python bench/your_model.py [--steps 70 --slow-at 14 --kill-at 42 --models nanogpt,llama]
+
+Per model: `resihp demo`'s scenario with the model's example loop (examples/nanogpt/
+train_resilient.py, examples/llama/train.py): 8 ranks TP2 x PP2 x DP2 on CPU, rank 2 computes
+2x slower from --slow-at (resihp detects it, re-plans, reshards live), a rank that holds state
+is SIGKILLed at --kill-at (recovery from the surviving replica, rollback to the agreed step);
+then the same model, seed and data in one process, fault-free. Then, on one `mpirun -n 8`,
+the lower bound of every switch the runs made (bytes moved / loopback bandwidth + regroup
+latency of its target plan, each the best of several, as bench/reconfigure.py measures them),
+and fault-free runs of candidate layouts on the ranks that remain healthy (8 minus the killed
+and the throttled one).
+
+Prints a table, then ONE line of JSON with, per model:
+- slow_detect_iters (goal <= 5), stop_detect_s (<= 3): injection to the matching finding;
+- downtime_over_bound (<= 2): the worst switch of the run;
+- final_loss_rel_diff (<= 1e-4) against the single-process run; steps_lost (0): steps of the
+  requested range never trained; steps_redone: steps trained again after a rollback;
+- throughput_retained_after_replan: steps/s after the last re-plan over the best fault-free
+  steps/s of the candidate layouts on the healthy remaining ranks (the chosen one included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = {"nanogpt": REPO / "examples" / "nanogpt" / "train_resilient.py", "llama": REPO / "examples" / "llama" / "train.py",
+           "gpt": REPO / "examples" / "train_gpt.py"}  # gpt: resihp's own GPT, for comparison (--models gpt,...)
+MPIRUN = Path(sys.executable).parent / "mpirun"
+LAYERS = 4
+SEQ = 64
+MICROBATCHES = 8
+CANDIDATES = ((1, 1, 6), (1, 2, 3), (1, 4, 1), (2, 2, 1), (2, 1, 3), (1, 1, 2), (1, 2, 1))  # (tp, pp, dp)
+
+
+def _mpirun(n: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 600.0
+            ) -> subprocess.CompletedProcess[str]:
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n),
+           "-x", "OMP_NUM_THREADS=1", *(x for k in (env or {}) for x in ("-x", k)), sys.executable, *args]
+    return subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+# --- the bound: loopback bandwidth and regroup latency (one mpirun -n 8) ---------------------
+
+def bound_worker(plans_file: Path, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from resihp.coordinator.model.plan import Plan
+    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+    from resihp.trainer_hooks.reconfig.live import init_world
+    from resihp.trainer_hooks.runtime.groups import make_groups, wait_retired
+
+    torch.set_num_threads(1)
+    boot = Bootstrap(timeout_s=120)
+    comm, rank, world = boot.comm, boot.rank, boot.world_size
+    store = boot.info().store_addr
+    boot.init_epoch(0)
+    buf = torch.zeros(8 << 20)  # 32 MiB, rank 0 -> 1, best of 3
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+        best = min(best, time.perf_counter() - t)
+    bw = float(comm.bcast(buf.numel() * 4 / best if rank == 1 else None, root=1))
+    epoch = 0
+    regroup: dict[str, float] = {}
+    for key, plan_dict in json.loads(plans_file.read_text()).items():
+        plan = Plan.from_dict(plan_dict)
+        lat = []
+        for _ in range(5):  # a fresh default group under a new prefix + the plan's sub-groups
+            epoch += 1
+            dist.destroy_process_group()
+            wait_retired(30.0)
+            comm.Barrier()
+            t = time.perf_counter()
+            init_world(store, epoch, rank, world, 60.0)
+            made = make_groups([plan], rank)
+            dist.barrier()
+            lat.append(float(max(comm.allgather(time.perf_counter() - t))))
+            for g in made.values():
+                if g is not dist.group.WORLD:
+                    dist.destroy_process_group(g)
+            del made
+        regroup[key] = min(lat)
+    if rank == 0:
+        out.write_text(json.dumps({"loopback_Bps": bw, "regroup_s": regroup}))
+
+
+def measure_bounds(plans: dict[str, Any], work: Path) -> dict[str, Any]:
+    (work / "plans.json").write_text(json.dumps(plans))
+    res = _mpirun(8, [str(Path(__file__).resolve()), "--bound-worker", str(work / "plans.json"), str(work / "bound.json")])
+    if res.returncode != 0:
+        raise RuntimeError(f"the bound measurement failed: {res.stderr[-2000:]}")
+    return dict(json.loads((work / "bound.json").read_text()))
+
+
+# --- fault-free candidate layouts on the healthy remaining ranks ------------------------------
+
+def steps_per_s(progress: Path, skip: int = 5) -> float | None:
+    rows = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()] if progress.exists() else []
+    times = [float(r["time"]) for r in rows if r.get("type") == "step" and int(r["step"]) >= skip]
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 and times[-1] > times[0] else None
+
+
+def candidate_rate(model: str, layout: tuple[int, int, int], steps: int, work: Path) -> float | None:
+    tp, pp, dp = layout
+    progress = work / f"{model}-tp{tp}pp{pp}dp{dp}.jsonl"
+    progress.unlink(missing_ok=True)
+    res = _mpirun(tp * pp * dp, [str(SCRIPTS[model]), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+                                 "--steps", str(steps), "--seq", str(SEQ), "--microbatches", str(MICROBATCHES),
+                                 "--log-every", "1000000"], env={"RESIHP_PROGRESS": str(progress)})
+    if res.returncode != 0:
+        print(f"  ({model} TP{tp}xPP{pp}xDP{dp} failed: {res.stderr[-400:]})", file=sys.stderr)
+        return None
+    return steps_per_s(progress)
+
+
+# --- one model's faulted run ------------------------------------------------------------------
+
+def run_model(model: str, a: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from resihp.demo import _parser as demo_parser
+    from resihp.demo import run_job, run_reference
+    from resihp.report.summary import summarize
+
+    run = root / model
+    run.mkdir(parents=True, exist_ok=True)
+    args = demo_parser().parse_args(["--script", str(SCRIPTS[model]), "--seq", str(SEQ), "--steps", str(a.steps),
+                                     "--slow-at", str(a.slow_at), "--kill-at", str(a.kill_at), "--quiet",
+                                     "--microbatches", str(MICROBATCHES), "--run-dir", str(run)])
+    info = run_job(args, run)
+    (run / "demo.json").write_text(json.dumps(info))
+    run_reference(args, run)
+    summ = summarize(run).to_dict()
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    targets = {str(ev["epoch"]): ev["plan"] for ev in events
+               if ev.get("event") == "command" and ev.get("kind") == "reconfigure"}
+    return {"summary": summ, "targets": targets, "info": info}
+
+
+def numbers(model: str, got: dict[str, Any], bounds: dict[str, Any], rates: dict[str, float | None],
+            steps: int) -> dict[str, Any]:
+    summ = got["summary"]
+    det = {d["kind"]: d for d in summ.get("detections", [])}
+    worst = None
+    switches = []
+    for rc in summ.get("reconfigs", []):
+        regroup = bounds["regroup_s"].get(f"{model}/{rc['epoch']}")
+        if regroup is None:
+            continue
+        bound = rc["bytes_moved"] / bounds["loopback_Bps"] + regroup
+        ratio = rc["downtime_s"] / bound
+        switches.append({"epoch": rc["epoch"], "kind": rc["kind"], "downtime_s": rc["downtime_s"],
+                         "bytes_moved": rc["bytes_moved"], "bound_s": round(bound, 4), "over_bound": round(ratio, 2)})
+        worst = ratio if worst is None else max(worst, ratio)
+    progress = [json.loads(x) for x in (Path(summ["run_dir"]) / "progress.jsonl").read_text().splitlines() if x.strip()]
+    done = [int(r["step"]) for r in progress if r.get("type") == "step"]
+    last_replan = max((float(r["time"]) for r in progress if r.get("type") == "reconfig"), default=None)
+    after = [r for r in progress if r.get("type") == "step" and last_replan is not None and float(r["time"]) > last_replan]
+    after_rate = (len(after) - 2) / (float(after[-1]["time"]) - float(after[1]["time"])) if len(after) > 3 else None
+    best = max((v for v in rates.values() if v), default=None)
+    return {
+        "slow_detect_iters": det.get("slow", {}).get("latency_iters"),
+        "stop_detect_s": round(det["kill"]["latency_s"], 3) if det.get("kill", {}).get("latency_s") is not None else None,
+        "downtime_over_bound": round(worst, 2) if worst is not None else None,
+        "final_loss_rel_diff": summ.get("final_loss_rel_delta"),
+        "steps_lost": steps - len(set(done) & set(range(steps))),
+        "steps_redone": len(done) - len(set(done)),
+        "throughput_retained_after_replan": round(after_rate / best, 3) if after_rate and best else None,
+        "steps_per_s_after_replan": round(after_rate, 3) if after_rate else None,
+        "best_healthy_steps_per_s": round(best, 3) if best else None,
+        "candidates_steps_per_s": {k: (round(v, 3) if v else None) for k, v in rates.items()},
+        "switches": switches,
+        "final_plan": (summ.get("reconfigs") or [{}])[-1].get("plan"),
+        "launch_rc": got["info"]["scenario"]["launch_rc"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--bound-worker"]:
+        bound_worker(Path(argv[1]), Path(argv[2]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=70)
+    ap.add_argument("--slow-at", type=int, default=14)
+    ap.add_argument("--kill-at", type=int, default=42)
+    ap.add_argument("--models", default="nanogpt,llama",
+                    help="comma-separated: nanogpt, llama, and gpt (resihp's own GPT, the same scenario, to compare)")
+    ap.add_argument("--candidate-steps", type=int, default=25)
+    ap.add_argument("--out", default="", help="keep the runs here (default: a temporary directory)")
+    a = ap.parse_args(argv)
+    root = Path(a.out or tempfile.mkdtemp(prefix="resihp-your-model-")).resolve()
+    models = [m for m in a.models.split(",") if m]
+    runs = {m: run_model(m, a, root) for m in models}
+    plans = {f"{m}/{e}": p for m, got in runs.items() for e, p in got["targets"].items()}
+    bounds = measure_bounds(plans, root) if plans else {"loopback_Bps": 1.0, "regroup_s": {}}
+    out: dict[str, Any] = {}
+    for m in models:
+        final = runs[m]["summary"].get("reconfigs", [])
+        chosen = final[-1]["plan"] if final else ""
+        rates = {f"TP{tp}xPP{pp}xDP{dp}": candidate_rate(m, (tp, pp, dp), a.candidate_steps, root)
+                 for tp, pp, dp in CANDIDATES}
+        out[m] = numbers(m, runs[m], bounds, rates, a.steps)
+        out[m]["chosen_plan"] = chosen
+    print(f"\nloopback {bounds['loopback_Bps'] / 1e9:.2f} GB/s; runs in {root}\n")
+    keys = ("slow_detect_iters", "stop_detect_s", "downtime_over_bound", "final_loss_rel_diff", "steps_lost",
+            "steps_redone", "throughput_retained_after_replan", "steps_per_s_after_replan", "best_healthy_steps_per_s")
+    goals = {"slow_detect_iters": "<= 5", "stop_detect_s": "<= 3", "downtime_over_bound": "<= 2",
+             "final_loss_rel_diff": "<= 1e-4", "steps_lost": "0"}
+    print(f"{'metric':34s} {'goal':>8s} " + " ".join(f"{m:>12s}" for m in models))
+    for k in keys:
+        print(f"{k:34s} {goals.get(k, ''):>8s} " + " ".join(f"{str(out[m][k]):>12s}" for m in models))
+    for m in models:
+        print(f"\n{m}: final plan {out[m]['final_plan']}; switches:")
+        for s in out[m]["switches"]:
+            print(f"  epoch {s['epoch']} {s['kind']:9s} downtime {s['downtime_s']:.3f} s, {s['bytes_moved'] / 2**20:.2f} MiB, "
+                  f"bound {s['bound_s']:.3f} s, x{s['over_bound']:.2f}")
+        print(f"  fault-free steps/s on the healthy remaining ranks: {out[m]['candidates_steps_per_s']}")
+    print(json.dumps({"models": out, "loopback_Bps": round(bounds["loopback_Bps"]), "run_dir": str(root)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -67,23 +67,11 @@ def _max(comm: Any, value: float) -> float:
     return float(max(comm.allgather(value)))
 
 
-def worker(out: Path, hidden: int, layers: int) -> None:
+def loopback_bandwidth(comm: Any, rank: int) -> float:
+    """Bytes/s of one 32 MiB message rank 0 -> 1 on the default group, best of 3 (every rank calls)."""
     import torch
     import torch.distributed as dist
 
-    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
-    from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, init_world, optimizer_steps, runtime_shards
-    from resihp.trainer_hooks.runtime.groups import destroy_groups, make_groups, wait_retired
-    from resihp.trainer_hooks.runtime.layout import tensors_of_rank
-
-    spec, config, start = _setup(hidden, layers)
-    boot = Bootstrap(timeout_s=120)
-    comm, rank = boot.comm, boot.rank
-    store = boot.info().store_addr
-    boot.init_epoch(0)
-    res: dict[str, Any] = {}
-
-    # loopback bandwidth: one 32 MiB message rank 0 -> 1, best of 3
     buf = torch.zeros(8 << 20)
     best = float("inf")
     for _ in range(3):
@@ -94,42 +82,70 @@ def worker(out: Path, hidden: int, layers: int) -> None:
         elif rank == 1:
             dist.recv(buf, 0)
         best = min(best, time.perf_counter() - t)
-    res["loopback_Bps"] = float(comm.bcast(buf.numel() * 4 / best if rank == 1 else None, root=1))
-    # regroup latency: a fresh default group under a new prefix + the plan's sub-groups; best
-    # of 5, as the bandwidth is: a lower bound takes the best the machine has shown. Each
-    # round starts once the previous round's groups are torn down (a gloo group's destructor
-    # waits on its peers; overlapping it made later rounds 3-4x slower than the first)
-    epoch = 0
+    return float(comm.bcast(buf.numel() * 4 / best if rank == 1 else None, root=1))
 
-    def regroup_rounds(plan: Any) -> list[float]:
-        nonlocal epoch
+
+class RegroupRounds:
+    """Regroup latency: a fresh default group under a new prefix + a plan's sub-groups, 5 rounds
+    (a lower bound takes the best the machine has shown). Each round starts once the previous
+    round's groups are torn down (a gloo group's destructor waits on its peers; overlapping it
+    made later rounds 3-4x slower than the first). Every rank calls, with the same plans."""
+
+    def __init__(self, comm: Any, store: str, rank: int, world: int) -> None:
+        self.comm, self.store, self.rank, self.world = comm, store, rank, world
+        self.epoch = 0
+
+    def measure(self, plan: Any) -> list[float]:
+        import torch.distributed as dist
+
+        from resihp.trainer_hooks.reconfig.live import init_world
+        from resihp.trainer_hooks.runtime.groups import make_groups, wait_retired
+
         lat: list[float] = []
         for _ in range(5):
-            epoch += 1
+            self.epoch += 1
             if dist.is_initialized():
                 dist.destroy_process_group()  # its teardown here, untimed (init_world would retire it)
             wait_retired(30.0)
-            comm.Barrier()
+            self.comm.Barrier()
             t = time.perf_counter()
-            init_world(store, epoch, rank, WORLD, 60.0)
-            made = make_groups([plan], rank)
+            init_world(self.store, self.epoch, self.rank, self.world, 60.0)
+            made = make_groups([plan], self.rank)
             dist.barrier()
-            lat.append(_max(comm, time.perf_counter() - t))
+            lat.append(_max(self.comm, time.perf_counter() - t))
             for g in made.values():  # untimed, like the default group's teardown
                 if g is not dist.group.WORLD:
                     dist.destroy_process_group(g)
             del made
         return lat
 
-    lat = regroup_rounds(start)
+
+def worker(out: Path, hidden: int, layers: int) -> None:
+    import torch
+
+    from resihp.trainer_hooks.launch.bootstrap import Bootstrap
+    from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, init_world, optimizer_steps, runtime_shards
+    from resihp.trainer_hooks.runtime.groups import destroy_groups
+    from resihp.trainer_hooks.runtime.layout import tensors_of_rank
+
+    spec, config, start = _setup(hidden, layers)
+    boot = Bootstrap(timeout_s=120)
+    comm, rank = boot.comm, boot.rank
+    store = boot.info().store_addr
+    boot.init_epoch(0)
+    res: dict[str, Any] = {}
+
+    res["loopback_Bps"] = loopback_bandwidth(comm, rank)
+    rounds = RegroupRounds(comm, store, rank, WORLD)
+    lat = rounds.measure(start)
     res["regroup_s"] = min(lat)
     res["regroup_rounds_s"] = lat
     # the same for each kind's target plan, whose groups the switch builds (a plan with a
     # pipeline has one group more per pair of neighbours): reported beside the headline bound
-    res["regroup_target_s"] = {name: min(regroup_rounds(plan)) for name, plan in kinds(layers)}
+    res["regroup_target_s"] = {name: min(rounds.measure(plan)) for name, plan in kinds(layers)}
 
     # live switches
-    epoch += 1
+    epoch = rounds.epoch + 1
     init_world(store, epoch, rank, WORLD, 60.0)
     rc = LiveReconfigurer(spec, start, rank, config, store, timeout_s=60.0, epoch=epoch)
     it = 0

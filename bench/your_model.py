@@ -28,11 +28,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/reconfigure.py's bound measurement
 SCRIPTS = {"nanogpt": REPO / "examples" / "nanogpt" / "train_resilient.py", "llama": REPO / "examples" / "llama" / "train.py",
            "gpt": REPO / "examples" / "train_gpt.py"}  # gpt: resihp's own GPT, for comparison (--models gpt,...)
 MPIRUN = Path(sys.executable).parent / "mpirun"
@@ -53,49 +53,19 @@ def _mpirun(n: int, args: list[str], env: dict[str, str] | None = None, timeout:
 
 def bound_worker(plans_file: Path, out: Path) -> None:
     import torch
-    import torch.distributed as dist
+    from reconfigure import RegroupRounds, loopback_bandwidth
 
     from resihp.coordinator.model.plan import Plan
     from resihp.trainer_hooks.launch.bootstrap import Bootstrap
-    from resihp.trainer_hooks.reconfig.live import init_world
-    from resihp.trainer_hooks.runtime.groups import make_groups, wait_retired
 
     torch.set_num_threads(1)
     boot = Bootstrap(timeout_s=120)
-    comm, rank, world = boot.comm, boot.rank, boot.world_size
+    comm, rank = boot.comm, boot.rank
     store = boot.info().store_addr
     boot.init_epoch(0)
-    buf = torch.zeros(8 << 20)  # 32 MiB, rank 0 -> 1, best of 3
-    best = float("inf")
-    for _ in range(3):
-        dist.barrier()
-        t = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0)
-        best = min(best, time.perf_counter() - t)
-    bw = float(comm.bcast(buf.numel() * 4 / best if rank == 1 else None, root=1))
-    epoch = 0
-    regroup: dict[str, float] = {}
-    for key, plan_dict in json.loads(plans_file.read_text()).items():
-        plan = Plan.from_dict(plan_dict)
-        lat = []
-        for _ in range(5):  # a fresh default group under a new prefix + the plan's sub-groups
-            epoch += 1
-            dist.destroy_process_group()
-            wait_retired(30.0)
-            comm.Barrier()
-            t = time.perf_counter()
-            init_world(store, epoch, rank, world, 60.0)
-            made = make_groups([plan], rank)
-            dist.barrier()
-            lat.append(float(max(comm.allgather(time.perf_counter() - t))))
-            for g in made.values():
-                if g is not dist.group.WORLD:
-                    dist.destroy_process_group(g)
-            del made
-        regroup[key] = min(lat)
+    bw = loopback_bandwidth(comm, rank)
+    rounds = RegroupRounds(comm, store, rank, boot.world_size)
+    regroup = {key: min(rounds.measure(Plan.from_dict(plan))) for key, plan in json.loads(plans_file.read_text()).items()}
     if rank == 0:
         out.write_text(json.dumps({"loopback_Bps": bw, "regroup_s": regroup}))
 

@@ -10,14 +10,11 @@ document's causal mask and positions restarting per document (HF's ``position_id
 """
 from __future__ import annotations
 
-import json
-import sys
-
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import resihp.trainer_hooks as resihp_hooks
 from resihp.trainer_hooks.runtime.recovery import JobStopped
-from resihp.trainer_hooks.usermodel.example_cli import checkpointer, leave, parse, plan_and_config
+from resihp.trainer_hooks.usermodel.example_cli import StepLog, finish, parse, plan_and_config
 
 
 def main() -> None:
@@ -27,29 +24,15 @@ def main() -> None:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
     job = resihp_hooks.init(lambda: LlamaForCausalLM(cfg), plan, config=config,
                             checkpoint_dir=args.checkpoint_dir or None)  # resihp call 1
-    ckpt = checkpointer(job, args)  # optional: layout-free checkpoints, by the model's own names
-    out = open(args.losses, "a") if args.losses else None
+    log = StepLog(job, args)  # optional side work: checkpoints, loss lines
     try:
         for it in job.iterations(args.steps):  # rewinds after a fail-stop; a spare waits here
             result = job.train_step(it)  # this rank's pipeline step; None if a peer died and the job recovered
             job.step(result)  # resihp call 2: report, apply re-plans at the step boundary
-            if ckpt is not None and result is not None:
-                ckpt.maybe_save(it, job.runtime, job.plan, every=args.checkpoint_every)
-            if result is not None and result.loss is not None and result.replica == 0 and job.runtime is not None \
-                    and job.runtime.groups.place.tp_index == 0:
-                if out is not None:
-                    out.write(json.dumps({"step": it, "loss": result.loss, "epoch": job.epoch}) + "\n")
-                    out.flush()
-                if it % args.log_every == 0 or it == args.steps - 1:
-                    print(f"step {it:4d}  loss {result.loss:.4f}  epoch {job.epoch}  {job.plan.describe()}", flush=True)
+            log.after(it, result)
     except JobStopped as exc:
-        print(f"rank {job.rank}: the job stopped: {exc}", file=sys.stderr, flush=True)
-        leave(True, 3)
-    failed = job.resilience is not None and job.resilience.failures > 0
-    if ckpt is not None:
-        ckpt.close()
-    job.close()
-    leave(failed)
+        finish(job, log, exc)
+    finish(job, log)
 
 
 if __name__ == "__main__":

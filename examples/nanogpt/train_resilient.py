@@ -10,7 +10,6 @@ sequence to it).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import resihp.trainer_hooks as resihp_hooks  # noqa: E402
 from resihp.trainer_hooks.runtime.recovery import JobStopped  # noqa: E402
-from resihp.trainer_hooks.usermodel.example_cli import checkpointer, leave, parse, plan_and_config  # noqa: E402
+from resihp.trainer_hooks.usermodel.example_cli import StepLog, finish, parse, plan_and_config  # noqa: E402
 
 
 def main() -> None:
@@ -31,29 +30,15 @@ def main() -> None:
                     bias=True)
     job = resihp_hooks.init(lambda: GPT(cfg), plan, layout=NANOGPT_LAYOUT, config=config,
                             checkpoint_dir=args.checkpoint_dir or None)  # resihp call 1
-    ckpt = checkpointer(job, args)  # optional: layout-free checkpoints, by the model's own names
-    out = open(args.losses, "a") if args.losses else None
+    log = StepLog(job, args)  # optional side work: checkpoints, loss lines
     try:
         for it in job.iterations(args.steps):  # rewinds after a fail-stop; a spare waits here
             result = job.train_step(it)  # this rank's pipeline step; None if a peer died and the job recovered
             job.step(result)  # resihp call 2: report, apply re-plans at the step boundary
-            if ckpt is not None and result is not None:
-                ckpt.maybe_save(it, job.runtime, job.plan, every=args.checkpoint_every)
-            if result is not None and result.loss is not None and result.replica == 0 and job.runtime is not None \
-                    and job.runtime.groups.place.tp_index == 0:
-                if out is not None:
-                    out.write(json.dumps({"step": it, "loss": result.loss, "epoch": job.epoch}) + "\n")
-                    out.flush()
-                if it % args.log_every == 0 or it == args.steps - 1:
-                    print(f"step {it:4d}  loss {result.loss:.4f}  epoch {job.epoch}  {job.plan.describe()}", flush=True)
+            log.after(it, result)
     except JobStopped as exc:
-        print(f"rank {job.rank}: the job stopped: {exc}", file=sys.stderr, flush=True)
-        leave(True, 3)
-    failed = job.resilience is not None and job.resilience.failures > 0
-    if ckpt is not None:
-        ckpt.close()
-    job.close()
-    leave(failed)
+        finish(job, log, exc)
+    finish(job, log)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ share around their training loops: the command line, the plan, and leaving after
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -43,13 +44,48 @@ def plan_and_config(args: argparse.Namespace) -> tuple[Plan, TrainConfig]:
     return plan, TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr)
 
 
-def checkpointer(job: Any, args: argparse.Namespace) -> AsyncCheckpointer | None:
-    """Asynchronous checkpoints of the user's model, by its own parameter names (any layout loads them)."""
-    if not args.checkpoint_dir:
-        return None
-    recipe = job.runtime.recipe if job.runtime is not None else None
-    return AsyncCheckpointer(args.checkpoint_dir, job.rank, job.model, job.config,
-                             layout=recipe.layout() if recipe is not None else None)
+class StepLog:
+    """The examples' side work per step: layout-free checkpoints (``--checkpoint-dir``, by the
+    model's own parameter names: any layout loads them), the loss printed every --log-every
+    steps and written to ``--losses``, by the one rank that holds it."""
+
+    def __init__(self, job: Any, args: argparse.Namespace) -> None:
+        self.job, self.args = job, args
+        recipe = job.runtime.recipe if job.runtime is not None else None
+        self.ckpt = AsyncCheckpointer(args.checkpoint_dir, job.rank, job.model, job.config,
+                                      layout=recipe.layout() if recipe is not None else None) if args.checkpoint_dir else None
+        self.out = open(args.losses, "a") if args.losses else None  # noqa: SIM115 - closed in close()
+
+    def after(self, it: int, result: Any) -> None:
+        job, args = self.job, self.args
+        if result is None:  # a peer died and the job recovered: iterations() resumes at the agreed step
+            return
+        if self.ckpt is not None:
+            self.ckpt.maybe_save(it, job.runtime, job.plan, every=args.checkpoint_every)
+        if result.loss is None or result.replica != 0 or job.runtime.groups.place.tp_index != 0:
+            return
+        if self.out is not None:
+            self.out.write(json.dumps({"step": it, "loss": result.loss, "epoch": job.epoch}) + "\n")
+            self.out.flush()
+        if it % args.log_every == 0 or it == args.steps - 1:
+            print(f"step {it:4d}  loss {result.loss:.4f}  epoch {job.epoch}  {job.plan.describe()}", flush=True)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        if self.out is not None:
+            self.out.close()
+
+
+def finish(job: Any, log: StepLog, stopped: BaseException | None = None) -> None:
+    """Close the job and leave; after a rank died, without MPI's finalisation (it can hang)."""
+    log.close()
+    if stopped is not None:  # no layout of the survivors can go on (JobStopped): say so and leave
+        print(f"rank {job.rank}: the job stopped: {stopped}", file=sys.stderr, flush=True)
+        leave(True, 3)
+    failed = job.resilience is not None and job.resilience.failures > 0
+    job.close()
+    leave(failed)
 
 
 def leave(failed: bool, code: int = 0) -> None:

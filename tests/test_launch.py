@@ -208,3 +208,22 @@ def test_the_head_address_is_never_a_loopback_the_nodes_cannot_reach(monkeypatch
         head_address("")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "192.168.7.9")
     assert head_address("") == "192.168.7.9"
+
+
+def test_a_rank_whose_loop_raises_is_survived_like_a_killed_one(tmp_path: Path) -> None:
+    """A resilient rank that ends on an uncaught exception leaves by SIGKILL: Open MPI's ULFM does
+    not report a process that merely exits as failed, and the survivors' Shrink waited for it
+    forever (seen with a crashing example loop); now they recover and finish every step."""
+    run = tmp_path / "run"
+    script = Path(__file__).with_name("mpi_scripts") / "rank_raises.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8",
+         "--gpu-sampler", "off", "--run-dir", str(run), "--", sys.executable, str(script), "24", "3", "8"],
+        capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "survived 1 failed rank(s):\n  rank 3: " in out, out[-3000:]
+    assert "rank 3 ends on an uncaught exception; leaving without a goodbye" in out
+    steps = {e["step"] for e in read_jsonl(run / "progress.jsonl") if e["type"] == "step"}
+    assert steps == set(range(24))
+    recovered = [e for e in read_jsonl(run / "progress.jsonl") if e["type"] == "reconfig" and e["kind"] == "fail-stop"]
+    assert recovered and recovered[0]["downtime_s"] < 10, recovered

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -43,12 +44,19 @@ class ExitStatus:
 EXIT_STATUS = ExitStatus()
 
 
-def leave_now(code: int) -> NoReturn:
-    """Flush what the user would want to read, then end the process without its exit steps."""
+def leave_now(code: int, *, as_failed_process: bool = False) -> NoReturn:
+    """Flush what the user would want to read, then end the process without its exit steps.
+
+    ``as_failed_process``: end by SIGKILL instead of an exit status. Open MPI's ULFM does not
+    report a process that *exits* (even non-zero, without MPI_Finalize) as failed, so survivors
+    that shrink the communicator wait for it forever; a process killed by a signal is reported
+    at once. A resilient job's failed rank leaves this way (its reason is logged first)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     logging.shutdown()
+    if as_failed_process:
+        os.kill(os.getpid(), signal.SIGKILL)
     os._exit(code)

@@ -333,11 +333,13 @@ class Job:
         failure = EXIT_STATUS.failure()
         if failure is not None:
             why, code = failure
-            log.warning("resihp: rank %d ends on %s; leaving without a goodbye (a failed rank)", self.rank, why)
+            resilient = self.resilience is not None
+            log.warning("resihp: rank %d ends on %s; leaving without a goodbye (a failed rank%s)", self.rank, why,
+                        ", ended by SIGKILL so that the survivors' MPI sees it fail" if resilient else "")
             if self.world_size > 1:
                 # MPI's own exit (MPI_Finalize) waits for peers that may be blocked in a collective
                 # with this rank: a failed rank leaves at once, so that its agent and its peers see it
-                leave_now(code)
+                leave_now(code, as_failed_process=resilient)
             return
         try:
             # no closing barrier at exit where the store is outside the trainers: a peer that

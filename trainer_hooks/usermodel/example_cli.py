@@ -62,7 +62,8 @@ class StepLog:
             return
         if self.ckpt is not None:
             self.ckpt.maybe_save(it, job.runtime, job.plan, every=args.checkpoint_every)
-        if result.loss is None or result.replica != 0 or job.runtime.groups.place.tp_index != 0:
+        runtime = job.runtime  # None once the step's command made this rank a spare
+        if result.loss is None or result.replica != 0 or runtime is None or runtime.groups.place.tp_index != 0:
             return
         if self.out is not None:
             self.out.write(json.dumps({"step": it, "loss": result.loss, "epoch": job.epoch}) + "\n")

@@ -13,6 +13,9 @@
 #  1b. tests/test_gpu_timing.py, one rank over NCCL: F/B spans are the device's work (CUDA
 #     events; trainer_hooks/runtime/chunk_clock.py), a throttle stretches device time, TP collectives
 #     inside an op are recorded, a runtime step places every chunk inside the step.
+#  1c. A user's own model on the GPU: the nanoGPT and Hugging Face Llama examples
+#     (trainer_hooks/usermodel: stages cut from the user's model, TP layers, packed rows for
+#     Llama), one rank over NCCL + CUDA against the same run on the CPU, within 1e-4 relative.
 #  2. The 8-rank equivalence test (TP2xPP2xDP2, TP2xPP2, PP4, DP4, unequal DP) over NCCL when
 #     there is a GPU per rank (or NCCL lets ranks share one), else over gloo. Only its loss
 #     comparisons: its fail-slow replays time compute in CPU time, which on a virtual machine
@@ -71,6 +74,29 @@ PYEOF
 }
 step one_rank_gpu_vs_cpu one_rank_gpu_vs_cpu
 
+your_model_gpu_vs_cpu() {
+  local model script ok=0
+  for model in nanogpt llama; do
+    script=examples/nanogpt/train_resilient.py; [ "$model" = llama ] && script=examples/llama/train.py
+    rm -f "$OUT/$model-gpu.jsonl" "$OUT/$model-cpu.jsonl"
+    RESIHP_BACKEND=nccl timeout 180 "$PY" "$script" --steps 20 --losses "$OUT/$model-gpu.jsonl" || ok=1
+    RESIHP_BACKEND=gloo timeout 180 "$PY" "$script" --steps 20 --losses "$OUT/$model-cpu.jsonl" || ok=1
+  done
+  [ $ok -eq 0 ] || return 1
+  "$PY" - "$OUT" <<'PYEOF'
+import json, sys
+out, bad = sys.argv[1], 0
+for model in ("nanogpt", "llama"):
+    gpu = [json.loads(x)["loss"] for x in open(f"{out}/{model}-gpu.jsonl")]
+    cpu = [json.loads(x)["loss"] for x in open(f"{out}/{model}-cpu.jsonl")]
+    worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu)) if gpu and cpu else float("inf")
+    print(f"{model}: GPU (NCCL) vs CPU (gloo), {len(gpu)} steps: worst relative loss difference {worst:.2e} (limit 1e-4)")
+    bad |= not (len(gpu) == len(cpu) == 20 and worst <= 1e-4)
+sys.exit(bad)
+PYEOF
+}
+step your_model_gpu_vs_cpu your_model_gpu_vs_cpu
+
 # chunk timing by CUDA events and the throttle in device time (skipped without CUDA, so a
 # skip here is a failure: the GPU is the point)
 gpu_timing() {
@@ -93,7 +119,7 @@ step reconfigure_bench reconfigure_bench
 TOTAL=$((SECONDS - START))
 FAILED=0
 SUMMARY="{\"total_s\": $TOTAL, \"ngpu\": $NGPU, \"nccl_ranks_share_gpu\": $SHARE, \"equivalence_backend\": \"$BACKEND\""
-for name in share_probe one_rank_gpu_vs_cpu gpu_timing equivalence_8_ranks runtime_bench reconfigure_bench; do
+for name in share_probe one_rank_gpu_vs_cpu your_model_gpu_vs_cpu gpu_timing equivalence_8_ranks runtime_bench reconfigure_bench; do
   SUMMARY+=", \"$name\": {\"exit\": ${STATUS[$name]}, \"s\": ${SECS[$name]}}"
   [ "${STATUS[$name]}" -eq 0 ] || FAILED=1
 done

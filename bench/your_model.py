@@ -8,7 +8,8 @@ train_resilient.py, examples/llama/train.py): 8 ranks TP2 x PP2 x DP2 on CPU, ra
 is SIGKILLed at --kill-at (recovery from the surviving replica, rollback to the agreed step);
 then the same model, seed and data in one process, fault-free. Then, on one `mpirun -n 8`,
 the lower bound of every switch the runs made (bytes moved / loopback bandwidth + regroup
-latency of its target plan, each the best of several, as bench/reconfigure.py measures them),
+latency of its target plan, each the best of several, as bench/reconfigure.py measures them;
+for a fail-stop also the ULFM Revoke + Shrink of the world once a rank is killed),
 and fault-free runs of candidate layouts on the ranks that remain healthy (8 minus the killed
 and the throttled one).
 
@@ -28,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,9 @@ MICROBATCHES = 8
 CANDIDATES = ((1, 1, 6), (1, 2, 3), (1, 4, 1), (2, 2, 1), (2, 1, 3), (1, 1, 2), (1, 2, 1))  # (tp, pp, dp)
 
 
-def _mpirun(n: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 600.0
-            ) -> subprocess.CompletedProcess[str]:
-    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n),
+def _mpirun(n: int, args: list[str], env: dict[str, str] | None = None, timeout: float = 600.0,
+            mpi_flags: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", *(mpi_flags or []), "-n", str(n),
            "-x", "OMP_NUM_THREADS=1", *(x for k in (env or {}) for x in ("-x", k)), sys.executable, *args]
     return subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
@@ -66,14 +68,45 @@ def bound_worker(plans_file: Path, out: Path) -> None:
     bw = loopback_bandwidth(comm, rank)
     rounds = RegroupRounds(comm, store, rank, boot.world_size)
     regroup = {key: min(rounds.measure(Plan.from_dict(plan))) for key, plan in json.loads(plans_file.read_text()).items()}
+    shrink = shrink_seconds(comm, rank, boot.world_size)
     if rank == 0:
-        out.write_text(json.dumps({"loopback_Bps": bw, "regroup_s": regroup}))
+        out.write_text(json.dumps({"loopback_Bps": bw, "regroup_s": regroup, "shrink_s": shrink}))
+
+
+def shrink_seconds(comm: Any, rank: int, world: int) -> float:
+    """What a fail-stop pays before any state moves: the survivors' ULFM Revoke + Shrink of the
+    communicator, timed once the failure is known (its detection is measured apart), max over
+    survivors. The last rank SIGKILLs itself; the world is unusable afterwards."""
+    import signal
+
+    from mpi4py import MPI
+
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    comm.Barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        while True:  # until MPI reports the failure (a collective with the dead rank fails)
+            comm.Barrier()
+    except MPI.Exception:
+        pass
+    t = time.perf_counter()
+    try:
+        comm.Revoke()
+    except MPI.Exception:
+        pass  # a peer revoked it first
+    new = comm.Shrink()
+    took = time.perf_counter() - t
+    return float(max(new.allgather(took)))
 
 
 def measure_bounds(plans: dict[str, Any], work: Path) -> dict[str, Any]:
     (work / "plans.json").write_text(json.dumps(plans))
-    res = _mpirun(8, [str(Path(__file__).resolve()), "--bound-worker", str(work / "plans.json"), str(work / "bound.json")])
-    if res.returncode != 0:
+    from resihp.trainer_hooks.launch.launcher import ULFM_FLAGS
+
+    res = _mpirun(8, [str(Path(__file__).resolve()), "--bound-worker", str(work / "plans.json"), str(work / "bound.json")],
+                  mpi_flags=ULFM_FLAGS)
+    if not (work / "bound.json").exists():  # the worker ends with a killed rank: judge by its output file
         raise RuntimeError(f"the bound measurement failed: {res.stderr[-2000:]}")
     return dict(json.loads((work / "bound.json").read_text()))
 
@@ -131,7 +164,9 @@ def numbers(model: str, got: dict[str, Any], bounds: dict[str, Any], rates: dict
         regroup = bounds["regroup_s"].get(f"{model}/{rc['epoch']}")
         if regroup is None:
             continue
-        bound = rc["bytes_moved"] / bounds["loopback_Bps"] + regroup
+        # a fail-stop must first shrink the MPI world (ULFM): measured once, added to its bound
+        shrink = bounds.get("shrink_s", 0.0) if rc["kind"].startswith("fail-stop") else 0.0
+        bound = rc["bytes_moved"] / bounds["loopback_Bps"] + regroup + shrink
         ratio = rc["downtime_s"] / bound
         switches.append({"epoch": rc["epoch"], "kind": rc["kind"], "downtime_s": rc["downtime_s"],
                          "bytes_moved": rc["bytes_moved"], "bound_s": round(bound, 4), "over_bound": round(ratio, 2)})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -171,7 +172,11 @@ def numbers(model: str, got: dict[str, Any], bounds: dict[str, Any], rates: dict
         switches.append({"epoch": rc["epoch"], "kind": rc["kind"], "downtime_s": rc["downtime_s"],
                          "bytes_moved": rc["bytes_moved"], "bound_s": round(bound, 4), "over_bound": round(ratio, 2)})
         worst = ratio if worst is None else max(worst, ratio)
-    progress = [json.loads(x) for x in (Path(summ["run_dir"]) / "progress.jsonl").read_text().splitlines() if x.strip()]
+    run_dir = Path(summ["run_dir"])
+    # each survivor logs "recovered in X s" (its own detection to ready); the progress log's
+    # fail-stop downtime is longer: it runs from the last step's end, the killed step's work included
+    recovered = [float(m.group(1)) for m in re.finditer(r"recovered in ([0-9.]+) s", (run_dir / "launch.log").read_text())]
+    progress = [json.loads(x) for x in (run_dir / "progress.jsonl").read_text().splitlines() if x.strip()]
     done = [int(r["step"]) for r in progress if r.get("type") == "step"]
     last_replan = max((float(r["time"]) for r in progress if r.get("type") == "reconfig"), default=None)
     after = [r for r in progress if r.get("type") == "step" and last_replan is not None and float(r["time"]) > last_replan]
@@ -189,6 +194,7 @@ def numbers(model: str, got: dict[str, Any], bounds: dict[str, Any], rates: dict
         "best_healthy_steps_per_s": round(best, 3) if best else None,
         "candidates_steps_per_s": {k: (round(v, 3) if v else None) for k, v in rates.items()},
         "switches": switches,
+        "failstop_recovery_s_max": max(recovered) if recovered else None,
         "final_plan": (summ.get("reconfigs") or [{}])[-1].get("plan"),
         "launch_rc": got["info"]["scenario"]["launch_rc"],
     }
@@ -233,6 +239,7 @@ def main(argv: list[str]) -> int:
         for s in out[m]["switches"]:
             print(f"  epoch {s['epoch']} {s['kind']:9s} downtime {s['downtime_s']:.3f} s, {s['bytes_moved'] / 2**20:.2f} MiB, "
                   f"bound {s['bound_s']:.3f} s, x{s['over_bound']:.2f}")
+        print(f"  survivors' recovery, detection to ready (max): {out[m]['failstop_recovery_s_max']} s")
         print(f"  fault-free steps/s on the healthy remaining ranks: {out[m]['candidates_steps_per_s']}")
     print(json.dumps({"models": out, "loopback_Bps": round(bounds["loopback_Bps"]), "run_dir": str(root)}))
     return 0

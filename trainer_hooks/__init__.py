@@ -3,7 +3,8 @@
     job = resihp.trainer_hooks.init("gpt-tiny", plan)   # once, at start-up
     job.step(result)                                    # once per iteration
 
-Sub-packages: ``runtime`` (the hybrid-parallel runtime and resilient loop), ``reconfig``
+Sub-packages: ``runtime`` (the hybrid-parallel runtime and resilient loop), ``usermodel`` (a
+user's own model: layout spec, Hugging Face plans, stages cut from it), ``reconfig``
 (live reconfiguration and fail-stop recovery), ``checkpoint``, ``reporting`` (reports to the
 agent, traces) and ``launch`` (``resihp launch`` and the MPI bootstrap). See docs/runtime.md.
 Heavy imports (torch, mpi4py, grpc) happen on first use.

@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="the training script (default examples/train_gpt.py; it must take that script's "
                          "--tp/--pp/--dp/--steps/--seq/--microbatches/--seed/--log-every/--threads options, as "
                          "examples/nanogpt/train_resilient.py and examples/llama/train.py do)")
+    ap.add_argument("--script-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for the training script and its reference run, e.g. "
+                         "--script-arg=--optimizer=sgd (repeatable)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -175,7 +178,7 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp)]
     train = [sys.executable, str(args.script), *layout, "--steps", str(args.steps),
              "--seq", str(args.seq), "--microbatches", str(args.microbatches), "--seed", str(args.seed),
-             "--log-every", "1000000"]
+             "--log-every", "1000000", *args.script_arg]
     if args.checkpoint_every:
         train += ["--checkpoint-dir", str(run / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every)]
     cmd = _resihp("launch", "-n", str(args.tp * args.pp * args.dp), *layout, "--microbatches",
@@ -301,7 +304,7 @@ def run_reference(args: argparse.Namespace, run: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
     env["RESIHP_PROGRESS"] = str(ref / "progress.jsonl")
     cmd = [sys.executable, str(args.script), "--steps", str(args.steps), "--seq", str(args.seq), "--microbatches",
-           str(args.microbatches), "--seed", str(args.seed), "--log-every", "1000000", "--threads", "1"]
+           str(args.microbatches), "--seed", str(args.seed), "--log-every", "1000000", "--threads", "1", *args.script_arg]
     with open(ref / "run.log", "wb") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=True)
 

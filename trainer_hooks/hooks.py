@@ -355,7 +355,7 @@ def init(
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
     job: str = "", backend: str | None = None, microbatches_per_rank: int | None = None, timeout_s: float = 120.0,
     comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
-    checkpoint_dir: str | None = None, probe_every_s: float | None = None,
+    checkpoint_dir: str | None = None, probe_every_s: float | None = None, optimizer: Any = None,
 ) -> Job:
     """Start-up: MPI bootstrap into torch.distributed, connect to the node's agent, and — given a
     plan — build the groups and place the model and AdamW. Without a plan the loop keeps its own
@@ -378,6 +378,8 @@ def init(
     one) with ``layout`` a ``LayoutSpec`` saying how it is laid out (a Hugging Face model needs
     none: it declares its plans); resihp then cuts, shards and reshards that model
     (docs/your-model.md). A spec or preset name trains resihp's own GPT of that shape.
+    ``optimizer``: a function from the parameters to a ``torch.optim`` optimizer (default AdamW
+    from the config); its per-parameter tensors and step count move with every reshard.
     """
     cfg = config or TrainConfig()
     recipe = user_recipe(model, layout, plan, cfg) if plan is not None else None
@@ -405,7 +407,7 @@ def init(
         # a resilient job's sub-groups time out quickly too: a silent peer is a failed peer
         with group_timeout(failure_timeout_s if resilient else None):
             runtime = Runtime(spec, plan, boot.rank, cfg, device=info.device, throttle=throttle, epoch=plan.epoch,
-                              recipe=recipe)
+                              recipe=recipe, optimizer=optimizer)
     else:
         plan = Plan.uniform(1, 1, boot.world_size, spec.num_layers, boot.world_size * (microbatches_per_rank or 1))
     job = os.environ.get("RESIHP_JOB") or job  # under `resihp launch` the agent knows the job by its name
@@ -449,7 +451,7 @@ def init(
         assert runtime is not None
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
                               timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend,
-                              recipe=recipe)
+                              recipe=recipe, optimizer=optimizer)
         job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
                                         checkpoint_root=checkpoint_dir or None,
                                         probe=ComputeProbe(info.device, throttle, seed=cfg.seed),

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import resihp.trainer_hooks as resihp_hooks
 from resihp.trainer_hooks.runtime.recovery import JobStopped
-from resihp.trainer_hooks.usermodel.example_cli import StepLog, finish, parse, plan_and_config
+from resihp.trainer_hooks.usermodel.example_cli import StepLog, finish, optimizer, parse, plan_and_config
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=args.layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
     job = resihp_hooks.init(lambda: LlamaForCausalLM(cfg), plan, config=config,
-                            checkpoint_dir=args.checkpoint_dir or None)  # resihp call 1
+                            checkpoint_dir=args.checkpoint_dir or None, optimizer=optimizer(args))  # resihp call 1
     log = StepLog(job, args)  # optional side work: checkpoints, loss lines
     try:
         for it in job.iterations(args.steps):  # rewinds after a fail-stop; a spare waits here

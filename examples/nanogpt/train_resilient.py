@@ -20,7 +20,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import resihp.trainer_hooks as resihp_hooks  # noqa: E402
 from resihp.trainer_hooks.runtime.recovery import JobStopped  # noqa: E402
-from resihp.trainer_hooks.usermodel.example_cli import StepLog, finish, parse, plan_and_config  # noqa: E402
+from resihp.trainer_hooks.usermodel.example_cli import StepLog, finish, optimizer, parse, plan_and_config  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     cfg = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.layers, n_head=4, n_embd=64, dropout=0.0,
                     bias=True)
     job = resihp_hooks.init(lambda: GPT(cfg), plan, layout=NANOGPT_LAYOUT, config=config,
-                            checkpoint_dir=args.checkpoint_dir or None)  # resihp call 1
+                            checkpoint_dir=args.checkpoint_dir or None, optimizer=optimizer(args))  # resihp call 1
     log = StepLog(job, args)  # optional side work: checkpoints, loss lines
     try:
         for it in job.iterations(args.steps):  # rewinds after a fail-stop; a spare waits here

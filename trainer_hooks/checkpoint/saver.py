@@ -53,6 +53,7 @@ from resihp.trainer_hooks.checkpoint.format import (
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport, load_shards, optimizer_steps
 from resihp.trainer_hooks.reconfig.transfer import Shards
 from resihp.trainer_hooks.runtime.layout import ModelLayout, TensorSpec, gpt_tensor_specs, tensors_of_rank
+from resihp.trainer_hooks.runtime.optim import ADAMW_STATES, holds_all
 from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
 
 __all__ = [
@@ -166,8 +167,9 @@ class AsyncCheckpointer:
         if runtime is not None:
             params = runtime.shards()
             opt = runtime.optimizer_state()
-            have_opt = all("exp_avg" in opt[n] for n in params)
-            states = ("param", "exp_avg", "exp_avg_sq") if have_opt else ("param",)
+            names = getattr(runtime, "opt_states", ADAMW_STATES).tensors  # the optimizer's per-parameter tensors
+            have_opt = all(holds_all(opt[n], names) for n in params)
+            states = ("param", *names) if have_opt else ("param",)
             with torch.no_grad():
                 for tspec, idx in mine:
                     b = bounds_of(idx)
@@ -180,7 +182,7 @@ class AsyncCheckpointer:
                     # thread moves it to host memory
                     pieces.append(("param", tspec.name, b, params[tspec.name].detach().clone()))
                     if have_opt:
-                        for s in ("exp_avg", "exp_avg_sq"):
+                        for s in names:
                             pieces.append((s, tspec.name, b, opt[tspec.name][s].detach().clone()))
         elif mine:
             raise CheckpointError(f"checkpoint: rank {self.rank} is a writer under the plan but has no runtime")

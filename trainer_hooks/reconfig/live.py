@@ -42,10 +42,11 @@ import torch.distributed.distributed_c10d as c10d
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
-from resihp.trainer_hooks.reconfig.reshard import STATES, ReshardPlan, plan_reshard
+from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
+from resihp.trainer_hooks.runtime.optim import ADAMW_STATES, OptimizerFactory, holds_all, probe_states, state_names
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import Runtime, StageAhead, StepResult, TrainConfig, build_stage_ahead
 
@@ -73,12 +74,14 @@ def _stage_key(place: StagePlace) -> tuple[Any, ...]:
 
 
 def runtime_shards(rt: Runtime, *, clone: bool = False) -> Shards:
-    """state → layout name → this rank's shard (parameters and AdamW moments)."""
+    """state → layout name → this rank's shard (parameters and the optimizer's per-parameter
+    tensors: AdamW's moments, SGD's momentum, ...; none before its first step)."""
     params = rt.shards()
     out: Shards = {"param": {n: (p.clone() if clone else p) for n, p in params.items()}}
     opt = rt.optimizer_state()
-    if all("exp_avg" in opt[n] for n in params):
-        for s in ("exp_avg", "exp_avg_sq"):
+    names = rt.opt_states.tensors
+    if all(holds_all(opt[n], names) for n in params):
+        for s in names:
             out[s] = {n: (opt[n][s].clone() if clone else opt[n][s]) for n in params}
     return out
 
@@ -95,9 +98,9 @@ def optimizer_steps(rt: Runtime | None) -> float:
 
 @torch.no_grad()
 def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
-    """Put received shards into ``rt``'s parameters and AdamW state (``step`` = AdamW's count)."""
-    step_t = torch.tensor(step, dtype=torch.float32)
-    moments = "exp_avg" in shards and step > 0
+    """Put received shards into ``rt``'s parameters and optimizer state (``step`` = its count)."""
+    kinds = rt.opt_states
+    moments = holds_all(shards, kinds.tensors)
     state = rt.optimizer.state
     for name, p in rt.parameters().items():
         got = shards["param"][name]
@@ -106,12 +109,13 @@ def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
         else:
             p.copy_(got)
         if moments:
-            # AdamW keeps the step as a float32 scalar tensor (capturable=False on CPU), one per
-            # parameter (it adds to each); the received shards are fresh tensors this rank owns
-            m, v = shards["exp_avg"][name], shards["exp_avg_sq"][name]
-            state[p] = {"step": step_t.clone(),
-                        "exp_avg": m if m.device == p.device else m.to(p.device),
-                        "exp_avg_sq": v if v.device == p.device else v.to(p.device)}
+            # the received shards are fresh tensors this rank owns; AdamW keeps the step as a
+            # float32 scalar tensor (capturable=False on CPU), one per parameter (it adds to each)
+            entry: dict[str, Any] = {s: (t if t.device == p.device else t.to(p.device))
+                                     for s in kinds.tensors for t in (shards[s][name],)}
+            if kinds.has_step:
+                entry["step"] = kinds.step_value(step)
+            state[p] = entry
 
 
 @contextlib.contextmanager
@@ -198,11 +202,13 @@ class LiveReconfigurer:
         self, spec: ModelSpec, plan: Plan, rank: int, config: TrainConfig, store_addr: str, *,
         members: Sequence[int] | None = None, runtime: Runtime | None = None, throttle: Throttle | None = None,
         timeout_s: float = 60.0, group_timeout_s: float | None = None, backend: str = "gloo",
-        epoch: int | None = None, recipe: UserModelRecipe | None = None,
+        epoch: int | None = None, recipe: UserModelRecipe | None = None, optimizer: OptimizerFactory | None = None,
     ) -> None:
         self.spec = spec
         self.recipe = recipe  # a user's model (trainer_hooks/usermodel); None: the runtime's GPT
         self.layout = recipe.layout() if recipe is not None else None
+        self.optimizer = optimizer  # None: AdamW from the config
+        self.opt_states = probe_states(optimizer) if optimizer is not None else ADAMW_STATES
         self.config = config
         self.rank = rank
         self.store_addr = store_addr
@@ -263,7 +269,7 @@ class LiveReconfigurer:
                 rt = Runtime(self.spec, local, self.pg_rank, self.config, throttle=self.throttle, epoch=plan.epoch,
                              data=self._data,  # the packed stream goes on: same samples, no re-packing
                              model=stage[1] if stage is not None else None, init_weights=init_weights,
-                             made_groups=made, recipe=self.recipe)
+                             made_groups=made, recipe=self.recipe, optimizer=self.optimizer)
                 self._data = rt.data
                 self.runtime = rt
             else:
@@ -285,10 +291,11 @@ class LiveReconfigurer:
         if self._stage is None or self._stage[0] != _stage_key(place):
             device = self.runtime.device if self.runtime is not None else None
             self._stage = (_stage_key(place), build_stage_ahead(self.spec, self.config, place, device=device,
-                                                                           recipe=self.recipe))
+                                                                           recipe=self.recipe,
+                                                                           optimizer=self.optimizer))
 
     def prepare(self, new_plan: Plan, alive: Sequence[int] | None = None,
-                states: Sequence[str] = STATES, *, stock: bool = True) -> ReshardPlan:
+                states: Sequence[str] | None = None, *, stock: bool = True) -> ReshardPlan:
         """The reshard plan from the current plan to ``new_plan`` (pure, deterministic; cached).
 
         A command arrives before its ``apply_at``: calling this on receipt takes the planning
@@ -297,6 +304,7 @@ class LiveReconfigurer:
         message buffers and new shards now (paging in fresh memory cost the switch more than
         copying into it); they are held until the switch."""
         who = tuple(alive if alive is not None else self.members)
+        states = state_names(self.opt_states) if states is None else states
         self._build_stage_ahead(new_plan)
         key = (self.plan, replace(new_plan, epoch=0, reason=""), who, tuple(states))
         cached = self._prepared.get(key)
@@ -355,11 +363,12 @@ class LiveReconfigurer:
         # one all-reduce: do all old holders have AdamW moments (not before the first step), and
         # AdamW's step count (MAX, so a readmitted spare learns it too); max(-x) = -min(x)
         holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
-        vote = torch.tensor([-1.0 if (not holder or "exp_avg" in shards) else 0.0, step_count], dtype=torch.float64)
+        moments = holds_all(shards, self.opt_states.tensors)
+        vote = torch.tensor([-1.0 if (not holder or moments) else 0.0, step_count], dtype=torch.float64)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         have_opt = float(vote[0]) == -1.0
         agreed_step = float(vote[1])
-        states = STATES if have_opt else ("param",)
+        states = state_names(self.opt_states) if have_opt else ("param",)
         rplan = self.prepare(new_plan, alive if alive is not None else self.members, states, stock=False)
         inflight = start_reshard(
             rplan, self.rank, {s: shards.get(s, {}) for s in states}, new_plan, self.specs, dist.group.WORLD,

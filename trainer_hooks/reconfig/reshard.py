@@ -29,7 +29,7 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.trainer_hooks.runtime.layout import Index, TensorSpec, check_plan_fits, tensors_of_rank
 
-STATES: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")
+STATES: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")  # AdamW's (runtime/optim.py: any optimizer's)
 
 
 class ReshardError(SpecError):
@@ -165,9 +165,9 @@ def plan_reshard(
     dead_dst = sorted(set(new.ranks()) - alive_set)
     if dead_dst:
         raise SpecError(f"reshard: the new plan gives work to ranks {dead_dst}, which are not alive; plan around them")
-    unknown = [s for s in states if s not in STATES]
-    if unknown or not states:
-        raise SpecError(f"reshard: states must be a non-empty subset of {list(STATES)}, got {list(states)}")
+    if not states or states[0] != "param" or len(set(states)) != len(states):
+        raise SpecError(f"reshard: states must be 'param' and then the optimizer's per-parameter tensors, each once "
+                        f"(AdamW: {list(STATES)}), got {list(states)}")
     sizes = {s: (itemsize if isinstance(itemsize, int) else itemsize[s]) for s in states}
     nodes = dict(node_of or {})
 

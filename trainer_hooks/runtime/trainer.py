@@ -26,6 +26,7 @@ from resihp.trainer_hooks.runtime.chunk_clock import clock_for
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
 from resihp.trainer_hooks.runtime.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
 from resihp.trainer_hooks.runtime.model import GPTStage
+from resihp.trainer_hooks.runtime.optim import ADAMW_STATES, OptimizerFactory, probe_states
 from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp, tp_modules
@@ -143,11 +144,14 @@ def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
-                      device: torch.device | None = None, recipe: UserModelRecipe | None = None) -> StageAhead:
-    """``build_stage`` (TP group pending) with its parameter table, TP layers and an empty AdamW."""
+                      device: torch.device | None = None, recipe: UserModelRecipe | None = None,
+                      optimizer: OptimizerFactory | None = None) -> StageAhead:
+    """``build_stage`` (TP group pending) with its parameter table, TP layers and an empty
+    optimizer (AdamW, or ``optimizer``'s)."""
     model = build_stage(spec, config.max_seq_len, place, device=device, recipe=recipe)
     params = stage_parameters(model)
-    return StageAhead(model, params, tp_modules(model), new_adamw(list(params.values()), config))
+    opt = optimizer(list(params.values())) if optimizer is not None else new_adamw(list(params.values()), config)
+    return StageAhead(model, params, tp_modules(model), opt)
 
 
 class Runtime:
@@ -158,7 +162,7 @@ class Runtime:
         throttle: Throttle | None = None, epoch: int = 0, cohabitants: Sequence[Plan] = (),
         data: GlobalBatches | None = None, model: torch.nn.Module | StageAhead | None = None,
         init_weights: bool = True, made_groups: dict[tuple[int, ...], Any] | None = None,
-        recipe: UserModelRecipe | None = None,
+        recipe: UserModelRecipe | None = None, optimizer: OptimizerFactory | None = None,
     ) -> None:
         """``data``: the job's packed batch stream to go on with (a reconfiguration keeps it:
         the same samples, no re-packing); by default a fresh one from the config's seed.
@@ -168,11 +172,14 @@ class Runtime:
         here. ``init_weights=False`` leaves the weights undrawn (the caller loads
         every one, as a reshard does). ``made_groups``: the plan's process groups, if the caller
         created them already (``groups.make_groups``); else they are created here, collectively.
-        ``recipe``: a user's model (trainer_hooks/usermodel) instead of the runtime's GPT."""
+        ``recipe``: a user's model (trainer_hooks/usermodel) instead of the runtime's GPT.
+        ``optimizer``: builds the optimizer from the parameters (default AdamW from the config);
+        its per-parameter state is learned once (``optim.probe_states``) for reshards and checkpoints."""
         plan.validate_for(spec.num_layers, spec.num_heads)
         if recipe is not None:
             recipe.check_plan(plan)
         self.recipe = recipe
+        self.opt_states = probe_states(optimizer) if optimizer is not None else ADAMW_STATES
         self.spec = spec
         self.config = config
         self.rank = rank
@@ -208,7 +215,12 @@ class Runtime:
         params = ahead.params if ahead is not None else stage_parameters(self.model)
         if any(p.device != self.device for p in params.values()):
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
-        self.optimizer = ahead.optimizer if ahead is not None else new_adamw(list(params.values()), config)
+        if ahead is not None:
+            self.optimizer = ahead.optimizer
+        elif optimizer is not None:
+            self.optimizer = optimizer(list(params.values()))
+        else:
+            self.optimizer = new_adamw(list(params.values()), config)
         self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, self.groups.peer_groups,
                                      config.compute_clock)
         self._params = params
@@ -291,7 +303,7 @@ class Runtime:
         return {n: p.detach() for n, p in self._params.items()}
 
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
-        """AdamW state (exp_avg, exp_avg_sq, step) by parameter name: AdamW's own dicts, not
+        """The optimizer's state (AdamW: exp_avg, exp_avg_sq, step) by parameter name: its own dicts, not
         copies (a switch reads them twice; do not modify them)."""
         state = self.optimizer.state
         return {n: state.get(p, {}) for n, p in self._params.items()}

@@ -26,6 +26,9 @@ def parse(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64, help="tokens per micro-batch (one row)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per global batch")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="adamw (the runtime's) or sgd (torch.optim.SGD, momentum 0.9: its momentum buffers are "
+                        "resharded like AdamW's moments)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -42,6 +45,16 @@ def parse(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
 def plan_and_config(args: argparse.Namespace) -> tuple[Plan, TrainConfig]:
     plan = Plan.uniform(args.tp, args.pp, args.dp, args.layers, args.microbatches)
     return plan, TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr)
+
+
+def sgd_momentum(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The examples' ``--optimizer sgd``: a torch optimizer whose state (momentum) is not AdamW's."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def optimizer(args: argparse.Namespace) -> Any:
+    """``init``'s ``optimizer=``: None (AdamW) or the SGD factory."""
+    return sgd_momentum if args.optimizer == "sgd" else None
 
 
 class StepLog:

@@ -12,9 +12,9 @@ from usermodel_models import NANOGPT_LAYOUT, SEQ, llama_factory, nanogpt_factory
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
-from resihp.trainer_hooks.hooks import user_recipe
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
 from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe
+from resihp.trainer_hooks.usermodel.recipe import recipe_for as user_recipe
 from resihp.trainer_hooks.usermodel.spec import LayoutSpec
 
 CONFIG = TrainConfig(max_seq_len=SEQ)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, cast
+from typing import IO, Any
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
@@ -382,7 +382,11 @@ def init(
     from the config); its per-parameter tensors and step count move with every reshard.
     """
     cfg = config or TrainConfig()
-    recipe = user_recipe(model, layout, plan, cfg) if plan is not None else None
+    recipe = None
+    if plan is not None:
+        from resihp.trainer_hooks.usermodel.recipe import recipe_for
+
+        recipe = recipe_for(model, layout, plan, cfg)
     spec = recipe.spec if recipe is not None else resolve_model(model)
     check_launch_model(spec)
     probe_every = probe_interval(probe_every_s)
@@ -468,26 +472,6 @@ def init(
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())
     return job_obj
-
-
-def user_recipe(model: Any, layout: Any, plan: Plan, config: TrainConfig) -> Any:
-    """The recipe that reshapes a user's own model under ``plan`` (None: ``model`` names a shape,
-    and the runtime trains its own GPT). Checked before any stage is allocated."""
-    is_module = callable(getattr(model, "named_parameters", None))
-    if not is_module and not (callable(model) and not isinstance(model, (str, Path, ModelSpec))):
-        if layout is not None:
-            raise SpecError("init: layout= describes a model of yours; pass that model (or a function that builds "
-                            "it) as model=")
-        return None
-    from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe, tp_sizes
-
-    recipe = UserModelRecipe(cast(Any, model), layout, seed=config.seed)
-    recipe.validate(tp_sizes([plan]))
-    limit = recipe.max_positions
-    if limit is not None and config.budget > limit:
-        raise SpecError(f"init: a micro-batch holds {config.budget} tokens but {recipe.spec.name} takes rows of at most "
-                        f"{limit} (its position table); lower TrainConfig.max_seq_len / tokens_per_microbatch")
-    return recipe
 
 
 def probe_interval(value: float | None) -> float:

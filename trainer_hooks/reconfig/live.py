@@ -46,7 +46,7 @@ from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
-from resihp.trainer_hooks.runtime.optim import ADAMW_STATES, OptimizerFactory, holds_all, probe_states, state_names
+from resihp.trainer_hooks.runtime.optim import OptimizerFactory, holds_all, state_names, states_of
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import Runtime, StageAhead, StepResult, TrainConfig, build_stage_ahead
 
@@ -208,7 +208,7 @@ class LiveReconfigurer:
         self.recipe = recipe  # a user's model (trainer_hooks/usermodel); None: the runtime's GPT
         self.layout = recipe.layout() if recipe is not None else None
         self.optimizer = optimizer  # None: AdamW from the config
-        self.opt_states = probe_states(optimizer) if optimizer is not None else ADAMW_STATES
+        self.opt_states = states_of(optimizer)  # a spare, which holds no runtime, must know them too
         self.config = config
         self.rank = rank
         self.store_addr = store_addr

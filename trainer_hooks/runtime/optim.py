@@ -57,6 +57,11 @@ def probe_states(factory: OptimizerFactory) -> OptimizerStates:
                            step_tensor=isinstance(step, torch.Tensor) if step is not None else False)
 
 
+def states_of(factory: OptimizerFactory | None) -> OptimizerStates:
+    """The states of ``factory``'s optimizer; AdamW's (the runtime's default) for None."""
+    return ADAMW_STATES if factory is None else probe_states(factory)
+
+
 def state_names(states: OptimizerStates) -> tuple[str, ...]:
     """The reshard's and the checkpoint's states: the parameter, then the optimizer's tensors."""
     return ("param", *states.tensors)

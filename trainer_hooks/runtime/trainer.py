@@ -26,7 +26,7 @@ from resihp.trainer_hooks.runtime.chunk_clock import clock_for
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
 from resihp.trainer_hooks.runtime.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
 from resihp.trainer_hooks.runtime.model import GPTStage
-from resihp.trainer_hooks.runtime.optim import ADAMW_STATES, OptimizerFactory, probe_states
+from resihp.trainer_hooks.runtime.optim import OptimizerFactory, states_of
 from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.tp_layers import TPContext, bind_tp, pending_tp, tp_modules
@@ -137,6 +137,12 @@ def new_adamw(params: Any, config: TrainConfig) -> torch.optim.Optimizer:
                              weight_decay=config.weight_decay)
 
 
+def new_optimizer(params: dict[str, torch.nn.Parameter], config: TrainConfig,
+                  optimizer: OptimizerFactory | None) -> torch.optim.Optimizer:
+    """The user's optimizer over ``params``, or AdamW from the config."""
+    return optimizer(list(params.values())) if optimizer is not None else new_adamw(list(params.values()), config)
+
+
 def stage_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """A stage's parameters by layout name (a user's model names a tied weight once)."""
     logical = getattr(model, "logical_parameters", None)
@@ -150,8 +156,7 @@ def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
     optimizer (AdamW, or ``optimizer``'s)."""
     model = build_stage(spec, config.max_seq_len, place, device=device, recipe=recipe)
     params = stage_parameters(model)
-    opt = optimizer(list(params.values())) if optimizer is not None else new_adamw(list(params.values()), config)
-    return StageAhead(model, params, tp_modules(model), opt)
+    return StageAhead(model, params, tp_modules(model), new_optimizer(params, config, optimizer))
 
 
 class Runtime:
@@ -179,7 +184,7 @@ class Runtime:
         if recipe is not None:
             recipe.check_plan(plan)
         self.recipe = recipe
-        self.opt_states = probe_states(optimizer) if optimizer is not None else ADAMW_STATES
+        self.opt_states = states_of(optimizer)
         self.spec = spec
         self.config = config
         self.rank = rank
@@ -215,12 +220,7 @@ class Runtime:
         params = ahead.params if ahead is not None else stage_parameters(self.model)
         if any(p.device != self.device for p in params.values()):
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
-        if ahead is not None:
-            self.optimizer = ahead.optimizer
-        elif optimizer is not None:
-            self.optimizer = optimizer(list(params.values()))
-        else:
-            self.optimizer = new_adamw(list(params.values()), config)
+        self.optimizer = ahead.optimizer if ahead is not None else new_optimizer(params, config, optimizer)
         self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, self.groups.peer_groups,
                                      config.compute_clock)
         self._params = params

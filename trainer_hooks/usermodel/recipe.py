@@ -20,8 +20,9 @@ size from its input width, say) is named at ``init``, not at the first step.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -437,3 +438,21 @@ class UserStage(nn.Module):
 def tp_sizes(plans: Sequence[Any]) -> set[int]:
     """Every TP size the plans use."""
     return {len(g) for plan in plans for rep in plan.replicas for g in rep.stages}
+
+
+def recipe_for(model: Any, layout: LayoutSpec | None, plan: Any, config: Any) -> UserModelRecipe | None:
+    """``init``'s recipe for a user's own model under ``plan`` (None: ``model`` names a shape, and
+    the runtime trains its own GPT), checked against the plan and the config before any stage is
+    allocated."""
+    if not isinstance(model, nn.Module) and not (callable(model) and not isinstance(model, (str, os.PathLike))):
+        if layout is not None:
+            raise SpecError("init: layout= describes a model of yours; pass that model (or a function that builds "
+                            "it) as model=")
+        return None
+    recipe = UserModelRecipe(cast(ModelSource, model), layout, seed=config.seed)
+    recipe.validate(tp_sizes([plan]))
+    limit = recipe.max_positions
+    if limit is not None and config.budget > limit:
+        raise SpecError(f"init: a micro-batch holds {config.budget} tokens but {recipe.spec.name} takes rows of at most "
+                        f"{limit} (its position table); lower TrainConfig.max_seq_len / tokens_per_microbatch")
+    return recipe

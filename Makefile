@@ -35,7 +35,7 @@ lint: venv
 PURE_PACKAGES := $(addprefix resihp.coordinator.,model schedule detector planner) resihp.report
 PURE_MODULES := $(addprefix resihp.coordinator.,cli.detect cli.plan cli.profile service.statemachine service.joiner service.audit) \
 	$(addprefix resihp.trainer_hooks.,runtime.layout reconfig.reshard checkpoint.format launch.hostfile \
-	  launch.rank_env launch.watch model_source own_loop) \
+	  launch.rank_env launch.watch launch.store_server launch.env_rendezvous model_source own_loop) \
 	$(addprefix resihp.sim.,engine runner perf world failures scenarios detection workload workload_truth) resihp.sim.policies
 typecheck: venv
 	$(VENV)/bin/mypy --strict --follow-imports=silent $(foreach p,$(PURE_PACKAGES),-p $(p)) $(foreach m,$(PURE_MODULES),-m $(m))

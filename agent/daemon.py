@@ -3,7 +3,8 @@
 One per node. It outlives a crashed trainer, notices a local rank's exit at once, sends
 heartbeats (with the last time each local rank was heard from) every
 ``heartbeat_interval_s`` and GPU / process samples every ``sample_interval_s``, relays
-commands to hooks and carries out the coordinator's kill orders (fault injection).
+commands to hooks and carries out the coordinator's kill orders (fault injection, and the
+fence of a rank declared dead while its process may still live).
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class AgentDaemon:
         self.locals: dict[int, _Local] = {}
         self.relay = CommandRelay()
         self.pidwatch = PidWatch(self._on_exit)
-        self.hook_server = HookServer(self, self.relay, cfg.hook_address)
+        self.hook_server = HookServer(self, self.relay, cfg.hook_address, job_token=cfg.token)
         self.uplink = Uplink(cfg.coordinator, cfg.token, self._registration, self._on_coordinator,
                              self._on_welcome, tls_ca=cfg.tls_ca or None, buffer_items=cfg.buffer_items,
                              loop=self.hook_server.loop)  # one event loop for hooks and uplink
@@ -240,6 +241,9 @@ class AgentDaemon:
             self._kill(kill)
 
     def _kill(self, order: m.KillOrder) -> None:
+        if order.fence:
+            self._fence(order)
+            return
         with self._lock:
             loc = self.locals.get(order.rank)
         if loc is None or loc.exited:
@@ -252,6 +256,33 @@ class AgentDaemon:
             except OSError as exc:
                 result = m.InjectResult("kill", order.rank, False, f"kill of pid {loc.pid} failed: {exc}")
         log.warning("inject kill: %s", result.detail)
+        self.uplink.send(m.AgentBatch(injections=(result,)), urgent=True)
+
+    def _fence(self, order: m.KillOrder) -> None:
+        """A rank declared dead while its process may still live (stopped, stuck, a frozen
+        host): SIGKILL it, so its peers' collectives and MPI's shrink stop waiting for it and
+        it can never wake up into a job that has moved on. An agent restarted since the
+        verdict has not met the process: it kills the pid the coordinator names, if that
+        process belongs to this job (a pid may have been reused)."""
+        with self._lock:
+            loc = self.locals.get(order.rank)
+            pid = loc.pid if loc is not None and not loc.exited else 0
+            if loc is None and order.pid > 0 and is_job_process(order.pid, self.job):
+                pid = order.pid
+            if pid:
+                self.kills.append(order.rank)
+        if not pid:
+            result = m.InjectResult("fence", order.rank, True,
+                                    f"rank {order.rank} has no live process of job {self.job} on {self.node}")
+        else:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                result = m.InjectResult("fence", order.rank, True, f"SIGKILL sent to pid {pid} on {self.node}")
+            except ProcessLookupError:
+                result = m.InjectResult("fence", order.rank, True, f"pid {pid} had already exited")
+            except OSError as exc:
+                result = m.InjectResult("fence", order.rank, False, f"SIGKILL of pid {pid} failed: {exc}")
+        log.warning("fence rank %d (%s): %s", order.rank, order.reason, result.detail)
         self.uplink.send(m.AgentBatch(injections=(result,)), urgent=True)
 
     # --- periodic -----------------------------------------------------------------------------
@@ -277,6 +308,17 @@ class AgentDaemon:
                 self.uplink.send(batch)
             except Exception:  # sampling must never take the agent down
                 log.exception("agent tick failed")
+
+
+def is_job_process(pid: int, job: str) -> bool:
+    """Whether ``pid`` runs in job ``job`` (its environment says RESIHP_JOB=job): a fence by pid
+    must never hit a process that merely reuses a dead rank's pid."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return f"RESIHP_JOB={job}".encode() in env
 
 
 def _to_next_tick(every: float) -> float:

@@ -5,7 +5,8 @@ On Linux ≥ 5.3 a pidfd becomes readable the moment its process exits: one thre
 all pidfds (plus a wake-up pipe). Elsewhere it falls back to polling every
 ``poll_s``. A zombie counts as exited. The exit status is read from /proc while the
 zombie still exists; a process whose threads are still exiting is read again for a few
-milliseconds; one reaped first is reported as unknown (``EXIT_UNKNOWN``, never as a signal).
+milliseconds; one reaped first is looked up in the kernel's exit events (agent/exitnotes.py),
+else reported as unknown (``EXIT_UNKNOWN``, never as a guessed signal).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from resihp.agent.exitnotes import ExitNotes
 from resihp.coordinator.protocol.messages import EXIT_UNKNOWN
 
 log = logging.getLogger(__name__)
@@ -69,9 +71,10 @@ def is_gone(pid: int) -> bool:
 
 
 class PidWatch:
-    def __init__(self, on_exit: ExitCallback, poll_s: float = 0.1) -> None:
+    def __init__(self, on_exit: ExitCallback, poll_s: float = 0.1, notes: ExitNotes | None = None) -> None:
         self.on_exit = on_exit
         self.poll_s = poll_s
+        self.notes = notes if notes is not None else ExitNotes()  # exits its reaping parent hides
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[list[int], int | None]] = {}  # pid -> (ranks, pidfd); a process may run several ranks
         self._rfd, self._wfd = os.pipe()
@@ -114,6 +117,9 @@ class PidWatch:
             return
         ranks, fd = item
         code = exit_code_of(pid)
+        if code == EXIT_UNKNOWN:  # reaped by its parent (mpirun's daemon) before /proc could be read
+            noted = self.notes.status(pid)
+            code = noted if noted is not None else code
         if fd is not None:
             os.close(fd)
         for rank in ranks:
@@ -143,6 +149,7 @@ class PidWatch:
 
     def close(self) -> None:
         self._stop = True
+        self.notes.close()
         os.write(self._wfd, b"x")
         self._thread.join(timeout=2)
         with self._lock:

@@ -1,9 +1,12 @@
 """The hook-facing gRPC server of an agent, and the command relay behind it.
 
-Binds to loopback or a unix socket only: the hook API carries no token, so it must not
-be reachable from other machines. ``CommandRelay`` keeps the recent commands so a hook
-that (re)subscribes with ``after_seq`` gets what it missed, and fans new ones out to the
-subscribed ranks they target.
+Binds to loopback or a unix socket only, and, when the agent holds the job token, answers
+only calls that carry the ranks' credential (``auth.rank_token``, ``authorization: Bearer``
+metadata; UNAUTHENTICATED otherwise): another local process cannot speak for a rank. An agent
+started without a token (a test, a hand-run agent) serves its hooks openly and says so.
+
+``CommandRelay`` keeps the recent commands so a hook that (re)subscribes with ``after_seq``
+gets what it missed, and fans new ones out to the subscribed ranks they target.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from grpc_reflection.v1alpha import reflection
 from resihp.coordinator.model.trace import OpState
 from resihp.coordinator.protocol import codec, wire
 from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.auth import AioTokenInterceptor, rank_token
 from resihp.coordinator.protocol.codec import ValidationError
+from resihp.coordinator.protocol.decode_guard import add_servicer
 from resihp.coordinator.service.server import SERVER_OPTIONS
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
@@ -64,8 +69,8 @@ def check_local_address(address: str) -> None:
     except ValueError:
         raise ValueError(f"hook address {address!r}: use 127.0.0.1:PORT, [::1]:PORT or unix:PATH") from None
     if not ip.is_loopback:
-        raise ValueError(f"hook address {address!r} is not loopback; the hook API has no token, so it binds to "
-                         "127.0.0.1, ::1 or a unix socket only")
+        raise ValueError(f"hook address {address!r} is not loopback; the hook API is for the node's own ranks, "
+                         "so it binds to 127.0.0.1, ::1 or a unix socket only")
     if not port.isdigit():
         raise ValueError(f"hook address {address!r} needs a numeric port (0 = any free one)")
 
@@ -152,6 +157,8 @@ class HookServicer(pbg.HookServicer):
             self.sink.check_rank(request.rank)
             if request.pid <= 0:
                 raise ValidationError(f"hello.pid must be the trainer's process id (> 0), got {request.pid}")
+            if request.local_rank < 0:  # the coordinator refuses it: the agent's uplink would be refused with it
+                raise ValidationError(f"hello.local_rank must be >= 0, got {request.local_rank}")
             if request.job and request.job != self.sink.job:
                 raise ValidationError(f"hello.job {request.job!r} does not match this agent's job {self.sink.job!r}")
             model_json = codec.check_model_json(request.model_json, "hello.model_json")
@@ -237,8 +244,13 @@ class HookServicer(pbg.HookServicer):
 class HookServer:
     """The asyncio gRPC server, run on its own event-loop thread; start/stop are synchronous."""
 
-    def __init__(self, sink: HookSink, relay: CommandRelay, address: str) -> None:
+    def __init__(self, sink: HookSink, relay: CommandRelay, address: str, job_token: str = "") -> None:
+        """``job_token``: the job's token; hooks must then present ``rank_token(job_token)``."""
         check_local_address(address)
+        interceptors = [AioTokenInterceptor(rank_token(job_token), "rank credential ($RESIHP_RANK_TOKEN)")
+                        ] if job_token else []
+        if not job_token:
+            log.warning("the hook server at %s takes calls from any local process: the agent has no job token", address)
         self.relay = relay
         self._loop = asyncio.new_event_loop()
         self.loop = self._loop  # shared with the uplink
@@ -248,8 +260,8 @@ class HookServer:
         self._servicer = HookServicer(sink, relay)
 
         async def build() -> tuple[grpc.aio.Server, Any, int]:
-            server = grpc.aio.server(options=SERVER_OPTIONS)
-            pbg.add_HookServicer_to_server(self._servicer, server)
+            server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+            add_servicer(pbg.add_HookServicer_to_server, self._servicer, server, aio=True)
             health_servicer = aio_health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             name = pb.DESCRIPTOR.services_by_name["Hook"].full_name

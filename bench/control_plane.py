@@ -34,7 +34,7 @@ import psutil
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import codec
 from resihp.coordinator.protocol import messages as m
-from resihp.coordinator.protocol.auth import metadata
+from resihp.coordinator.protocol.auth import metadata, rank_token
 from resihp.coordinator.service.config import CoordinatorConfig
 from resihp.coordinator.service.server import CoordinatorServer
 from resihp.proto import resihp_pb2 as pb
@@ -108,7 +108,7 @@ def bench_report_to_finding(run: Path, episodes: int) -> list[float]:
     agent, hook = start_agent(run, "n0", server.address, 8)
     # default flush policy, as trainers get it: the ranks' step_s stays the same while rank 5
     # is slow (only its chunk timings grow), so no early flush helps — the worst case
-    clients = [AgentClient(r, hook, r, "bench", reshapes=True).start() for r in range(8)]
+    clients = [AgentClient(r, hook, r, "bench", reshapes=True, credential=rank_token(TOKEN)).start() for r in range(8)]
     last_report: dict[int, float] = {}
     latencies: list[float] = []
     try:
@@ -163,7 +163,8 @@ def bench_fanout(run: Path, commands: int) -> tuple[list[float], list[float]]:
             if len(got[cmd.seq]) == 64:
                 done.set()
 
-    clients = [AgentClient(r, hooks[r // 8], r % 8, "bench", on_command=on_command, reshapes=True).start() for r in range(64)]
+    clients = [AgentClient(r, hooks[r // 8], r % 8, "bench", on_command=on_command, reshapes=True,
+                           credential=rank_token(TOKEN)).start() for r in range(64)]
     fanout: list[float] = []
     hook_us: list[float] = []
     try:
@@ -205,7 +206,7 @@ def bench_agent(run: Path, seconds: float) -> tuple[float, float]:
     server = CoordinatorServer(cfg)
     server.start()
     agent, hook = start_agent(run, "n0", server.address, 8, ["--sample-interval-s", "1.0"])
-    clients = [AgentClient(r, hook, r, "bench", reshapes=True).start() for r in range(8)]
+    clients = [AgentClient(r, hook, r, "bench", reshapes=True, credential=rank_token(TOKEN)).start() for r in range(8)]
     proc = psutil.Process(agent.pid)
     try:
         seq = [[700, 324], [512, 512]]

@@ -24,6 +24,7 @@
 #  3. bench/runtime.py (gloo on the CPUs; a live coordinator and agent).
 #  4. bench/reconfigure.py over gloo: such a machine gives each of its four ranks a core, which
 #     the 2-core CI machine cannot (there a switch is CPU-bound; docs/reconfiguration.md).
+#  5. bench/chaos.py's kill and hang cases on the 8-rank backend (NCCL with 8 GPUs).
 # Every step runs even when an earlier one failed; the last line is JSON with each step's
 # status and seconds, and the exit status is non-zero if any step failed.
 set -uo pipefail
@@ -116,10 +117,20 @@ step runtime_bench runtime_bench
 reconfigure_bench() { RESIHP_BACKEND=gloo timeout 240 "$PY" bench/reconfigure.py | tee "$OUT/reconfigure_bench.txt"; }
 step reconfigure_bench reconfigure_bench
 
+# the chaos kill and hang cases (bench/chaos.py) on the 8-rank backend above: NCCL where the
+# GPUs allow it (a survivor's collective must be aborted, not waited out), else gloo; the
+# JSON line says which ran. Every scenario must survive.
+chaos_kill_and_hang() {
+  RESIHP_BACKEND=$BACKEND timeout 420 "$PY" bench/chaos.py --no-security --steps 30 \
+    --only kill_backward,kill_grad_sync,stop_forever,kill_two | tee "$OUT/chaos.txt"
+  tail -1 "$OUT/chaos.txt" | "$PY" -c "import json, sys; r = json.loads(sys.stdin.read()); sys.exit(r['survived'] != r['scenarios'] or r['scenarios'] != 4)"
+}
+step chaos_kill_and_hang chaos_kill_and_hang
+
 TOTAL=$((SECONDS - START))
 FAILED=0
-SUMMARY="{\"total_s\": $TOTAL, \"ngpu\": $NGPU, \"nccl_ranks_share_gpu\": $SHARE, \"equivalence_backend\": \"$BACKEND\""
-for name in share_probe one_rank_gpu_vs_cpu your_model_gpu_vs_cpu gpu_timing equivalence_8_ranks runtime_bench reconfigure_bench; do
+SUMMARY="{\"total_s\": $TOTAL, \"ngpu\": $NGPU, \"nccl_ranks_share_gpu\": $SHARE, \"equivalence_backend\": \"$BACKEND\", \"chaos_backend\": \"$BACKEND\""
+for name in share_probe one_rank_gpu_vs_cpu your_model_gpu_vs_cpu gpu_timing equivalence_8_ranks runtime_bench reconfigure_bench chaos_kill_and_hang; do
   SUMMARY+=", \"$name\": {\"exit\": ${STATUS[$name]}, \"s\": ${SECS[$name]}}"
   [ "${STATUS[$name]}" -eq 0 ] || FAILED=1
 done

@@ -54,8 +54,11 @@ from typing import Any
 
 from runtime_analysis import analyse, host_speed, overhead_interval  # bench/runtime_analysis.py
 
+from resihp.coordinator.protocol.auth import RANK_TOKEN_ENV, rank_token
+
 REPO = Path(__file__).resolve().parents[1]
 MPIRUN = Path(sys.executable).parent / "mpirun"
+BENCH_TOKEN = "bench-token-0123456789"
 LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "pp2dp2_unequal", "single")
 # one rank per core (this machine has two): the setting the cost model and the schedule
 # simulator describe — a device per rank — so their errors are judged here
@@ -229,7 +232,7 @@ WORLDS = {  # name: (ranks, plan of the coordinator and of the overhead job, lay
 
 def start_control_plane(run: Path, ranks: int, tp: int, pp: int, dp: int) -> tuple[list[subprocess.Popen[bytes]], str]:
     """A live coordinator and one node agent (the control plane's own processes)."""
-    env = {**os.environ, "RESIHP_TOKEN": "bench-token-0123456789", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "RESIHP_TOKEN": BENCH_TOKEN, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
 
     def spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -279,7 +282,7 @@ def run_world(run: Path, world: str, args: argparse.Namespace) -> tuple[float, s
     ranks, (tp, pp, dp), layouts = WORLDS[world]
     run.mkdir(parents=True)
     procs: list[subprocess.Popen[bytes]] = []
-    env = {**os.environ, "RESIHP_AGENT_ADDR": ""}
+    env = {**os.environ, "RESIHP_AGENT_ADDR": "", RANK_TOKEN_ENV: rank_token(BENCH_TOKEN)}  # the ranks' credential
     agent_note = "none"
     try:
         if not args.no_agent:
@@ -289,7 +292,7 @@ def run_world(run: Path, world: str, args: argparse.Namespace) -> tuple[float, s
             except (RuntimeError, OSError) as exc:
                 print(f"warning: no live agent ({exc}); measuring the hooks without one", file=sys.stderr)
         cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(ranks),
-               "-x", "RESIHP_AGENT_ADDR", "-x", "PYTHONHASHSEED=0",
+               "-x", "RESIHP_AGENT_ADDR", "-x", RANK_TOKEN_ENV, "-x", "PYTHONHASHSEED=0",
                sys.executable, str(Path(__file__).resolve()), "--worker", str(run), "--world", world,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks),
                "--block-len", str(args.block_len)]

@@ -391,12 +391,16 @@ class AgentOrder(_message.Message):
     def __init__(self, kill: _Optional[_Union[KillRank, _Mapping]] = ...) -> None: ...
 
 class KillRank(_message.Message):
-    __slots__ = ("rank", "reason")
+    __slots__ = ("rank", "reason", "fence", "pid")
     RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     reason: str
-    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    fence: bool
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ..., fence: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
     __slots__ = ("commands", "orders")

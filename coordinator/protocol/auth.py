@@ -5,6 +5,9 @@ get it through ``RESIHP_TOKEN``; ``resihp admin`` reads it from ``--token``,
 ``RESIHP_TOKEN`` or ``--token-file``. Calls carry ``authorization: Bearer <token>``
 metadata; a server interceptor answers UNAUTHENTICATED otherwise. Health checks and
 reflection stay open (they reveal nothing and change nothing).
+
+Ranks hold a credential of their own, ``rank_token(token)`` (``$RESIHP_RANK_TOKEN``): it opens
+the job's store and the agents' Hook service, not the coordinator or Admin.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 HEADER = "authorization"
@@ -28,6 +32,26 @@ class AuthError(ValueError):
 
 def generate_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+RANK_TOKEN_ENV = "RESIHP_RANK_TOKEN"
+
+
+def rank_token(token: str) -> str:
+    """The ranks' credential, derived from the job token: it opens the job's store and the
+    agents' Hook service, never the coordinator or Admin (a rank cannot act as an operator,
+    and the job token cannot be recovered from it)."""
+    if not token:
+        raise AuthError("no job token to derive the ranks' credential from")
+    return hmac.new(token.encode(), b"resihp ranks v1", "sha256").hexdigest()
+
+
+def rank_token_from_env() -> str:
+    """``$RESIHP_RANK_TOKEN`` (``resihp launch`` exports it to ranks), else derived from
+    ``$RESIHP_TOKEN`` (a process that holds the job token); "" when neither is set."""
+    if os.environ.get(RANK_TOKEN_ENV):
+        return os.environ[RANK_TOKEN_ENV]
+    return rank_token(os.environ["RESIHP_TOKEN"]) if os.environ.get("RESIHP_TOKEN") else ""
 
 
 def write_token(path: Path, token: str) -> None:
@@ -101,6 +125,39 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return self._deny_unary_stream
         return self._deny_unary
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """``TokenInterceptor`` for an asyncio server (the agent's Hook service)."""
+
+    def __init__(self, token: str, what: str = "job token") -> None:
+        if not token:
+            raise AuthError("an empty token would let anyone in")
+        self._expected = f"Bearer {token}".encode()
+        message = f"missing or wrong {what}"
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        method: str = handler_call_details.method
+        if method.startswith(OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        given = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == HEADER:
+                given = value.encode() if isinstance(value, str) else value
+        handler = await continuation(handler_call_details)
+        if handler is None or (given and hmac.compare_digest(given, self._expected)):
+            return handler
+        return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
 
 
 def metadata(token: str) -> Sequence[tuple[str, str]]:

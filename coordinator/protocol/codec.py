@@ -385,12 +385,14 @@ def agent_batch_from_pb(b: pb.AgentMessage) -> m.AgentBatch:
 def coordinator_batch_to_pb(b: m.CoordinatorBatch) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(
         commands=[command_to_pb(c) for c in b.commands],
-        orders=[pb.AgentOrder(kill=pb.KillRank(rank=k.rank, reason=k.reason)) for k in b.kills],
+        orders=[pb.AgentOrder(kill=pb.KillRank(rank=k.rank, reason=k.reason, fence=k.fence, pid=k.pid))
+                for k in b.kills],
     )
 
 
 def coordinator_batch_from_pb(b: pb.CoordinatorMessage) -> m.CoordinatorBatch:
-    kills = tuple(m.KillOrder(o.kill.rank, o.kill.reason) for o in b.orders if o.WhichOneof("body") == "kill")
+    kills = tuple(m.KillOrder(o.kill.rank, o.kill.reason, o.kill.fence, o.kill.pid)
+                  for o in b.orders if o.WhichOneof("body") == "kill")
     return m.CoordinatorBatch(commands=tuple(command_from_pb(c) for c in b.commands), kills=kills)
 
 

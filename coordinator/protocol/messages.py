@@ -228,6 +228,8 @@ class AgentBatch:
 class KillOrder:
     rank: int
     reason: str = ""
+    fence: bool = False  # the rank was declared dead while its process may live: make sure it does not
+    pid: int = 0  # that process, for an agent that has not met it (restarted since)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     join_grace_s: float = 2.0
+    # an agent whose stream ended is given this long to come back (its launcher restarts it)
+    # before its ranks' silence counts against them: an agent's death is not its ranks' death
+    agent_grace_s: float = 30.0
     ack_timeout_s: float = 30.0
     apply_margin: int = 2  # apply_at >= newest reported iteration + margin ...
     apply_lead_s: float = 0.5  # ... and at least this far ahead at the current iteration time
@@ -73,7 +76,8 @@ class CoordinatorConfig:
                     "choose degrees whose product is the number of ranks"
                 )
             self.dp = dp
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "join_grace_s", "ack_timeout_s", "tick_s"):
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "join_grace_s", "agent_grace_s", "ack_timeout_s",
+                     "tick_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")

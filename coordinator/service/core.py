@@ -22,6 +22,7 @@ from resihp.coordinator.service.admin import SERVICE_POLICY, CoordinatorAdmin, R
 from resihp.coordinator.service.audit import Audits, Regret
 from resihp.coordinator.service.config import CoordinatorConfig
 from resihp.coordinator.service.engine import Engine
+from resihp.coordinator.service.fencing import FenceFlow
 from resihp.coordinator.service.joiner import Joiner, LayoutCheck
 from resihp.coordinator.service.journal import EventLog, Journal, JournalState
 from resihp.coordinator.service.liveness import LivenessFlow
@@ -35,7 +36,7 @@ from resihp.coordinator.service.trace_sink import TraceSink
 log = logging.getLogger(__name__)
 
 
-class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
+class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow, FenceFlow):
     def __init__(self, config: CoordinatorConfig, plan: Plan, engine: Engine, journal: Journal, events_path: Any,
                  registry: Registry, clock: Callable[[], float]) -> None:
         self.config = config
@@ -58,6 +59,8 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
         self.ranks: dict[int, RankInfo] = {r: RankInfo(r) for r in range(config.world_size)}
         self._live_cache: frozenset[int] | None = None
         self.agents: dict[str, AgentConn] = {}
+        self.fences: dict[int, m.KillOrder] = {}  # coordinator/service/fencing.py
+        self.lost_agents: dict[str, float] = {}
         self.pending: Pending | None = None
         self.queued_findings: list[m.FindingInfo] = []
         self.degraded_only: set[int] = set()  # slow verdicts never acted on (planning.worth_acting)
@@ -159,6 +162,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
             conn = AgentConn(f"{reg.node}#{next(self._agent_ids)}", reg.node,
                              sampler_degraded=reg.sampler_degraded, sampler_status=reg.sampler_status)
             self.agents[conn.agent_id] = conn
+            self._agent_back(conn, self.now())
             for lr in reg.ranks:
                 self._join_rank(conn, lr)
             self.events.emit("agent-registered", node=reg.node, agent_id=conn.agent_id,
@@ -173,7 +177,9 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
     def _join_rank(self, conn: AgentConn, lr: m.LocalRank) -> None:
         info = self.ranks[lr.rank]
         if info.dead and info.pid == lr.pid and lr.pid:
-            return  # the same dead process announced again by a reconnecting agent
+            # the same process, announced alive after it was declared dead: fenced, not readmitted
+            self._came_back(conn, lr.rank)
+            return
         conn.ranks.add(lr.rank)
         self._capability(lr)
         info.node, info.local_rank = conn.node, lr.local_rank
@@ -183,6 +189,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
             self.journal.rank_state(lr.rank, "alive")
         info.pid = lr.pid or info.pid
         info.last_seen = self.now()
+        self._rejoined(conn, info.last_seen)
 
     def agent(self, agent_id: str) -> AgentConn:
         with self.lock:
@@ -202,6 +209,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
             if self.agents.get(conn.agent_id) is conn:
                 conn.streaming = False
                 self.events.emit("agent-disconnected", node=conn.node, agent_id=conn.agent_id, reason=why)
+                self._agent_lost(conn, self.now())
             self.metrics.set("resihp_agents_connected", sum(a.streaming for a in self.agents.values()),
                              {"job": self.config.job})
 
@@ -249,6 +257,9 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
                 if self._valid_item(pr.rank, "probe"):
                     self._safely("probe", self._on_probe, pr, now)
             for inj in batch.injections:
+                if inj.kind == "fence" and self._valid_item(inj.rank, "fence"):
+                    self._fence_result(conn, inj)
+                    continue
                 self.events.emit("inject-result", kind=inj.kind, rank=inj.rank, ok=inj.ok, node=conn.node,
                                  reason=inj.detail)
 
@@ -402,6 +413,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
                 self.events.emit("job-finished", reason="every rank has left")
             return
         info.exit_code = ex.code
+        self._fence_gone(ex.rank)
         if self.trace is not None:
             self.trace.write(ExitEvent(ex.rank, now, ex.code))
         found = self.engine.observe(ExitEvent(ex.rank, now, ex.code), now)
@@ -423,6 +435,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
     # --- findings and plans -----------------------------------------------------------
     def _findings(self, found: list[m.FindingInfo], now: float) -> None:
         for f in found:
+            fresh: list[int] = []
             if f.kind == "fail-stop":
                 # a rank that left cleanly is finished, not failed, whatever the engine's clock says
                 fresh = [r for r in f.ranks if not self.ranks[r].dead and not self.ranks[r].finished] if all(
@@ -441,6 +454,8 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
                 self.journal.regret_over(gone)
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
+            if fresh:
+                self._fence(f, fresh)
             self._notify("finding", f)
             if not worth_acting(f, self.degraded_only):  # under the impact floor, or the end of such a slowdown
                 continue
@@ -456,6 +471,8 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
             if self.state in (State.RUNNING, State.SUSPECT):
                 self._transition(Trigger.FINDING, f"{f.kind} on ranks {list(f.ranks)}: {f.reason}")
                 self._plan(f, now, replan=self.policy["auto_reconfigure"] == "on")
+            elif f.kind == "fail-stop" and self.state is State.RECONFIGURING and self._supersede(f, now):
+                pass  # folded into the switch in flight (planning.py)
             elif self.state is not State.ABORTED:
                 self.queued_findings.append(f)
         if self.pending is not None:
@@ -472,10 +489,11 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow):
         with self.lock:
             now = self.now()
             found = self.engine.tick(now)
-            found += self._hung(now)
+            unjudged = self._unjudged(now)  # ranks of a lost agent, in its grace
+            found += [] if unjudged & set(self.plan.ranks()) else self._hung(now)
             timeout = float(self.policy["heartbeat_timeout_s"])
             for r, info in self.ranks.items():
-                if info.dead or info.finished or info.last_seen is None:
+                if info.dead or info.finished or info.last_seen is None or r in unjudged:
                     continue
                 if now - info.last_seen > timeout and not any(r in f.ranks for f in found):
                     # tell the engine too, so its rank state (and speed estimate) says dead

@@ -70,6 +70,7 @@ class Journal:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.unwritten = 0  # entries the file could not take (disk full, read-only)
         self._fh = path.open("a", encoding="utf-8")
         if path.stat().st_size == 0:
             self._write({"type": "format", "format": FORMAT}, sync=True)
@@ -127,10 +128,16 @@ class Journal:
 
     def _write(self, obj: dict[str, Any], sync: bool = False) -> None:
         with self._lock:
-            self._fh.write(json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n")
-            self._fh.flush()
-            if sync:
-                os.fsync(self._fh.fileno())
+            try:
+                self._fh.write(json.dumps(obj, separators=(",", ":"), sort_keys=True) + "\n")
+                self._fh.flush()
+                if sync:
+                    os.fsync(self._fh.fileno())
+            except OSError as exc:  # disk full or read-only: the job goes on; a restart could not resume
+                self.unwritten += 1
+                if self.unwritten == 1:
+                    log.error("journal %s cannot be written (%s): the coordinator goes on, but a restarted one "
+                              "could not resume from this journal", self.path, exc)
 
     def start(self, job: str, t0: float) -> None:
         self._write({"type": "start", "job": job, "t0": t0}, sync=True)
@@ -197,13 +204,20 @@ class EventLog:
                 self._recent.append(obj)
         self._fh = path.open("a", encoding="utf-8")
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.unwritten = 0  # events the file could not take (disk full, read-only)
 
     def emit(self, event_type: str, /, **fields: Any) -> dict[str, Any]:
         with self._lock:
             self.seq += 1
             event = {**fields, "seq": self.seq, "time": round(self.clock(), 6), "job": self.job, "event": event_type}
-            self._fh.write(json.dumps(event, separators=(",", ":"), default=str) + "\n")
-            self._fh.flush()
+            try:
+                self._fh.write(json.dumps(event, separators=(",", ":"), default=str) + "\n")
+                self._fh.flush()
+            except OSError as exc:  # still in memory for ``admin events``; the control plane goes on
+                self.unwritten += 1
+                if self.unwritten == 1:
+                    log.error("event log %s cannot be written (%s); events stay readable with "
+                              "`resihp admin events`", self.path, exc)
             self._recent.append(event)
         log.info("event %s: %s", event_type, fields.get("reason", "") or fields)
         for listener in self.listeners:

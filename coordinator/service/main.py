@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval-s", dest="heartbeat_interval_s", type=float)
     p.add_argument("--heartbeat-timeout-s", dest="heartbeat_timeout_s", type=float)
     p.add_argument("--join-grace-s", dest="join_grace_s", type=float)
+    p.add_argument("--agent-grace-s", dest="agent_grace_s", type=float,
+                   help="seconds a lost agent is given to come back before its ranks' silence counts (default 30)")
     p.add_argument("--ack-timeout-s", dest="ack_timeout_s", type=float)
     p.add_argument("--apply-margin", dest="apply_margin", type=int, help="at least this many iterations ahead")
     p.add_argument("--apply-lead-s", dest="apply_lead_s", type=float,

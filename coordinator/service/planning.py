@@ -270,6 +270,25 @@ class PlanFlow:
         self._transition(Trigger.REGRET, why)
         self._command(previous, f"regret: {why}; back to the previous layout", "regret", now)
 
+    def _supersede(self, f: m.FindingInfo, now: float) -> bool:
+        """A rank the outstanding plan needs died before every rank acknowledged it: no survivor
+        can take that plan (their recovery waits for one that uses only survivors), so a plan
+        without every dead rank is commanded at once — one recovery for both deaths, not a
+        wait for the first plan's ack timeout. False when the outstanding plan does not need it."""
+        pend = self.pending
+        if pend is None or not any(pend.command.plan.has_rank(r) for r in f.ranks):
+            return False
+        self.pending = None
+        if pend.adopted_at is not None:  # its ranks already run it: re-plan from it
+            self.plan = pend.command.plan
+        self.events.emit("command-superseded", command_seq=pend.command.seq, epoch=pend.command.epoch,
+                         reason=f"ranks {list(f.ranks)} died before every rank acknowledged epoch "
+                                f"{pend.command.epoch}; a plan without them replaces it")
+        self._transition(Trigger.FINDING, f"{f.kind} on ranks {list(f.ranks)} during epoch {pend.command.epoch}'s "
+                                          f"switch: {f.reason}")
+        self._plan(f, now, replan=self.policy["auto_reconfigure"] == "on")
+        return True
+
     def _drain_queue(self, now: float) -> None:
         if not self.queued_findings or self.state is not State.RUNNING:
             return

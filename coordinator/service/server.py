@@ -28,6 +28,7 @@ from resihp.coordinator.protocol import codec, wire
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.protocol.auth import TokenInterceptor, server_credentials
 from resihp.coordinator.protocol.codec import ValidationError
+from resihp.coordinator.protocol.decode_guard import add_servicer
 from resihp.coordinator.service.admin import SERVICE_ONLY_POLICY, Refused
 from resihp.coordinator.service.config import CoordinatorConfig
 from resihp.coordinator.service.core import CoordinatorCore, TraceSink
@@ -88,6 +89,9 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self.core.stream_opened(conn)
         failure: list[str] = []
+        # this stream's own end mark: a stream cancelled before its loop began leaves its reader's
+        # mark in the agent's outbox, and that must not end the next stream of the same agent id
+        end = m.CoordinatorBatch()
 
         def apply(msg: pb.AgentMessage) -> None:
             self.core.on_batch(conn, wire.agent_batch_from_wire(msg))
@@ -103,7 +107,7 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                 self.core.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.core.config.job, "kind": "stream"})
             except Exception as exc:  # stream broken (agent gone) or a bug
                 failure.append(f"stream ended: {type(exc).__name__}: {exc}")
-            conn.outbox.put(None)
+            conn.outbox.put(end)
 
         t = threading.Thread(target=reader, name=f"agent-{conn.node}", daemon=True)
         t.start()
@@ -113,8 +117,10 @@ class CoordinatorServicer(pbg.CoordinatorServicer):
                     item = conn.outbox.get(timeout=0.5)
                 except queue.Empty:
                     continue
-                if item is None:
+                if item is None or item is end:
                     break
+                if not (item.commands or item.kills):
+                    continue  # an earlier stream's end mark
                 yield codec.coordinator_batch_to_pb(item)
         finally:
             why = failure[0] if failure else "stream cancelled"
@@ -263,8 +269,8 @@ class CoordinatorServer:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="coord"),
                                   interceptors=[TokenInterceptor(cfg.token)] if cfg.token else [],
                                   options=SERVER_OPTIONS)
-        pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(self.core), self.server)
-        pbg.add_AdminServicer_to_server(AdminServicer(self.core), self.server)
+        add_servicer(pbg.add_CoordinatorServicer_to_server, CoordinatorServicer(self.core), self.server)
+        add_servicer(pbg.add_AdminServicer_to_server, AdminServicer(self.core), self.server)
         self.health = add_health_and_reflection(
             self.server, [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Coordinator", "Admin")])
         creds = server_credentials(cfg.tls_cert or None, cfg.tls_key or None)

@@ -47,6 +47,8 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (State.PLANNING, Trigger.COMMAND_SENT): State.RECONFIGURING,
     (State.RECONFIGURING, Trigger.ACKED): State.RUNNING,
     (State.RECONFIGURING, Trigger.ACK_FAILED): State.PLANNING,
+    # a rank the outstanding plan needs died before every ack: that plan is superseded at once
+    (State.RECONFIGURING, Trigger.FINDING): State.PLANNING,
     (State.RECONFIGURING, Trigger.ACK_TIMEOUT): State.RUNNING,
     (State.RECONFIGURING, Trigger.UNAPPLIED): State.RUNNING,
 }

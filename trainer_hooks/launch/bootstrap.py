@@ -9,9 +9,14 @@ Where the store lives. ARCHITECTURE.md wants it outside trainer processes (a tra
 that dies must not take the store with it). ``RESIHP_STORE=host:port`` points every rank at
 such a store — hosted by the launcher, agent or coordinator, e.g. with
 ``python -m resihp.trainer_hooks.launch.bootstrap --serve-store`` (prints ``host:port``). Without
-it, and only for single-job runs of this issue, global rank 0 hosts the TCPStore in a
-background thread of its own process (TCPStore's server thread); such a job cannot survive
-the loss of rank 0.
+it, and only for single-job runs of this issue, global rank 0 hosts the store in a child
+process of its own (``ulfm.StoreProcess``: its Python server never waits on the rank's
+GIL); such a job cannot survive the loss of rank 0.
+
+Either way the store is launch/store_server.py: it listens on one address (loopback for a
+one-node job) and answers only clients holding the ranks' credential, ``$RESIHP_RANK_TOKEN``;
+where rank 0 hosts the store and no credential is set, rank 0 draws one and MPI hands it to
+the other ranks.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import datetime as _dt
 import gc
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -31,6 +37,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
 from resihp.trainer_hooks.launch.rank_env import loopback_ifname
+from resihp.trainer_hooks.launch.store_client import AuthStore, credential_from_env
+from resihp.trainer_hooks.launch.store_server import CREDENTIAL_ENV, StoreServer
+from resihp.trainer_hooks.reconfig.ulfm import StoreProcess
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +86,10 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def host_store(host: str = "0.0.0.0", port: int = 0, world_size: int = 1) -> Any:
-    """A TCPStore server; the caller keeps the returned object alive for the job."""
-    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, use_libuv=True)  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
+def host_store(host: str = "127.0.0.1", port: int = 0, credential: str = "") -> StoreServer:
+    """The job's store, served on ``host`` only by a thread of this process; the caller keeps
+    the returned server alive for the job."""
+    return StoreServer(host, port, credential).start()
 
 
 def _parse_addr(text: str) -> tuple[str, int]:
@@ -116,13 +126,11 @@ class Bootstrap:
         self.node = socket.gethostname()
         self.nodes: tuple[str, ...] = tuple(self.comm.allgather(self.node))
         self.local_rank = sum(1 for r in range(self.rank) if self.nodes[r] == self.node)
-        self._hosted_store: Any = None
+        self._hosted_store: StoreProcess | None = None
         self.adopted = False  # the script's own default process group (init_process_group before init)
         self._store_addr = self._agree_store()
         host, port = _parse_addr(self._store_addr)
-        self._store = self._hosted_store or dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  # public (torch.distributed.TCPStore), not re-exported in its stub
-            host, port, self.world_size, is_master=False, timeout=_dt.timedelta(seconds=timeout_s), use_libuv=True
-        )
+        self._store = AuthStore(host, port, credential_from_env(), _dt.timedelta(seconds=timeout_s))
         self.job_start_s: float = float(self.comm.bcast(time.time() if self.rank == 0 else None, root=0))
         self.epoch = -1
         _freeze_startup_objects()
@@ -133,13 +141,19 @@ class Bootstrap:
             _parse_addr(env)
             return env
         addr = None
+        credential = credential_from_env()
         if self.rank == 0:
             single_node = len(set(self.nodes)) == 1
             host = "127.0.0.1" if single_node else socket.gethostbyname(self.node)
-            self._hosted_store = host_store("127.0.0.1" if single_node else "0.0.0.0", 0, self.world_size)
+            credential = credential or secrets.token_hex(32)
+            self._hosted_store = StoreProcess(host, credential=credential)
             addr = f"{host}:{self._hosted_store.port}"
             log.info("rank 0 hosts the rendezvous store at %s (set %s to host it outside the trainers)", addr, STORE_ENV)
-        return str(self.comm.bcast(addr, root=0))
+        # the credential rank 0 drew reaches the others over MPI; it stays in this process's
+        # environment, where later clients of the store (live reconfiguration) find it
+        addr, credential = self.comm.bcast((addr, credential), root=0)
+        os.environ[CREDENTIAL_ENV] = credential
+        return str(addr)
 
     @property
     def device(self) -> torch.device:
@@ -201,26 +215,33 @@ class Bootstrap:
             dist.destroy_process_group()
         if barrier:
             self.comm.Barrier()
-        self._hosted_store = None
+        if self._hosted_store is not None:
+            self._hosted_store.close()
+            self._hosted_store = None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Host a rendezvous store outside the trainers: prints host:port, serves until killed."""
     parser = argparse.ArgumentParser(prog="python -m resihp.trainer_hooks.launch.bootstrap")
-    parser.add_argument("--serve-store", action="store_true", help="host a TCPStore and print its host:port")
+    parser.add_argument("--serve-store", action="store_true",
+                        help="host the job's store and print its host:port (credential: $RESIHP_RANK_TOKEN)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     if not args.serve_store:
         parser.error("nothing to do; pass --serve-store")
-    store = host_store(args.host, args.port)
+    credential = os.environ.get(CREDENTIAL_ENV, "")
+    if not credential:
+        parser.error(f"set ${CREDENTIAL_ENV} (the ranks' credential; never on the command line)")
+    store = host_store(args.host, args.port, credential)
     print(f"{args.host}:{store.port}", flush=True)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         return 0
-
+    finally:
+        store.close()
 
 if __name__ == "__main__":
     sys.exit(main())

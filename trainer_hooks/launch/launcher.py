@@ -26,12 +26,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from resihp.coordinator.model.spec import SpecError
 from resihp.trainer_hooks.launch.hostfile import Host, HostfileError, rank_nodes, read_hostfile, used_hosts
 from resihp.trainer_hooks.launch.rank_env import loopback_ifname
+from resihp.trainer_hooks.launch.supervise import Supervisor, pin_option
 from resihp.trainer_hooks.launch.watch import RESTART_ENV, summarise
 from resihp.trainer_hooks.launch.watch import JobFinishedWatch as _JobFinishedWatch
 from resihp.trainer_hooks.launch.watch import ProgressWatch as _ProgressWatch
@@ -41,6 +42,24 @@ from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, StoreProcess
 # One definition of the fault-tolerant mpirun flags (ULFM, detector thread, a detector
 # timeout long enough for a loaded machine): see trainer_hooks/reconfig/ulfm.py.
 ULFM_FLAGS = list(FT_MPIRUN_ARGS)
+
+
+def coordinator_iteration(address: str, token: str) -> Callable[[], object]:
+    """The coordinator's latest joined iteration (None when it does not answer): the launcher's
+    witness of progress when the run directory takes no writes."""
+    def ask() -> object:
+        import grpc
+
+        from resihp.coordinator.protocol.auth import channel, metadata
+        from resihp.proto import resihp_pb2 as pb
+        from resihp.proto import resihp_pb2_grpc as pbg
+
+        try:
+            with channel(address, "") as chan:
+                return int(pbg.AdminStub(chan).Status(pb.StatusRequest(), metadata=metadata(token), timeout=5).iteration)
+        except grpc.RpcError:
+            return None
+    return ask
 
 
 def find_mpirun() -> str:
@@ -97,7 +116,7 @@ def restart_command(argv: Sequence[str]) -> str:
 
 
 def head_address(given: str) -> str:
-    """The address the other nodes reach this machine on (coordinator and store bind to all)."""
+    """The address the other nodes reach this machine on (coordinator and store bind to it only)."""
     if given:
         return given
     try:
@@ -239,6 +258,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stall-timeout-s", type=float, default=600.0,
                    help="end the job when none of trace.jsonl, progress.jsonl, events.jsonl grew for this long "
                         "(ranks alive but stuck); 0 = never")
+    p.add_argument("--restart-budget", type=int, default=5,
+                   help="how often a dead coordinator or node agent is restarted (each on its former address, "
+                        "with backoff) before the job goes on without it")
     p.add_argument("--probe-every-s", type=float, default=30.0,
                    help="seconds between an idle spare's compute probes (sets $RESIHP_PROBE_EVERY_S for the ranks)")
     p.add_argument("--coordinator-arg", action="append", default=[], help="extra argument for the coordinator")
@@ -274,9 +296,11 @@ def main(argv: list[str]) -> int:
             p.error(str(exc))
     else:
         nodes_of_ranks = tuple(f"node{r // (n // args.nodes)}" for r in range(n))
+    if args.restart_budget < 0:
+        p.error(f"--restart-budget must be >= 0 (0: never restart a daemon), got {args.restart_budget}")
     if not (math.isfinite(args.probe_every_s) and args.probe_every_s > 0):
         p.error(f"--probe-every-s must be a number of seconds > 0, got {args.probe_every_s}")
-    from resihp.coordinator.protocol.auth import generate_token, write_token
+    from resihp.coordinator.protocol.auth import RANK_TOKEN_ENV, generate_token, rank_token, write_token
 
     job = args.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     run = Path(args.run_dir or Path("resihp-runs") / job).resolve()
@@ -300,6 +324,7 @@ def main(argv: list[str]) -> int:
     children: list[subprocess.Popen[bytes]] = []
     mpi: subprocess.Popen[bytes] | None = None
     store: StoreProcess | None = None
+    supervisor: Supervisor | None = None
     shm_dir: Path | None = None
     interrupted = False
 
@@ -310,16 +335,21 @@ def main(argv: list[str]) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         head = head_address(args.head_address) if hosts else "127.0.0.1"
-        coord_log = open(run / "coordinator.log", "ab")
-        coord = subprocess.Popen(
+        supervisor = Supervisor(run / "events.jsonl", job, budget=args.restart_budget)
+        coord_argv = (
             py + ["coordinator", "--run-dir", str(run), "--job", job, "-n", str(n), "--tp", str(tp), "--pp", str(pp),
                   "--dp", str(dp), "--port", "0", "--engine", args.engine,
                   "--heartbeat-timeout-s", str(args.heartbeat_timeout_s), "--rank-nodes", ",".join(nodes_of_ranks)]
-            + (["--host", "0.0.0.0"] if hosts else []) + (["--model", args.model] if args.model else [])
-            + (["--microbatches", str(args.microbatches)] if args.microbatches else []) + args.coordinator_arg,
-            env=env, stdout=coord_log, stderr=subprocess.STDOUT, start_new_session=True)
+            + (["--host", head] if hosts else []) + (["--model", args.model] if args.model else [])
+            + (["--microbatches", str(args.microbatches)] if args.microbatches else []) + args.coordinator_arg)
+        coord = subprocess.Popen(coord_argv, env=env, stdout=open(run / "coordinator.log", "ab"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)
         children.append(coord)
         info = _wait_file(run / "coordinator.json", coord, "the coordinator", 60)
+        # a restarted coordinator binds where this one did: the agents reconnect to the same address
+        coord_argv = pin_option(coord_argv, "--port", info["grpc"].rsplit(":", 1)[1])
+        coord_argv = pin_option(coord_argv, "--metrics-port", info["metrics"].rsplit(":", 1)[1].split("/")[0])
+        supervisor.add("coordinator", coord_argv, env, run / "coordinator.log", coord)
         coordinator = f"{head}:{info['grpc'].rsplit(':', 1)[1]}" if hosts else info["grpc"]
         env["RESIHP_COORDINATOR"] = coordinator
         agent_args = ["agent", "--job", job, "--coordinator", coordinator, "--run-dir", str(run),
@@ -345,24 +375,36 @@ def main(argv: list[str]) -> int:
                                      stderr=subprocess.STDOUT, start_new_session=True)
             children.append(agent)
             hooks.append(_wait_file(run / f"agent-{node}.json", agent, f"agent {node}", 60)["hook"])
+            # restarted on the same hook address, where its ranks' hooks reconnect
+            supervisor.add(f"agent {node}", py + agent_args + ["--node", node, "--hook-address", hooks[-1]], env,
+                           run / f"agent-{node}.log", agent)
         # the rendezvous store lives in its own process: no rank's death takes it down, and
         # every plan epoch (a live reconfiguration, a fail-stop recovery) joins through it
-        store = StoreProcess(host="0.0.0.0") if hosts else StoreProcess()
-        store_addr = f"{head}:{store.port}" if hosts else store.addr
+        # it listens on the one address the ranks reach and answers only the ranks' credential
+        store = StoreProcess(host=head, credential=rank_token(token),
+                             env={k: v for k, v in env.items() if k != "RESIHP_TOKEN"})
+        store_addr = store.addr
+        (run / "store.json").write_text(json.dumps({"addr": store_addr, "pid": store.proc.pid}))
+        def restart_store(store: StoreProcess = store) -> subprocess.Popen[str]:
+            proc = store.restart()
+            (run / "store.json").write_text(json.dumps({"addr": store.addr, "pid": proc.pid}))
+            return proc
+
+        supervisor.add("store", [], env, run / "store.log", store.proc, restart=restart_store)
         rank_env = {**env, "RESIHP_WORLD_SIZE": str(n), "RESIHP_STORE": store_addr, "RESIHP_STORE_ADDR": store_addr,
-                    "RESIHP_PROBE_EVERY_S": str(args.probe_every_s)}
+                    "RESIHP_PROBE_EVERY_S": str(args.probe_every_s), RANK_TOKEN_ENV: rank_token(token)}
         if hosts:  # every node's agent serves on the same local port
             rank_env["RESIHP_AGENT_ADDR"] = f"127.0.0.1:{args.agent_port}"
             where = ["RESIHP_AGENT_ADDR", "PMIX_MCA_gds"]  # remote ranks get only what -x names
         else:
             rank_env.update(RESIHP_AGENT_ADDRS=",".join(hooks), RESIHP_RANKS_PER_NODE=str(n // args.nodes))
             where = ["RESIHP_AGENT_ADDRS", "RESIHP_RANKS_PER_NODE"]
-        rank_env.pop("RESIHP_TOKEN")  # ranks talk to their agent only; they need no token
+        rank_env.pop("RESIHP_TOKEN")  # ranks hold their own credential (store, hook), never the job's token
         rank_env.pop("RESIHP_NODE_NAMES", None)
         # PMIx's shared-memory datastore has crashed ranks inside MPI_Init on oversubscribed
         # machines (open-mpi/ompi#6761); the hash datastore avoids it
         rank_env.setdefault("PMIX_MCA_gds", "hash")
-        names = where + ["RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR", "RESIHP_WORLD_SIZE", "RESIHP_STORE",
+        names = where + [RANK_TOKEN_ENV, "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR", "RESIHP_WORLD_SIZE", "RESIHP_STORE",
                          "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S", RESTART_ENV] + ([MODEL_ENV] if model_json else [])
         if args.torchrun_compat:
             # torchrun's rendezvous, as torchrun itself does it: the script's env:// init joins a
@@ -384,6 +426,8 @@ def main(argv: list[str]) -> int:
             shm_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else run) / f"resihp-{job}"
             shm_dir.mkdir(parents=True, exist_ok=True)
             mca["btl_sm_backing_directory"] = str(shm_dir)
+            if not any("btl" in a for a in args.mpirun_arg):
+                mca["btl"] = "self,sm"  # one node: shared memory; no TCP BTL listening on every interface
         line = mpirun_command(find_mpirun(), n, names, cmd, mca=mca, hostfile=str(run / "hostfile") if hosts else "",
                               extra=args.mpirun_arg)
         print(f"resihp launch: job {job}, run dir {run}\n  coordinator {coordinator} (metrics {info['metrics']})"
@@ -393,10 +437,12 @@ def main(argv: list[str]) -> int:
         seen_ranks = False
         idle_since: float | None = None
         finished = _JobFinishedWatch(run / "events.jsonl")
-        progress = _ProgressWatch(run, args.stall_timeout_s)
+        progress = _ProgressWatch(run, args.stall_timeout_s, ask=coordinator_iteration(coordinator, token))
         stalled: float | None = None
         while mpi.poll() is None and not interrupted:
             time.sleep(0.2)
+            for line in supervisor.poll():
+                print(f"resihp launch: {line}", file=sys.stderr, flush=True)
             live = _rank_processes(mpi.pid)
             seen_ranks = seen_ranks or bool(live)
             if (seen_ranks and not live) or finished.poll():
@@ -427,8 +473,10 @@ def main(argv: list[str]) -> int:
     finally:
         if mpi is not None and mpi.poll() is None:
             _stop(mpi, 2.0, group=True)
-        for child in reversed(children):  # agents first, then the coordinator
-            _stop(child, 5.0, group=True)
+        restarted = [d.proc for d in supervisor.daemons if d.restart_fn is None] if supervisor is not None else []
+        for child in reversed(children + restarted):
+            if child.poll() is None:  # agents first, then the coordinator (restarted ones included)
+                _stop(child, 5.0, group=True)
         if store is not None:
             store.close()
         if shm_dir is not None:

@@ -3,7 +3,9 @@ resihp.trainer_hooks.launch.rank_env -- CMD ...`` sets RANK, LOCAL_RANK, WORLD_S
 LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, TORCHELASTIC_RUN_ID, OMP_NUM_THREADS=1 where
 several ranks share a node and the user set none (as torchrun does), keeps the MASTER_ADDR /
 MASTER_PORT the launcher exported, then execs CMD in the same process (same
-pid: the node agent's pid watch sees the training process itself).
+pid: the node agent's pid watch sees the training process itself). The job's store answers
+only clients with the ranks' credential, so the script's ``env://`` rendezvous is pointed at
+an authenticated client of it (env_rendezvous.py).
 
 A script written for torchrun (``init_process_group("gloo")`` from env://, ``int(os.environ
 ["RANK"])``; nanoGPT decides DDP by whether RANK is set) then runs unmodified under
@@ -88,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankEnvError as exc:
         print(f"resihp rank_env: {exc}", file=sys.stderr)
         return 2
+    from resihp.trainer_hooks.launch.env_rendezvous import site_env
+
+    os.environ.update(site_env(os.environ))  # the script's env:// joins the job's authenticated store
     try:
         os.execvp(args[0], args)
     except OSError as exc:

@@ -70,13 +70,21 @@ class ProgressWatch:
     tests."""
 
     NAMES = ("trace.jsonl", "progress.jsonl", "events.jsonl")
+    ASK_EVERY_S = 5.0  # how often ``ask`` is consulted while no file grows
 
-    def __init__(self, run: Path, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, run: Path, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 ask: Callable[[], object] | None = None) -> None:
+        """``ask``: a second witness, consulted only while no file grows (the coordinator's latest
+        iteration): a run directory that stopped taking writes (disk full, read-only) does not
+        make a training job look stuck."""
         self.run = run
         self.timeout_s = timeout_s
         self.clock = clock
+        self.ask = ask
         self._sizes: tuple[int, ...] = self._measure()
         self._since = clock()
+        self._answer: object = None
+        self._asked = clock()
 
     def _measure(self) -> tuple[int, ...]:
         out = []
@@ -92,6 +100,11 @@ class ProgressWatch:
         now, sizes = self.clock(), self._measure()
         if sizes != self._sizes:
             self._sizes, self._since = sizes, now
+        elif self.ask is not None and now - self._asked >= self.ASK_EVERY_S:
+            self._asked = now
+            answer = self.ask()
+            if answer is not None and answer != self._answer:
+                self._answer, self._since = answer, now
         if self.timeout_s <= 0 or now - self._since < self.timeout_s:
             return None
         return now - self._since

@@ -44,6 +44,7 @@ from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
+from resihp.trainer_hooks.reporting.deaths import DEATHS, DeathNotices, PeerDeclaredDead
 from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.runtime.optim import OptimizerFactory, holds_all, state_names, states_of
@@ -134,21 +135,22 @@ def group_timeout(timeout_s: float | None) -> Iterator[None]:
 
 
 def connect_store(store_addr: str, timeout_s: float) -> Any:
-    """A client of the job's TCPStore (hosted outside the trainers) at ``host:port``."""
+    """A client of the job's store (hosted outside the trainers, launch/store_server.py) at
+    ``host:port``, authenticated with the ranks' credential (``$RESIHP_RANK_TOKEN``)."""
+    from resihp.trainer_hooks.launch.store_client import connect
+
     host, _, port = store_addr.rpartition(":")
     if not host or not port.isdigit():
         raise SpecError(f"reconfigure: store address {store_addr!r} is not host:port")
     if "GLOO_SOCKET_IFNAME" not in os.environ and host in ("127.0.0.1", "localhost"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout_s, 30.0))
-    )
+    return connect(store_addr, timedelta(seconds=max(timeout_s, 30.0)))
 
 
 def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: float, backend: str = "gloo") -> None:
     """(Re)create the default process group of ``size`` ranks under ``resihp/epoch{epoch}/``.
 
-    ``store``: a TCPStore client, or its ``host:port`` (then a new client is made)."""
+    ``store``: a client of the job's store, or its ``host:port`` (then a new client is made)."""
     if dist.is_initialized():
         # the old group's destructor waits ~20 ms for its threads and peers: hold the last
         # reference past destroy_process_group and let it go on the retire thread
@@ -163,6 +165,31 @@ def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: fl
         rank=rank, world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], timeout_s: float,
+                   deaths: DeathNotices = DEATHS) -> None:
+    """Every member of epoch ``epoch`` has reached its switch, before any rank enters gloo's
+    rendezvous (which can only wait out its timeout for a dead peer). Waiting here, a rank
+    stops at once when the coordinator announces one of the members dead (``deaths``, heard
+    on the hook's command thread): ``PeerDeclaredDead``, a peer failure the caller recovers
+    from. A member that never arrives, unannounced, is a "wait timeout" as gloo's would be."""
+    prefix = f"resihp/arrive{epoch}/"
+    store.set(f"{prefix}{rank}", "1")
+    keys = [f"{prefix}{r}" for r in members]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        dead = deaths.dead_among(members, epoch - 1)
+        if dead:
+            raise PeerDeclaredDead(f"rank {rank}: the coordinator declared ranks {dead} dead while epoch {epoch}'s "
+                                   f"switch waited for them")
+        if time.monotonic() > deadline:
+            missing = [r for r in members if not store.check([f"{prefix}{r}"])]
+            raise RuntimeError(f"rank {rank}: wait timeout after {timeout_s:g} s: ranks {missing} did not reach "
+                               f"epoch {epoch}'s switch")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
 
 
 @dataclass
@@ -188,7 +215,7 @@ class LiveReconfigurer:
 
     ``rank``: this process's logical rank; ``members``: logical ranks of the world in group
     order (default: ``range(world)``, identity numbering); ``store_addr``: ``host:port`` of
-    the job's TCPStore (``Bootstrap.info().store_addr``). The default group of the current
+    the job's store (``Bootstrap.info().store_addr``). The default group of the current
     world must exist (``Bootstrap.init_epoch`` or ``init_world``). Given ``runtime`` (e.g.
     ``job.runtime``) it is adopted; otherwise the runtime, or a spare's share of the group
     creation, is built here — collectively, so every rank constructs its reconfigurer at the
@@ -354,6 +381,7 @@ class LiveReconfigurer:
         shards = old_shards if old_shards is not None else (
             runtime_shards(self.runtime) if self.runtime is not None else {})
         step_count = optimizer_steps(self.runtime) if adam_steps is None else adam_steps
+        await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s)
         self._release()
         # 1. regroup: fresh default group under the new epoch's prefix
         self.members = new_members

@@ -10,9 +10,10 @@ allgather on it agrees on the last step every survivor completed and the next pl
 ``bootstrap_gloo`` then builds a torch.distributed gloo group over the survivors with a
 fresh store prefix per epoch.
 
-The TCPStore must not live in a trainer rank (it would die with it): ``StoreProcess``
+The store must not live in a trainer rank (it would die with it): ``StoreProcess``
 starts a small separate process hosting it (``python -m resihp.trainer_hooks.reconfig.ulfm
-serve-store``), as the launcher, the agent or a test does.
+serve-store``), as the launcher, the agent or a test does: launch/store_server.py, bound to the
+one address it is given and answering only clients that hold the ranks' credential.
 
 Ranks are *logical*: a rank keeps its job-wide number across shrinks, and ``MpiWorld.ranks``
 maps new communicator positions back to it (plans and the reshard planner use logical ranks).
@@ -23,11 +24,12 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -101,6 +103,10 @@ def is_peer_failure(exc: BaseException) -> bool:
         MPI = None  # type: ignore[assignment]
     if MPI is not None and isinstance(exc, MPI.Exception):
         return exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+    from resihp.trainer_hooks.reporting.deaths import PeerDeclaredDead
+
+    if isinstance(exc, PeerDeclaredDead):
+        return True
     text = str(exc)
     # "wait timeout": a store rendezvous (e.g. new_group) a dead peer never joins (DistStoreError)
     markers = ("Connection reset", "Connection closed", "Timed out", "Broken pipe", "Socket closed", "pair.cc",
@@ -173,19 +179,18 @@ def shrink(
 def bootstrap_gloo(world: MpiWorld, store_addr: str | None = None, *, timeout_s: float = 5.0) -> GlooWorld:
     """A gloo process group over ``world``'s members, keyed by a fresh per-epoch store prefix.
 
-    ``store_addr`` is ``host:port`` of a TCPStore hosted outside the trainer ranks (default:
-    ``$RESIHP_STORE_ADDR``). Keep ``timeout_s`` short: a rank not directly connected to a dead
-    peer learns of the failure only when its collective times out.
+    ``store_addr`` is ``host:port`` of the job's store, hosted outside the trainer ranks (default:
+    ``$RESIHP_STORE_ADDR``; credential: ``$RESIHP_RANK_TOKEN``). Keep ``timeout_s`` short: a rank
+    not directly connected to a dead peer learns of the failure only when its collective times out.
     """
     import torch.distributed as dist
+
+    from resihp.trainer_hooks.launch.store_client import connect
 
     addr = store_addr or os.environ.get(STORE_ENV)
     if not addr or ":" not in addr:
         raise RecoveryError(f"no store address: pass store_addr='host:port' or set ${STORE_ENV}")
-    host, port = addr.rsplit(":", 1)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout_s, 10.0))
-    )
+    store = connect(addr, timedelta(seconds=max(timeout_s, 10.0)))
     prefix = f"resihp/epoch{world.epoch}/"
     rank = world.comm.Get_rank()
     scoped = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
@@ -202,25 +207,54 @@ def recover(
 
 
 class StoreProcess:
-    """A TCPStore in its own small process, so no trainer's death takes the store with it.
+    """The job's store (launch/store_server.py) in its own small process, so no trainer's death
+    takes it with it. It listens on ``host`` only and answers only clients holding
+    ``credential`` (default: a fresh random one; ``client_env()`` is what a rank needs).
 
     The child exits when this object is closed (its stdin reaches EOF) or its parent dies.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 60.0) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "resihp.trainer_hooks.reconfig.ulfm", "serve-store", "--host", host, "--port", str(port)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 60.0,
+                 credential: str | None = None, env: Mapping[str, str] | None = None) -> None:
+
+        self.credential = credential or secrets.token_hex(32)
+        self.base_env = dict(os.environ if env is None else env)  # e.g. RESIHP_JOB: the job's processes are found by it
+        self.start_timeout_s = start_timeout_s
+        self.host, self.port = host, port
+        self.proc = self._spawn(port)
+
+    def _spawn(self, port: int) -> subprocess.Popen[str]:
+        from resihp.trainer_hooks.launch.store_server import CREDENTIAL_ENV
+
+        proc = subprocess.Popen(  # the credential travels in the environment, never on the command line
+            [sys.executable, "-m", "resihp.trainer_hooks.reconfig.ulfm", "serve-store", "--host", self.host,
+             "--port", str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**self.base_env, CREDENTIAL_ENV: self.credential},
         )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], self.start_timeout_s)
+        line = proc.stdout.readline() if ready else ""
         if not line:
-            self.close()
-            raise RecoveryError(f"the store process did not report its address within {start_timeout_s} s")
+            proc.kill()
+            proc.wait()
+            raise RecoveryError(f"the store process did not report its address within {self.start_timeout_s} s")
         info = json.loads(line)
-        self.host: str = info["host"]
-        self.port: int = info["port"]
+        self.host = str(info["host"])
+        self.port = int(info["port"])
+        return proc
+
+    def restart(self) -> subprocess.Popen[str]:
+        """A fresh store on the same address and credential, after this one died: clients
+        reconnect to it (store_client.AuthStore); what the old one held is gone, so rendezvous
+        in flight fail as a peer failure would, and the next epoch starts from an empty store."""
+        self.proc = self._spawn(self.port)
+        return self.proc
+
+    def client_env(self) -> dict[str, str]:
+        """The variables a rank needs to use this store: its address and the credential."""
+        from resihp.trainer_hooks.launch.store_server import CREDENTIAL_ENV
+
+        return {STORE_ENV: self.addr, CREDENTIAL_ENV: self.credential}
 
     @property
     def addr(self) -> str:
@@ -245,20 +279,15 @@ class StoreProcess:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m resihp.trainer_hooks.reconfig.ulfm")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    serve = sub.add_parser("serve-store", help="host a TCPStore until stdin closes; print {host, port} as JSON")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve = sub.add_parser("serve-store", help="host the job's store until stdin closes; print {host, port} as JSON "
+                                               "(credential: $RESIHP_RANK_TOKEN)")
+    serve.add_argument("--host", default="127.0.0.1", help="the one address it listens on")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port")
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
+    from resihp.trainer_hooks.launch import store_server
 
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        args.host, args.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    print(json.dumps({"host": args.host, "port": store.port}), flush=True)
-    sys.stdin.read()  # serve until the parent closes our stdin (or dies)
-    return 0
-
+    return store_server.main(["--host", args.host, "--port", str(args.port)])
 
 if __name__ == "__main__":
     sys.exit(main())

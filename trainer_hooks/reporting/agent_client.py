@@ -22,8 +22,10 @@ import grpc
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import codec, wire
 from resihp.coordinator.protocol import messages as m
+from resihp.coordinator.protocol.auth import metadata, rank_token_from_env
 from resihp.proto import resihp_pb2 as pb
 from resihp.proto import resihp_pb2_grpc as pbg
+from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.notices import NoticeHandler, exit_on_peer_failure_default
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
 
@@ -60,12 +62,14 @@ class AgentClient:
                  flush_s: float = 0.25, connect_timeout_s: float = 2.0, retry_s: float = 2.0,
                  clock: Callable[[], float] = time.time, urgent_factor: float = 1.3, *, reshapes: bool = False,
                  model_json: str = "", on_notice: NoticeCallback | None = None,
-                 exit_on_peer_failure: bool | None = None) -> None:
+                 exit_on_peer_failure: bool | None = None, credential: str | None = None) -> None:
         """``reshapes``: this rank's runtime applies a ReconfigCommand (live reconfiguration is
         installed); False = the job is only observed. ``model_json``: the ModelSpec it trains, as
         JSON. ``on_notice``: replaces the default notice handler. ``exit_on_peer_failure``: end
         this process (code 75) when a peer dies; None = $RESIHP_EXIT_ON_PEER_FAILURE, else on
-        exactly when the rank does not reshape (docs/control-plane.md, "Observe-only jobs")."""
+        exactly when the rank does not reshape (docs/control-plane.md, "Observe-only jobs").
+        ``credential``: the ranks' credential the agent asks for (default: ``$RESIHP_RANK_TOKEN``,
+        else derived from ``$RESIHP_TOKEN``; none where neither is set)."""
         self.rank = rank
         self.local_rank = local_rank
         self.address = address or ""
@@ -107,6 +111,7 @@ class AgentClient:
         self._acked: dict[int, m.Ack] = {}  # seq -> our ack, to answer re-deliveries
         self._last_seq = 0
         self._warned = False
+        self._md = metadata(rank_token_from_env() if credential is None else credential)  # on every call
         self._channel: grpc.Channel | None = None
         self._stub: pbg.HookStub | None = None
         self._threads: list[threading.Thread] = []
@@ -147,7 +152,7 @@ class AgentClient:
         try:
             self._stub.Hello(pb.HookHello(rank=self.rank, local_rank=self.local_rank, pid=os.getpid(), job=self.job,
                                           reshapes=self.reshapes, model_json=self.model_json),
-                             timeout=self.connect_timeout_s)
+                             timeout=self.connect_timeout_s, metadata=self._md)
         except grpc.RpcError as exc:
             self.connected.clear()
             self._warn(f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
@@ -170,7 +175,7 @@ class AgentClient:
                 self._drained.wait(deadline - time.monotonic())  # set by the send loop when both are empty
             if clean:
                 try:
-                    self._stub.Leave(pb.Goodbye(rank=self.rank, pid=os.getpid()), timeout=timeout)
+                    self._stub.Leave(pb.Goodbye(rank=self.rank, pid=os.getpid()), timeout=timeout, metadata=self._md)
                 except grpc.RpcError:
                     pass
         self._stop.set()
@@ -192,7 +197,9 @@ class AgentClient:
         self.iteration = iteration
         if len(self._reports) >= self.queue_size:
             self.dropped += 1
-            return False
+            if self.connected.is_set():
+                return False
+            self._reports.popleft()  # agent away (restarting): keep the newest for the replay
         typical = self._typical_step
         if typical > 0 and step_s > typical * self.urgent_factor:
             self._hurry.set()  # a slow step is news: skip the flush wait (see _linger)
@@ -232,13 +239,13 @@ class AgentClient:
         """Keep one ReportStream open to the agent; reopen it (quietly) when it breaks."""
         while not self._stop.is_set():
             if not self.connected.is_set() and not self._hello():
-                self._reports.clear()  # nobody to send to; the queue must not grow stale
+                # the bounded queue is kept (oldest dropped first): a restarted agent gets it replayed
                 self._stop.wait(self.retry_s)
                 continue
             self._generation += 1
             try:
                 assert self._stub is not None
-                self._stub.ReportStream(self._batches(self._generation))
+                self._stub.ReportStream(self._batches(self._generation), metadata=self._md)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # type: ignore[attr-defined]
                     log.error("resihp: agent refused a report from rank %d: %s", self.rank,
@@ -296,7 +303,7 @@ class AgentClient:
         while self._acks:
             a = self._acks[0]
             assert self._stub is not None
-            self._stub.Acknowledge(codec.ack_to_pb(a), timeout=5)
+            self._stub.Acknowledge(codec.ack_to_pb(a), timeout=5, metadata=self._md)
             self._acks.popleft()
 
     def _command_loop(self) -> None:
@@ -305,7 +312,7 @@ class AgentClient:
             if self._stub is None:
                 return
             try:
-                call = self._stub.Commands(pb.CommandsRequest(rank=self.rank, after_seq=self._last_seq))
+                call = self._stub.Commands(pb.CommandsRequest(rank=self.rank, after_seq=self._last_seq), metadata=self._md)
                 self._cmd_call = call
                 for msg in call:
                     backoff = 0.05
@@ -340,6 +347,7 @@ class AgentClient:
             self._hurry.set()
             return
         self._commands.append(cmd)
+        DEATHS.note(cmd)  # heard now, even while the main thread is blocked in a switch
         if self.on_command is not None:
             try:
                 self.on_command(cmd)

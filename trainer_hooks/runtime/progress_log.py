@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 from resihp.coordinator.model.plan import Plan
 
 PROGRESS_ENV = "RESIHP_PROGRESS"
+log = logging.getLogger(__name__)
 
 
 def loss_rank(plan: Plan) -> int:
@@ -24,9 +26,16 @@ class ProgressLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.unwritten = 0  # lines the file could not take (disk full, read-only)
 
     def write(self, record_type: str, /, **fields: Any) -> None:
         line = json.dumps({"type": record_type, "time": round(time.time(), 6), **fields}, separators=(",", ":"))
-        with open(self.path, "a", encoding="utf-8") as fh:  # O_APPEND: short lines from several ranks interleave whole
-            fh.write(line + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as fh:  # O_APPEND: short lines from several ranks interleave whole
+                fh.write(line + "\n")
+        except OSError as exc:  # a log the disk will not take must never stop training
+            self.unwritten += 1
+            if self.unwritten == 1:
+                log.error("resihp: the progress log %s cannot be written (%s); training goes on without it",
+                          self.path, exc)
 

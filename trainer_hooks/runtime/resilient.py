@@ -34,17 +34,19 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.exit_status import leave_now
 from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, holding_of
 from resihp.trainer_hooks.reconfig.failstop import StepGuard
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, connect_store
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld
+from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.groups import retire
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
 from resihp.trainer_hooks.runtime.progress_log import ProgressLog
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 END_TAG = 4243  # members -> spares: the job reached its last step
+FENCED_EXIT_CODE = 75  # a rank declared dead that woke up (it is SIGKILLed; the code is for a bare os exit)
 
 
 @dataclass
@@ -200,7 +203,8 @@ class Resilience(FailStopRecovery):
         failure: BaseException | None = None
         self._tried_epoch = max(self._tried_epoch, cmd.epoch)
         try:
-            report = self.rc.apply(cmd.plan, cmd.epoch)
+            with CURSOR.op("collective", f"switch to epoch {cmd.epoch}"):  # a hang here is located too
+                report = self.rc.apply(cmd.plan, cmd.epoch)
         except Exception as exc:  # noqa: BLE001 - a peer died during the switch: recover instead
             if not is_failure(exc):
                 raise
@@ -294,6 +298,15 @@ class Resilience(FailStopRecovery):
                     self.world.comm.send(total, dest=comm_of[r], tag=END_TAG)
                 except Exception as exc:  # noqa: BLE001 - a dead spare needs no goodbye
                     log.warning("rank %d: could not tell spare %d the job ended: %s", self.rc.rank, r, exc)
+
+
+def fenced_exit(rank: int, cmd: m.ReconfigCommand) -> NoReturn:
+    """This rank was declared dead (it was stopped or stuck long enough for the job to go on
+    without it) and has woken up: its epoch is stale. It leaves at once, touching no shared
+    state — the survivors hold the job's state now."""
+    log.error("rank %d: this rank was declared dead and fenced (epoch %d: %s); its state is stale, the job "
+              "went on without it: exiting without touching shared state", rank, cmd.epoch, cmd.reason[:200])
+    leave_now(FENCED_EXIT_CODE, as_failed_process=True)
 
 
 def switch_key(epoch: int) -> str:

@@ -271,7 +271,8 @@ class Runtime:
         self._sync_gradients(log)
         loss = self._global_loss(local_loss)
         start = log.clock.mark()
-        self.optimizer.step()
+        with CURSOR.op("compute", "optimizer step"):
+            self.optimizer.step()
         log.add_marks("OPT", -1, start, log.clock.mark())
         time_s = log.finish()
         return StepResult(

@@ -1,0 +1,1 @@
+"""Put on a torchrun-style rank's PYTHONPATH by launch/rank_env.py; see env_rendezvous.py."""

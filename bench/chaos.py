@@ -355,15 +355,15 @@ def judge(sc: Scenario, run: Path, out: str, rc: int | None, steps: int, ref_los
             "fuzz": fuzz, "wall_s": round(time.time() - t0, 1), "survived": survived, "run_dir": str(run)}
 
 
-def reference(steps: int, root: Path) -> float | None:
-    ref = root / "reference"
+def reference(steps: int, root: Path, name: str = "reference") -> float | None:
+    ref = root / name
     ref.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
     env["RESIHP_PROGRESS"] = str(ref / "progress.jsonl")
     (ref / "progress.jsonl").unlink(missing_ok=True)
     subprocess.run([sys.executable, str(SCRIPT), "--steps", str(steps), "--seq", str(SEQ), "--microbatches",
                     str(MICROBATCHES), "--seed", "0", "--log-every", "1000000"], env=env, check=True,
-                   capture_output=True, timeout=600)
+                   capture_output=True, timeout=1200)
     return final_loss(ref, "", steps - 1)
 
 
@@ -389,12 +389,35 @@ def security_checks(steps: int, root: Path, fuzz_cases: int) -> dict[str, Any]:
         out["fuzz_s"] = round(time.perf_counter() - t, 1)
         out["fuzz"] = res.to_dict()
 
+    # the job trains until the checks are done, then the operator drains it: its losses up to
+    # there must be the reference's, and no rank may have been declared dead
+    long_steps = 600
+    def act_then_drain(run: Path, job: str) -> None:
+        act(run, job)
+        drain(run)
+
     sc = Scenario("security", "no fault: sockets, unauthenticated requests and fuzzing against the live job",
-                  at_step=4, act=act)
-    ref = reference(steps, root)
-    row = run_one(sc, steps, root, ref)
+                  at_step=4, act=act_then_drain)
+    reference(long_steps, root, "reference-security")
+    row = run_one(sc, long_steps, root, None)
     row.update(out)
+    run = Path(row["run_dir"])
+    done = steps_done(run, (run / "launch.out").read_text())
+    last = max(done, default=-1)
+    ref = {int(r["step"]): float(r["loss"]) for r in read_jsonl(root / "reference-security" / "progress.jsonl")
+           if r.get("type") == "step"}
+    loss = final_loss(run, "", last)
+    row["steps_done"] = last + 1
+    row["steps_lost"] = len(set(range(last + 1)) - done)
+    row["loss_delta"] = abs(loss - ref[last]) / abs(ref[last]) if loss is not None and last in ref else None
+    row["survived"] = (row["rc"] == 0 and row["steps_lost"] == 0 and not row["ranks_declared_dead"]
+                       and row["loss_delta"] is not None and row["loss_delta"] <= LOSS_GOAL and not row["orphans"])
     return row
+
+
+def drain(run: Path) -> None:
+    subprocess.run([sys.executable, "-m", "resihp.cli", "admin", "drain", "--reason", "chaos checks done",
+                    "--run-dir", str(run)], capture_output=True, timeout=60, check=True)
 
 
 def main(argv: list[str]) -> int:

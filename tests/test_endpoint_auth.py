@@ -278,3 +278,39 @@ def test_a_launched_job_serves_only_authenticated_callers_and_only_mpi_listens_o
         launch.send_signal(signal.SIGINT)
         out, _ = launch.communicate(timeout=90)
     assert launch.returncode is not None, out[-3000:]
+
+
+def test_connections_that_never_authenticate_are_capped_and_the_store_keeps_serving() -> None:
+    """A peer that opens many connections and says nothing holds at most MAX_PENDING_HANDSHAKES
+    threads; the rest are closed at once, and a rank with the credential still gets in."""
+    import socket as _socket
+
+    from resihp.trainer_hooks.launch import store_server as ss
+    from resihp.trainer_hooks.launch.store_client import AuthStore
+
+    server = ss.StoreServer("127.0.0.1", 0, "k" * 64).start()
+    idle = []
+    try:
+        for _ in range(ss.MAX_PENDING_HANDSHAKES + 40):
+            idle.append(_socket.create_connection(("127.0.0.1", server.port)))
+        closed = 0
+        for c in idle:
+            c.settimeout(5.0)
+            try:
+                if c.recv(1) == b"":
+                    closed += 1
+            except TimeoutError:
+                pass  # held in its handshake: one of the capped pending ones
+            if closed >= 40:
+                break
+        assert closed >= 40
+        for c in idle:  # the capped ones give up; a ranked client gets in right after
+            c.close()
+        client = AuthStore("127.0.0.1", server.port, "k" * 64)
+        client.set("x", "1")
+        assert client.get("x") == b"1"
+        client.close()
+    finally:
+        for c in idle:
+            c.close()
+        server.close()

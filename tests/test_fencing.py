@@ -160,3 +160,19 @@ def _drain(conn: AgentConn) -> list[m.CoordinatorBatch]:
         if b is not None:
             out.append(b)
     return out
+
+
+def test_the_coordinator_follows_trainers_that_moved_to_a_newer_epoch_on_their_own(tmp_path: Path) -> None:
+    """A recovery with nobody lost (the store restarted under a boundary's agreement) gives the
+    trainers a new epoch with the same layout; their reports are taken, not dropped as from an
+    unknown epoch (which had stopped the iterations and made a live rank look hung)."""
+    from test_coordinator import _rep
+
+    core, t = _clocked_core(tmp_path, Plan.uniform(1, 2, 2, 8, 4))
+    conn = core.register(m.Registration("n0", "job", tuple(m.LocalRank(r, r, 100 + r, True) for r in range(4))))[0]
+    core.on_batch(conn, m.AgentBatch(reports=(_rep(0, 3, epoch=1),)))
+    assert core.epoch == 1 and core.plan.epoch == 1 and core.ranks[0].iteration == 3
+    assert [e["event"] for e in core.events.since(0, 100)].count("epoch-adopted") == 1
+    core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(3, 103, 1.0, -9),)))
+    cmd = next(c for b in _drain(conn) for c in b.commands if isinstance(c, m.ReconfigCommand))
+    assert cmd.epoch == 2  # newer than what the trainers run

@@ -234,11 +234,11 @@ def test_a_stopped_rank_is_fenced_by_its_agent_and_the_survivors_finish_every_st
     no-progress verdict is enforced: its agent SIGKILLs it, so MPI's shrink stops waiting for it;
     the survivors recover and train every step (before, they waited forever in the shrink)."""
     run = tmp_path / "run"
-    script = Path(__file__).with_name("mpi_scripts") / "rank_stops.py"
+    script = Path(__file__).with_name("mpi_scripts") / "rank_raises.py"
     done = subprocess.run(
         [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8",
          "--gpu-sampler", "off", "--run-dir", str(run), "--stall-timeout-s", "120", "--",
-         sys.executable, str(script), "24", "3", "8"],
+         sys.executable, str(script), "24", "3", "8", "stop"],
         capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "survived 1 failed rank(s):\n  rank 3: no iteration for" in out, out[-3000:]

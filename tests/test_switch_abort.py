@@ -26,6 +26,7 @@ def test_only_fail_stop_plans_newer_than_the_wait_name_the_dead() -> None:
     assert d.dead_among([0, 1, 2, 3], 1) == []
     d.note(_cmd(2, without_3, "fail-stop of ranks [3]; full-replan"))
     assert d.dead_among([0, 1, 2, 3], 1) == [3]
+    assert m.failed_ranks("fail-stop of ranks [6, 7]; x") == (6, 7) and m.failed_ranks("fail-slow of ranks [2]") == ()
     assert d.dead_among([0, 1, 2, 3], 2) == []  # the switch to epoch 2 itself leaves 3 out on purpose
     d.clear()
     assert d.dead_among([0, 1, 2, 3], 1) == []
@@ -65,8 +66,10 @@ def test_a_rank_hears_of_its_own_death_whatever_its_main_thread_does() -> None:
     d = DeathNotices()
     heard: list[int] = []
     d.on_own_death(3, lambda cmd: heard.append(cmd.epoch))
-    d.note(_cmd(2, Plan.uniform(1, 2, 2, 6, 4), "fail-stop of ranks [1]; full-replan"))  # 0..3 all left
+    d.note(_cmd(2, Plan.uniform(1, 2, 2, 6, 4), "fail-stop of ranks [1]; full-replan"))
     d.note(_cmd(3, Plan.uniform(1, 3, 1, 6, 4), "operator excluded rank 3"))  # a planned switch: alive
+    # left out of a fail-stop plan while excluded is not dead (it was killed for that once)
+    d.note(_cmd(4, Plan.uniform(1, 2, 1, 6, 4), "fail-stop of ranks [2]; ranks [3] were excluded by the operator"))
     assert heard == []
-    d.note(_cmd(4, Plan.uniform(1, 3, 1, 6, 4), "fail-stop of ranks [3]; full-replan"))
-    assert heard == [4]
+    d.note(_cmd(5, Plan.uniform(1, 3, 1, 6, 4), "fail-stop of ranks [2, 3]; full-replan"))
+    assert heard == [5]

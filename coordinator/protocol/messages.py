@@ -6,6 +6,7 @@ the sender's wall clock (Unix epoch) unless a field says otherwise. Pure: no grp
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,16 @@ class AgentBatch:
     # the agent's fast path: reports already validated by the codec, forwarded in their wire
     # form (protobuf ``RankReport``) instead of being converted back; opaque outside codec.py
     raw_reports: tuple[Any, ...] = ()
+
+
+FAILED_PREFIX = re.compile(r"^fail-stop of ranks \[([0-9, ]*)\]")
+
+
+def failed_ranks(reason: str) -> tuple[int, ...]:
+    """The ranks a fail-stop plan's reason names as dead (``fail-stop of ranks [6, 7]; …``); ()
+    for any other plan. Left out of a plan is not dead: an excluded rank is alive."""
+    found = FAILED_PREFIX.match(reason)
+    return tuple(int(x) for x in found.group(1).split(",") if x.strip()) if found else ()
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,8 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow, FenceFlow):
     def _on_report(self, conn: AgentConn, rep: m.RankReport, now: float) -> None:
         if not self._valid_item(rep.rank, "report"):
             return
+        if rep.epoch > self.epoch and self.pending is None and rep.epoch <= self.epoch + 8:
+            self._trainers_epoch(rep.epoch, now)
         if rep.epoch > self.epoch:
             self.metrics.inc("resihp_requests_invalid_total", 1, {"job": self.config.job, "kind": "epoch"})
             log.warning("dropped report of rank %d: unknown epoch %d (current %d)", rep.rank, rep.epoch, self.epoch)

@@ -14,7 +14,8 @@ the plan.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
@@ -38,6 +39,13 @@ class FenceFlow:
     plan: Plan
     _progress_at: float | None
     fences: dict[int, m.KillOrder]  # rank -> the order, until its process is seen gone
+    epoch: int
+    last_iteration: int
+    joiner: Any
+    journal: Any
+
+    if TYPE_CHECKING:
+        def _adopt(self, plan: Plan, first: int, now: float) -> None: ...
     lost_agents: dict[str, float]  # node -> when its agent's stream ended (coordinator clock)
 
     def _agent_on(self, node: str) -> AgentConn | None:
@@ -143,3 +151,19 @@ class FenceFlow:
                 if now - since <= grace:
                     out.add(r)
         return out
+
+    # --- the trainers' own epochs -------------------------------------------------------------
+    def _trainers_epoch(self, epoch: int, now: float) -> None:
+        """The trainers moved to a newer epoch on their own: a recovery in which nobody died (the
+        store restarted under a boundary's agreement) or no plan came from this coordinator. They
+        keep the layout; the coordinator takes their epoch, so its reports are joined again and
+        its next command is newer than what the trainers run."""
+        old = self.epoch
+        self.epoch = epoch
+        self.plan = replace(self.plan, epoch=epoch)
+        self.joiner.add_plan(self.plan)
+        self.journal.plan(self.plan)
+        self._adopt(self.plan, max(self.last_iteration, 0), now)
+        self.events.emit("epoch-adopted", epoch=epoch,
+                         reason=f"the trainers run epoch {epoch} (this coordinator was at {old}): they recovered "
+                                f"without a plan from it; it follows them with the same layout")

@@ -143,7 +143,7 @@ class PlanFlow:
         self.seq += 1
         reason = why
         lost = sorted(r for r in (*self.plan.ranks(), *self.plan.spares) if self.ranks[r].dead and not plan.has_rank(r))
-        if lost and not reason.startswith("fail-stop"):
+        if lost and not reason.startswith(f"fail-stop of ranks {lost}"):
             # the trainers recognise a plan that replaces dead ranks by this prefix: they apply it
             # through their fail-stop recovery (shrink the world first), not as a planned switch
             reason = f"fail-stop of ranks {lost}; {reason}"
@@ -276,7 +276,8 @@ class PlanFlow:
         without every dead rank is commanded at once — one recovery for both deaths, not a
         wait for the first plan's ack timeout. False when the outstanding plan does not need it."""
         pend = self.pending
-        if pend is None or not any(pend.command.plan.has_rank(r) for r in f.ranks):
+        needed = set(pend.command.plan.ranks()) | set(pend.command.plan.spares) if pend is not None else set()
+        if pend is None or not needed.intersection(f.ranks):  # its members and spares all join the switch
             return False
         self.pending = None
         if pend.adopted_at is not None:  # its ranks already run it: re-plan from it

@@ -38,6 +38,7 @@ MAGIC = b"RESIHP-STORE/1\n"
 NONCE_BYTES = 32
 MAX_FRAME_BYTES = 64 << 20  # a value of the store (gloo addresses, NCCL ids, plans) is far smaller
 HANDSHAKE_TIMEOUT_S = 10.0
+MAX_PENDING_HANDSHAKES = 128  # connections past this, not yet authenticated, are closed at once
 CREDENTIAL_ENV = "RESIHP_RANK_TOKEN"  # also coordinator.protocol.auth.RANK_TOKEN_ENV
 
 OK, ERR, TIMEOUT = b"ok", b"err", b"timeout"
@@ -195,6 +196,7 @@ class StoreServer:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept_loop, name="resihp-store", daemon=True)
 
     def start(self) -> StoreServer:
@@ -207,15 +209,30 @@ class StoreServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="resihp-store-conn", daemon=True).start()
+            # connections not yet authenticated are capped: a peer that opens many and says
+            # nothing cannot exhaust threads (authenticated ranks hold their own, few)
+            if not self._pending.acquire(blocking=False):
+                self.refused += 1
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="resihp-store-conn", daemon=True).start()
+            except RuntimeError:  # can't start a new thread: refuse this one, keep accepting
+                self._pending.release()
+                self.refused += 1
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.add(conn)
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)  # a client that says nothing does not hold a thread for ever
-            if not server_handshake(conn, self._credential):
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)  # a client that says nothing does not hold a thread for ever
+                ok = server_handshake(conn, self._credential)
+            finally:
+                self._pending.release()
+            if not ok:
                 self.refused += 1
                 return
             conn.settimeout(None)

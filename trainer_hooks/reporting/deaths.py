@@ -1,9 +1,10 @@
 """Deaths the coordinator announced, heard on the hook's command thread while the main thread
 may be blocked waiting for a peer in a switch's rendezvous (trainer_hooks/reconfig/live.py).
 
-A fail-stop plan (its reason starts "fail-stop") names who is left: every rank of the plan and
-its spares. A rank waiting for peers of an older epoch that such a plan leaves out waits for
-the dead: it stops waiting at once instead of at its timeout. Pure Python, thread-safe.
+A fail-stop plan names the dead in its reason (``fail-stop of ranks [6, 7]; …``, the prefix
+the coordinator gives every plan that replaces dead ranks; a rank merely left out, e.g.
+excluded by the operator, is alive). A rank waiting for peers of an older epoch that such a
+plan names dead stops waiting at once instead of at its timeout. Pure Python, thread-safe.
 """
 from __future__ import annotations
 
@@ -20,37 +21,39 @@ class PeerDeclaredDead(RuntimeError):
 class DeathNotices:
     def __init__(self, keep: int = 64) -> None:
         self._lock = threading.Lock()
-        self._left: list[tuple[int, frozenset[int]]] = []  # (epoch, ranks left) of fail-stop plans
+        self._dead: list[tuple[int, frozenset[int]]] = []  # (epoch, ranks named dead) of fail-stop plans
         self._keep = keep
         self._own: tuple[int, Callable[[m.ReconfigCommand], None]] | None = None
 
     def on_own_death(self, rank: int, callback: Callable[[m.ReconfigCommand], None]) -> None:
-        """Call ``callback`` (on the command thread) when a fail-stop plan leaves ``rank`` out: this
+        """Call ``callback`` (on the command thread) when a fail-stop plan names ``rank`` dead: this
         process was declared dead — e.g. it was stopped long enough for the job to go on without
         it and woke up — whatever its main thread is blocked in."""
         self._own = (rank, callback)
 
     def note(self, cmd: m.Command) -> None:
-        if not isinstance(cmd, m.ReconfigCommand) or not cmd.reason.startswith("fail-stop"):
+        if not isinstance(cmd, m.ReconfigCommand):
             return
-        left = frozenset(cmd.plan.ranks()) | frozenset(cmd.plan.spares)
+        dead = frozenset(m.failed_ranks(cmd.reason))
+        if not dead:
+            return
         with self._lock:
-            self._left.append((cmd.epoch, left))
-            del self._left[:-self._keep]
+            self._dead.append((cmd.epoch, dead))
+            del self._dead[:-self._keep]
             own = self._own
-        if own is not None and own[0] not in left:
+        if own is not None and own[0] in dead:
             own[1](cmd)
 
     def dead_among(self, waited_for: Iterable[int], epoch: int) -> list[int]:
-        """The ranks of ``waited_for`` that a fail-stop plan newer than ``epoch`` leaves out."""
+        """The ranks of ``waited_for`` that a fail-stop plan newer than ``epoch`` names dead."""
         ranks = set(waited_for)
         with self._lock:
-            gone = {r for e, left in self._left if e > epoch for r in ranks - left}
+            gone = {r for e, dead in self._dead if e > epoch for r in ranks & dead}
         return sorted(gone)
 
     def clear(self) -> None:
         with self._lock:
-            self._left.clear()
+            self._dead.clear()
             self._own = None
 
 

@@ -176,7 +176,9 @@ class FailStopRecovery:
         the deterministic survivor rule."""
         payload: dict[str, Any] | None = None
         if world.comm.Get_rank() == 0:
-            cmd = self._wait_coordinator_plan(world)
+            # nobody lost (e.g. the store was restarted under a boundary's agreement): no plan is
+            # coming from the coordinator, which saw no death; the same layout on a new epoch
+            cmd = self._wait_coordinator_plan(world) if world.failed else None
             if cmd is not None:
                 payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator", "seq": cmd.seq}
             else:
@@ -186,6 +188,9 @@ class FailStopRecovery:
         payload = world.comm.bcast(payload, root=0)
         assert payload is not None
         plan = replace(Plan.from_dict(payload["plan"]), epoch=int(payload["epoch"]))
+        # a spare that died since the plan was made (a planned switch's plan, its spare killed
+        # inside it) is simply no spare any more: every survivor drops it alike
+        plan = replace(plan, spares=tuple(r for r in plan.spares if r in world.ranks))
         self._adopted_seq = payload.get("seq")
         log.info("rank %d: recovery plan from the %s: %s", self.rc.rank, payload["source"], plan.describe())
         return plan

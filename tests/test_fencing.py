@@ -115,8 +115,10 @@ def test_a_rank_declared_dead_that_shows_up_again_is_fenced_again(tmp_path: Path
 
 def test_the_agent_fences_by_pid_only_a_process_of_its_own_job(tmp_path: Path) -> None:
     env = {**os.environ, "RESIHP_JOB": "job-fence-test"}
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], env=env,
+                            stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"  # exec'd: /proc shows its own environ
         assert is_job_process(proc.pid, "job-fence-test")
         assert not is_job_process(proc.pid, "another-job")
         assert not is_job_process(os.getpid(), "job-fence-test")

@@ -241,3 +241,46 @@ def test_daemon_processes_survive_a_burst(tmp_path: Path) -> None:
     finally:
         codes = cluster.close()
     assert set(codes) == {"coordinator", "agent-n0"}
+
+
+def test_an_asyncio_stream_both_ways_answers_invalid_argument_at_the_undecodable_message() -> None:
+    """decode_guard's asyncio wrapper for a stream in both directions (none of resihp's asyncio
+    services has one today; the Coordinator's Stream, served here on an asyncio server, has):
+    the good message before the bad one is answered, then the call ends INVALID_ARGUMENT."""
+    import asyncio
+
+    import grpc
+    import grpc.aio
+
+    from resihp.coordinator.protocol.decode_guard import add_servicer
+    from resihp.proto import resihp_pb2 as pb
+    from resihp.proto import resihp_pb2_grpc as pbg
+
+    class Echo(pbg.CoordinatorServicer):
+        async def Stream(self, request_iterator, context):  # type: ignore[no-untyped-def,override]
+            async for _ in request_iterator:
+                yield pb.CoordinatorMessage()
+
+    async def run() -> tuple[int, grpc.StatusCode, str]:
+        server = grpc.aio.server()
+        add_servicer(pbg.add_CoordinatorServicer_to_server, Echo(), server, aio=True)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+                call = chan.stream_stream("/resihp.v1.Coordinator/Stream", request_serializer=None,
+                                          response_deserializer=None)(
+                    iter([pb.AgentMessage(node="n0").SerializeToString(), b"\xff\xff\xff"]))
+                got = 0
+                try:
+                    async for _ in call:
+                        got += 1
+                except grpc.aio.AioRpcError as exc:
+                    return got, exc.code(), exc.details() or ""
+                return got, grpc.StatusCode.OK, ""
+        finally:
+            await server.stop(None)
+
+    got, code, details = asyncio.run(run())
+    assert got == 1 and code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Coordinator/Stream is not a valid message" in details

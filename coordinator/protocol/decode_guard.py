@@ -87,11 +87,16 @@ def _aio(h: Any) -> Any:
             return await inner(checked(requests, context), context)
         return run
 
-    if h.stream_stream:
-        raise NotImplementedError("no asyncio service of resihp streams both ways")
+    def stream_gen(inner: Behavior) -> Behavior:
+        async def run(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async for item in inner(checked(requests, context), context):
+                yield item
+        return run
+
     return h._replace(
         unary_unary=h.unary_unary and unary(h.unary_unary), unary_stream=h.unary_stream and unary_gen(h.unary_stream),
-        stream_unary=h.stream_unary and stream(h.stream_unary))
+        stream_unary=h.stream_unary and stream(h.stream_unary),
+        stream_stream=h.stream_stream and stream_gen(h.stream_stream))
 
 
 class _Capture:

@@ -384,21 +384,6 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow, FenceFlow):
         if audited is not None:
             self._on_audit(*audited, now)
 
-    def _on_heartbeat(self, conn: AgentConn, hb: m.AgentHeartbeat, now: float) -> None:
-        conn.sampler_degraded, conn.sampler_status = hb.sampler_degraded, hb.sampler_status
-        self.metrics.set("resihp_agent_sampler_degraded", 1 if hb.sampler_degraded else 0,
-                         {"node": conn.node, "job": self.config.job})
-        for rh in hb.ranks:
-            if not self._valid_item(rh.rank, "heartbeat"):
-                continue
-            seen = now - max(0.0, hb.time_s - rh.time_s)  # age on the agent's clock, skew-free
-            info = self.ranks[rh.rank]
-            if info.last_seen is None or seen > info.last_seen:
-                # Liveness is the control plane's own clock (tick); per-rank beats are not fed to the
-                # engine: at 1,024 ranks its per-beat timeout scan would dominate the coordinator.
-                info.last_seen = seen
-                info.op, info.op_at = rh.op, seen
-
     def _on_exit(self, ex: m.RankExit, now: float) -> None:
         info = self.ranks[ex.rank]
         if ex.pid and info.pid and ex.pid != info.pid:
@@ -493,17 +478,7 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow, FenceFlow):
             found = self.engine.tick(now)
             unjudged = self._unjudged(now)  # ranks of a lost agent, in its grace
             found += [] if unjudged & set(self.plan.ranks()) else self._hung(now)
-            timeout = float(self.policy["heartbeat_timeout_s"])
-            for r, info in self.ranks.items():
-                if info.dead or info.finished or info.last_seen is None or r in unjudged:
-                    continue
-                if now - info.last_seen > timeout and not any(r in f.ranks for f in found):
-                    # tell the engine too, so its rank state (and speed estimate) says dead
-                    self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)
-                    found.append(m.FindingInfo(self.last_iteration, "fail-stop", (r,), "heartbeat", 1.0,
-                                               f"rank {r} silent for {now - info.last_seen:.2f} s "
-                                               f"(heartbeat timeout {timeout} s); node {info.node or '?'}",
-                                               now, **self._where(r)))
+            found += self._silent(now, unjudged, found)
             self._findings(found, now)
             for rec in self.joiner.flush(now, self.live_set()):
                 self._on_record(rec, now)

@@ -14,8 +14,7 @@ the plan.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
@@ -39,13 +38,7 @@ class FenceFlow:
     plan: Plan
     _progress_at: float | None
     fences: dict[int, m.KillOrder]  # rank -> the order, until its process is seen gone
-    epoch: int
-    last_iteration: int
-    joiner: Any
-    journal: Any
 
-    if TYPE_CHECKING:
-        def _adopt(self, plan: Plan, first: int, now: float) -> None: ...
     lost_agents: dict[str, float]  # node -> when its agent's stream ended (coordinator clock)
 
     def _agent_on(self, node: str) -> AgentConn | None:
@@ -65,17 +58,19 @@ class FenceFlow:
             self.fences[r] = order
             self._send_fence(order, "declared dead")
 
-    def _send_fence(self, order: m.KillOrder, why: str) -> None:
+    def _send_fence(self, order: m.KillOrder, why: str, conn: AgentConn | None = None) -> None:
+        """Put ``order`` in the outbox of ``conn`` (default: the node's streaming agent; an agent
+        still registering is given explicitly), or record that it waits for one."""
         info = self.ranks[order.rank]
-        conn = self._agent_on(info.node)
+        conn = conn or self._agent_on(info.node)
         if conn is None:
             self.events.emit("fence", rank=order.rank, node=info.node, pid=order.pid, sent=False,
                              reason=f"rank {order.rank} {why}; no agent on {info.node or '?'} to fence it: "
                                     f"the order waits for the agent's restart")
             return
         conn.outbox.put(m.CoordinatorBatch(kills=(order,)))
-        self.events.emit("fence", rank=order.rank, node=info.node, pid=order.pid, sent=True,
-                         reason=f"rank {order.rank} {why}; SIGKILL ordered on {info.node} (pid {order.pid})")
+        self.events.emit("fence", rank=order.rank, node=conn.node, pid=order.pid, sent=True,
+                         reason=f"rank {order.rank} {why}: SIGKILL ordered on {conn.node} (pid {order.pid})")
 
     def _fence_result(self, conn: AgentConn, inj: m.InjectResult) -> None:
         if inj.ok:
@@ -92,10 +87,8 @@ class FenceFlow:
         order = self.fences.get(rank) or m.KillOrder(rank, f"fence: declared dead: {info.dead_reason}"[:400],
                                                      fence=True, pid=info.pid)
         self.fences[rank] = order
-        conn.outbox.put(m.CoordinatorBatch(kills=(order,)))
-        self.events.emit("fence", rank=rank, node=conn.node, pid=info.pid, sent=True,
-                         reason=f"rank {rank} (pid {info.pid}) showed up after it was declared dead "
-                                f"({info.dead_reason}); its epoch is stale: SIGKILL ordered on {conn.node}")
+        self._send_fence(order, f"(pid {info.pid}) showed up after it was declared dead ({info.dead_reason}); "
+                                f"its epoch is stale", conn)
 
     # --- lost agents ----------------------------------------------------------------------
     def _agent_lost(self, conn: AgentConn, now: float) -> None:
@@ -116,9 +109,7 @@ class FenceFlow:
             self._rejoined(conn, now)
         for r, order in list(self.fences.items()):
             if self.ranks[r].node == conn.node:
-                conn.outbox.put(m.CoordinatorBatch(kills=(order,)))
-                self.events.emit("fence", rank=r, node=conn.node, pid=order.pid, sent=True,
-                                 reason=f"rank {r}'s fence resent to the restarted agent on {conn.node}")
+                self._send_fence(order, "was declared dead; the order goes to the restarted agent", conn)
 
     def _rejoined(self, conn: AgentConn, now: float) -> None:
         """Once every live rank of a lost agent's node has met its new agent, the node is judged
@@ -151,19 +142,3 @@ class FenceFlow:
                 if now - since <= grace:
                     out.add(r)
         return out
-
-    # --- the trainers' own epochs -------------------------------------------------------------
-    def _trainers_epoch(self, epoch: int, now: float) -> None:
-        """The trainers moved to a newer epoch on their own: a recovery in which nobody died (the
-        store restarted under a boundary's agreement) or no plan came from this coordinator. They
-        keep the layout; the coordinator takes their epoch, so its reports are joined again and
-        its next command is newer than what the trainers run."""
-        old = self.epoch
-        self.epoch = epoch
-        self.plan = replace(self.plan, epoch=epoch)
-        self.joiner.add_plan(self.plan)
-        self.journal.plan(self.plan)
-        self._adopt(self.plan, max(self.last_iteration, 0), now)
-        self.events.emit("epoch-adopted", epoch=epoch,
-                         reason=f"the trainers run epoch {epoch} (this coordinator was at {old}): they recovered "
-                                f"without a plan from it; it follows them with the same layout")

@@ -1,8 +1,10 @@
-"""Hang detection on the coordinator's own liveness clock: a job with no iteration for the
-engine's hang time, with a rank of the plan silent while its peers beat on, is held up by that
-rank (a stopped process, a frozen host); with every rank beating on, by the rank that waits for
-nobody while its peers wait for it in p2p or collective ops (the ops the heartbeats name). A part of ``CoordinatorCore``
-(coordinator/service/core.py), kept in its own module; every method runs under the core's lock.
+"""Liveness on the coordinator's own clock: the agents' heartbeats, ranks silent past the
+heartbeat timeout, and hangs — a job with no iteration for the engine's hang time, with a rank
+of the plan silent while its peers beat on, is held up by that rank (a stopped process, a
+frozen host); with every rank beating on, by the rank that waits for nobody while its peers
+wait for it in p2p or collective ops (the ops the heartbeats name). A part of
+``CoordinatorCore`` (coordinator/service/core.py), kept in its own module; every method runs
+under the core's lock.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.service.records import RankInfo
 
 if TYPE_CHECKING:
+    from resihp.coordinator.service.config import CoordinatorConfig
     from resihp.coordinator.service.engine import Engine
-    from resihp.coordinator.service.records import Pending
+    from resihp.coordinator.service.metrics import Registry
+    from resihp.coordinator.service.records import AgentConn, Pending
 
 
 class LivenessFlow:
@@ -29,8 +33,45 @@ class LivenessFlow:
     _progress_at: float | None
     pending: Pending | None
 
+    config: CoordinatorConfig
+    metrics: Registry
+    policy: dict[str, str]
+
     if TYPE_CHECKING:
         def _where(self, rank: int) -> dict[str, Any]: ...
+        def _valid_item(self, rank: int, what: str) -> bool: ...
+
+    def _on_heartbeat(self, conn: AgentConn, hb: m.AgentHeartbeat, now: float) -> None:
+        conn.sampler_degraded, conn.sampler_status = hb.sampler_degraded, hb.sampler_status
+        self.metrics.set("resihp_agent_sampler_degraded", 1 if hb.sampler_degraded else 0,
+                         {"node": conn.node, "job": self.config.job})
+        for rh in hb.ranks:
+            if not self._valid_item(rh.rank, "heartbeat"):
+                continue
+            seen = now - max(0.0, hb.time_s - rh.time_s)  # age on the agent's clock, skew-free
+            info = self.ranks[rh.rank]
+            if info.last_seen is None or seen > info.last_seen:
+                # Liveness is the control plane's own clock (tick); per-rank beats are not fed to the
+                # engine: at 1,024 ranks its per-beat timeout scan would dominate the coordinator.
+                info.last_seen = seen
+                info.op, info.op_at = rh.op, seen
+
+    def _silent(self, now: float, unjudged: set[int], found: list[m.FindingInfo]) -> list[m.FindingInfo]:
+        """Fail-stop verdicts on ranks silent past the heartbeat timeout (not those whose agent is
+        lost and in its grace, ``unjudged``, nor those ``found`` already names)."""
+        timeout = float(self.policy["heartbeat_timeout_s"])
+        out = []
+        for r, info in self.ranks.items():
+            if info.dead or info.finished or info.last_seen is None or r in unjudged:
+                continue
+            if now - info.last_seen > timeout and not any(r in f.ranks for f in found):
+                # tell the engine too, so its rank state (and speed estimate) says dead
+                self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)
+                out.append(m.FindingInfo(self.last_iteration, "fail-stop", (r,), "heartbeat", 1.0,
+                                         f"rank {r} silent for {now - info.last_seen:.2f} s "
+                                         f"(heartbeat timeout {timeout} s); node {info.node or '?'}",
+                                         now, **self._where(r)))
+        return out
 
     def _hung(self, now: float) -> list[m.FindingInfo]:
         """No iteration for the engine's hang time, with a rank of the plan silent while its

@@ -270,6 +270,21 @@ class PlanFlow:
         self._transition(Trigger.REGRET, why)
         self._command(previous, f"regret: {why}; back to the previous layout", "regret", now)
 
+    def _trainers_epoch(self, epoch: int, now: float) -> None:
+        """The trainers moved to a newer epoch on their own: a recovery in which nobody died (the
+        store restarted under a boundary's agreement) or no plan came from this coordinator. They
+        keep the layout; the coordinator takes their epoch, so its reports are joined again and
+        its next command is newer than what the trainers run."""
+        old = self.epoch
+        self.epoch = epoch
+        self.plan = replace(self.plan, epoch=epoch)
+        self.joiner.add_plan(self.plan)
+        self.journal.plan(self.plan)
+        self._adopt(self.plan, max(self.last_iteration, 0), now)
+        self.events.emit("epoch-adopted", epoch=epoch,
+                         reason=f"the trainers run epoch {epoch} (this coordinator was at {old}): they recovered "
+                                f"without a plan from it; it follows them with the same layout")
+
     def _supersede(self, f: m.FindingInfo, now: float) -> bool:
         """A rank the outstanding plan needs died before every rank acknowledged it: no survivor
         can take that plan (their recovery waits for one that uses only survivors), so a plan

@@ -71,3 +71,25 @@ def test_every_fail_slow_finding_says_what_it_costs_and_a_cheap_one_is_degraded(
     # the floor is the operator's: at 0 every slowdown is worth a look
     _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False, impact_floor=0.0)))
     assert {f.kind for f in found} == {"fail-slow"}
+
+
+@pytest.mark.parametrize("pp,kind,rank,factor", [(8, "link", 2, 4.0), (8, "link", 3, 2.0), (4, "link", 2, 4.0),
+                                                  (8, "compute", 2, 1.3)])
+def test_a_findings_cost_is_what_the_slowdown_really_costs(pp: int, kind: str, rank: int, factor: float) -> None:
+    """The cost a finding quotes against what the same run really lost: its iteration times
+    with the fault against the same seed without it (the same batches). A slow NIC slows the
+    transfers that cross its node only (two GPUs per node: rank 2's NIC carries 1 -> 2 and
+    back), not its neighbours' transfers on their far side nor those inside its node: priced
+    on every transfer of the three ranks, the slow links cost 1.3-1.7x what they do."""
+    plan = Plan.uniform(1, pp, 1, 32, 8)
+    cfg = WorkloadConfig(MODEL, plan, budget=8192, seed=4, iterations=40, noise=Noise.quiet(), heartbeats=False,
+                         hardware=Hardware(gpus_per_node=2), faults=(Fault(kind, rank, 12, factor),))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig(adaptive=False, impact_floor=0.0)))
+    mine = [f for f in found if f.kind == "fail-slow" and rank in f.ranks]
+    assert mine, found
+    times = {r.iteration: r.time_s for r in records_list(cfg) if isinstance(r, IterationRecord)}
+    twin = {r.iteration: r.time_s for r in records_list(dataclasses.replace(cfg, faults=()))
+            if isinstance(r, IterationRecord)}
+    truth = sum(times[i] / twin[i] - 1.0 for i in range(12, 40)) / 28
+    assert truth > 0.001  # the fault costs something: the comparison means something
+    assert mine[0].evidence["cost_share"] == pytest.approx(truth, rel=0.12, abs=2e-4)

@@ -94,6 +94,10 @@ def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float
 
 
 STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
+# iterations a finding's cost is averaged over: a slowdown costs more on some batches than on
+# others (which replica is the longest changes with the batch), and a few batches can miss
+# the long-run cost by half
+COST_WINDOW = 32
 
 
 def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | None],
@@ -150,7 +154,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1
         self._pending: tuple[FloatArray, FloatArray] | None = None
-        self._recent: deque[tuple[FloatArray, FloatArray]] = deque(maxlen=8)  # for a finding's cost
+        self._recent: deque[tuple[FloatArray, FloatArray, float]] = deque(maxlen=COST_WINDOW)
         self._progress_at: float | None = None  # when the latest iteration was observed
         self._iter_times: deque[float] = deque(maxlen=16)  # the latest iterations' times
         self.last: dict[str, float] = {}  # the latest iteration's predictions (for tools and benchmarks)

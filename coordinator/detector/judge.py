@@ -64,7 +64,7 @@ class IterationJudge:
     _job: JobTrack
     _rw_from: int
     noise: NoiseModel  # per-key healthy spreads (config.adaptive)
-    _recent: deque[tuple[FloatArray, FloatArray]]  # the last judged iterations' predictions
+    _recent: deque[tuple[FloatArray, FloatArray, float]]  # the last judged iterations' predictions, observed s
     _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
     _level: str  # the evidence level being judged (chunks, rank_step, iteration)
 
@@ -113,7 +113,7 @@ class IterationJudge:
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
         self._pending = (p_comp, p_p2p)
-        self._recent.append(self._pending)  # what a finding's cost is averaged over
+        self._recent.append((p_comp, p_p2p, t.time_s))  # what a finding's cost is averaged over
         self.last = {"observed_iteration_s": t.time_s}
         ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
@@ -419,12 +419,15 @@ class IterationJudge:
     def _impact(self, members: list[int], factor: float, cause: str, ring: bool,
                 dp_ratio: float = 1.0) -> tuple[float, float] | None:
         """(seconds per iteration the job loses to ``members`` running at ``factor``, that over
-        the healthy iteration), averaged over the last judged iterations' batches (which
-        replica is the longest changes with the batch): the compiled schedule over the
-        predicted op and transfer times, each rank's DP all-reduce and optimizer step after
-        its own last op, with the members' ops (compute) or transfers (link: in and out, and
-        their DP rings by the ratio measured on them; DP ring: its all-reduce) stretched,
-        against every device healthy. None without per-op predictions (coarser evidence)."""
+        the iteration the job runs without it), averaged over the last ``COST_WINDOW`` judged
+        iterations' batches (which replica is the longest changes with the batch): the
+        compiled schedule over the predicted op and transfer times, each rank's DP all-reduce
+        and optimizer step after its own last op, with the members' ops (compute) or the
+        transfers their NIC carries (link: in and out across nodes, and their DP rings by the
+        ratio measured on them; DP ring: its all-reduce) stretched, against every device
+        healthy. The share's denominator is the observed iteration less that cost (never under
+        the healthy schedule): pauses and noise are part of the iteration a user waits for.
+        None without per-op predictions (coarser evidence)."""
         if not self._recent or cause not in ("compute", "communication"):
             return None
         ix, pred = self.index, self.predictor
@@ -434,8 +437,9 @@ class IterationJudge:
         lead = ix.group_leader[ix.group_of[idx]]
         dp, opt = np.nan_to_num(pred.dp()), np.nan_to_num(pred.opt())
         rings = np.isin(ix.ring, ix.ring[idx])  # an all-reduce is as slow as its slowest member
+        link = self._link_transfers(idx)[:, None, :, None] if cause == "communication" and not ring else None
         costs, shares = [], []
-        for p_comp, p_p2p in self._recent:
+        for p_comp, p_p2p, observed in self._recent:
             healthy = pred.iteration_by_rank(p_comp, p_p2p, dp, opt)
             if not np.isfinite(healthy) or healthy <= 0:
                 continue
@@ -443,21 +447,38 @@ class IterationJudge:
                 c2 = p_comp.copy()
                 c2[lead] *= factor
                 slow = pred.iteration_by_rank(c2, p_p2p, dp, opt)
-            elif ring:
+            elif link is None:
                 slow = pred.iteration_by_rank(p_comp, p_p2p, np.where(rings, dp * factor, dp), opt)
             else:
-                p2 = p_p2p.copy()
-                touched = np.concatenate([idx, ix.fwd_recv[idx], ix.bwd_recv[idx]])
-                touched = touched[touched >= 0]
-                p2[ix.group_leader[ix.group_of[touched]]] *= factor
                 # a slow NIC slows its rank's DP ring as well, by the ratio measured on it
                 ratio = dp_ratio if np.isfinite(dp_ratio) and dp_ratio > 1.0 else 1.0
-                slow = pred.iteration_by_rank(p_comp, p2, np.where(rings, dp * ratio, dp), opt)
+                slow = pred.iteration_by_rank(p_comp, np.where(link, p_p2p * factor, p_p2p),
+                                              np.where(rings, dp * ratio, dp), opt)
             costs.append(max(0.0, slow - healthy))
-            shares.append(costs[-1] / healthy)
+            runs = observed - costs[-1] if np.isfinite(observed) else healthy
+            shares.append(costs[-1] / max(healthy, runs))
         if not costs:
             return None
         return float(np.mean(costs)), float(np.mean(shares))
+
+    def _link_transfers(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """(TP-leader row, direction) of the inbound transfers a slow NIC of ``idx`` slows:
+        those that leave or enter its node, in and out (the schedule reads a group's hop from
+        its leader's row). Transfers inside a node, and a neighbour's transfers from its other
+        side, keep their times. Every transfer of the members' rows where none crosses a node."""
+        ix = self.index
+        hit = np.zeros((ix.n, 2), dtype=np.bool_)
+        # i receives forward from bwd_recv[i] and backward from fwd_recv[i]
+        hit[idx, FWD] = ix.cross_bwd[idx]
+        hit[idx, BWD] = ix.cross_fwd[idx]
+        for nbr, d, cross in ((ix.fwd_recv, FWD, ix.cross_fwd), (ix.bwd_recv, BWD, ix.cross_bwd)):
+            ok = (nbr[idx] >= 0) & cross[idx]
+            hit[nbr[idx][ok], d] = True
+        if not hit.any():
+            hit[idx] = True
+        rows = np.zeros((ix.n, 2), dtype=np.bool_)
+        np.logical_or.at(rows, ix.group_leader[ix.group_of], hit)
+        return rows
 
     def _evidence_text(self, cause: str, members: list[int]) -> str:
         """What the finding rests on, named: compute (with TP collective waits taken off), the

@@ -113,7 +113,7 @@ def worker(out: Path, layouts: tuple[str, ...], overhead_layout: str, steps: int
 
     torch.set_num_threads(1)
     spec = preset("gpt-tiny")
-    cfg = TrainConfig(seed=1, max_seq_len=SEQ)
+    cfg = TrainConfig(seed=1, max_seq_len=SEQ, compute_clock="wall")  # the second pass switches to "cpu"
     boot = Bootstrap(timeout_s=300)
     busy = busy_probe(boot.comm)
     if boot.rank == 0:

@@ -1,6 +1,7 @@
 """The runtime's pieces in one process: data packing, masks, schedule, groups, throttle, hooks."""
 from __future__ import annotations
 
+import time
 import types
 from typing import Any
 
@@ -160,6 +161,26 @@ def test_throttle_stalls_factor_minus_one_times_the_chunk() -> None:
     assert t.stall_for(5.0) == 0.0
     with pytest.raises(ValueError, match=">= 1"):
         t.set_factor(0.5)
+
+
+def test_the_compute_clock_follows_the_device_and_the_throttle_follows_the_clock() -> None:
+    """"auto" times a CPU rank's ops in its thread's CPU time (ranks sharing cores see the
+    scheduler in wall time only) and its throttle then spins on that clock, so a throttled
+    op really costs factor x its CPU time; a GPU keeps the wall clock (CUDA events) and the
+    sleeping throttle."""
+    from resihp.trainer_hooks.runtime.pipeline import PipelineStep
+
+    cpu_throttle, gpu_throttle = Throttle(2.0), Throttle(2.0)
+    cpu = PipelineStep(None, None, torch.device("cpu"), cpu_throttle, {})  # type: ignore[arg-type]
+    gpu = PipelineStep(None, None, torch.device("cuda", 0), gpu_throttle, {})  # type: ignore[arg-type]
+    assert (cpu.compute_clock, cpu_throttle.mode) == ("cpu", "spin")
+    assert (gpu.compute_clock, gpu_throttle.mode) == ("wall", "sleep")
+    assert TrainConfig().compute_clock == "auto"
+    with pytest.raises(SpecError, match="compute_clock must be 'auto', 'wall' or 'cpu'"):
+        TrainConfig(compute_clock="gpu")
+    before = time.thread_time()
+    assert cpu_throttle.stall_for(0.02) == pytest.approx(0.02)
+    assert time.thread_time() - before >= 0.02  # burnt on this thread, not slept
 
 
 def test_throttle_env_parsing() -> None:

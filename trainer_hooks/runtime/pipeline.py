@@ -97,14 +97,20 @@ class PipelineStep:
     """Runs one iteration's micro-batches through this rank's stage."""
 
     def __init__(self, stage: GPTStage, place: StagePlace, device: torch.device, throttle: Throttle,
-                 peer_groups: Mapping[int, Any], compute_clock: str = "wall") -> None:
+                 peer_groups: Mapping[int, Any], compute_clock: str = "auto") -> None:
         """``peer_groups``: neighbour rank → the process group to reach it on
-        (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it)."""
-        if compute_clock not in ("wall", "cpu"):
-            raise ValueError(f"compute_clock must be 'wall' or 'cpu', got {compute_clock!r}")
+        (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it). ``compute_clock``
+        "auto": CPU time on a CPU device, CUDA events on a GPU (TrainConfig.compute_clock).
+        Under the CPU clock the throttle spins on the thread's CPU time, so it shows."""
+        if compute_clock not in ("auto", "wall", "cpu"):
+            raise ValueError(f"compute_clock must be 'auto', 'wall' or 'cpu', got {compute_clock!r}")
         if compute_clock == "cpu" and device.type == "cuda":
             raise ValueError("compute_clock 'cpu' times CPU ops in the host thread's CPU time; a GPU's ops are "
                              "timed by CUDA events: use compute_clock 'wall'")
+        if compute_clock == "auto":
+            compute_clock = "wall" if device.type == "cuda" else "cpu"
+        if compute_clock == "cpu":
+            throttle.use_cpu_clock()
         self.stage = stage
         self.place = place
         self.device = device

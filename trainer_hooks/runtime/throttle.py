@@ -7,7 +7,8 @@ all-reduce) waits for it, exactly as behind a GPU whose clock dropped. Communica
 not slowed. ``mode="sleep"`` stalls without using the CPU (a slow accelerator does not load
 the host); ``mode="spin"`` busy-waits on ``clock``, which also takes a core from co-located
 ranks — with ``clock=time.thread_time`` it burns exactly (factor − 1) × the chunk's CPU time,
-the throttle to pair with CPU-time chunk timings (TrainConfig.compute_clock = "cpu").
+the throttle to pair with CPU-time chunk timings (TrainConfig.compute_clock "cpu", the
+default on CPU devices: PipelineStep switches its throttle with ``use_cpu_clock``).
 The chunk timings the runtime records include the stall, so the detector sees it.
 """
 from __future__ import annotations
@@ -27,6 +28,12 @@ class Throttle:
             raise ValueError(f"throttle mode must be 'sleep' or 'spin', got {mode!r}")
         self.set_factor(factor)
 
+    def use_cpu_clock(self) -> None:
+        """Stall by spinning on the calling thread's CPU time: the throttle that CPU-time chunk
+        timings see (a sleep would not show in them)."""
+        with self._lock:
+            self.mode, self._clock = "spin", time.thread_time
+
     @property
     def factor(self) -> float:
         with self._lock:
@@ -43,10 +50,12 @@ class Throttle:
         extra = (self.factor - 1.0) * max(0.0, elapsed_s)
         if extra <= 0.0:
             return 0.0
-        if self.mode == "sleep":
+        with self._lock:
+            mode, clock = self.mode, self._clock
+        if mode == "sleep":
             time.sleep(extra)
         else:
-            deadline = self._clock() + extra
-            while self._clock() < deadline:
+            deadline = clock() + extra
+            while clock() < deadline:
                 pass
         return extra

@@ -56,9 +56,12 @@ class TrainConfig:
     eps: float = 1e-8
     data_seed: int = -1  # -1 = seed
     data_root: str = ""  # "" = the Python standard library
-    # "wall" (default): chunk timings in wall time. "cpu": compute chunks (F, B) timed in the
-    # thread's CPU time — for CPU runs on machines shared with other jobs; see pipeline.py
-    compute_clock: str = "wall"
+    # how compute chunks (F, B, W) are timed: "auto" (default) = "cpu" on a CPU device, "wall"
+    # (CUDA events, the device's own time) on a GPU. "cpu": the thread's CPU time, the CPU's
+    # device time: ranks that share cores with each other or with other jobs see their ops
+    # stretched in wall time by the scheduler, not in CPU time, while a slower core (or the
+    # spinning throttle) shows in both. "wall": wall time; see pipeline.py
+    compute_clock: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
@@ -70,8 +73,8 @@ class TrainConfig:
             )
         if self.lr <= 0:
             raise SpecError(f"train: lr must be > 0, got {self.lr}")
-        if self.compute_clock not in ("wall", "cpu"):
-            raise SpecError(f"train: compute_clock must be 'wall' or 'cpu', got {self.compute_clock!r}")
+        if self.compute_clock not in ("auto", "wall", "cpu"):
+            raise SpecError(f"train: compute_clock must be 'auto', 'wall' or 'cpu', got {self.compute_clock!r}")
 
     @property
     def budget(self) -> int:

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("resihp.trainer_hooks.launch.launcher", "start coordinator, agents and ranks under mpirun"),
     "demo": ("resihp.demo", "run the main job: a real training run with injected faults"),
     "report": ("resihp.report.cli", "render the summary and timeline of a run directory"),
+    "examples": ("resihp.examples", "print where the example training scripts are, or copy them"),
 }
 
 

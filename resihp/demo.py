@@ -25,9 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from resihp.coordinator.model.plan import Plan
+from resihp.examples import example
 from resihp.progress import DEFAULT_EVERY_STEPS, MODES, Progress
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+try:
+    EXAMPLE = example("train_gpt.py")  # a checkout's examples/, or the wheel's copy
+except FileNotFoundError:  # said again, as an error, only if the demo is run without --script
+    EXAMPLE = Path("examples") / "train_gpt.py"
 DEFAULT_KILL_RANK = 5  # the fail-stop target unless the plan then leaves it idle (see _kill_target)
 
 # The planner's view of this machine: CPU ranks over loopback gloo (not A100s over NVLink),
@@ -79,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-reference", action="store_true", help="skip the single-process reference run")
     ap.add_argument("--run-dir", default="", help="default resihp-runs/demo-TIMESTAMP")
     ap.add_argument("--script", default=str(EXAMPLE),
-                    help="the training script (default examples/train_gpt.py; it must take that script's "
+                    help="the training script (default %(default)s, examples/train_gpt.py of the checkout or the "
+                         "wheel: `resihp examples`; it must take that script's "
                          "--tp/--pp/--dp/--steps/--seq/--microbatches/--seed/--log-every/--threads options, as "
                          "examples/nanogpt/train_resilient.py and examples/llama/train.py do)")
     ap.add_argument("--script-arg", action="append", default=[], metavar="ARG",

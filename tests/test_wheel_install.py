@@ -160,3 +160,31 @@ def test_the_installed_console_script_runs_simulate_plan_and_detect(fresh_venv: 
     rows = [json.loads(line) for line in findings.splitlines()]
     assert [(r["kind"], r["ranks"], r["cause"]) for r in rows] == [
         ("fail-slow", [6], "compute"), ("fail-stop", [1], "process-exit")]
+
+
+def test_the_wheel_ships_the_examples_and_runs_one_from_outside_the_checkout(dist_dir: Path, fresh_venv: Path,
+                                                                            tmp_path: Path) -> None:
+    """`resihp demo`'s default script and the model examples come with the wheel (as data under
+    <prefix>/share/resihp/examples), `resihp examples` finds them in the venv, not in this
+    checkout, and the installed train_gpt.py trains a few steps against the installed package."""
+    (wheel,) = dist_dir.glob("resihp-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for needed in ("train_gpt.py", "train_ddp.py", "nanogpt/train_resilient.py", "nanogpt/model.py",
+                   "nanogpt/layout.py", "llama/train.py", "plan/cluster-2x4-slow.json", "traces/slow-then-stop.jsonl"):
+        assert any(n.endswith(f".data/data/share/resihp/examples/{needed}") for n in names), needed
+    env = _outside(fresh_venv, tmp_path)
+    exe = str(fresh_venv / "bin" / "resihp")
+    folder = Path(_run([exe, "examples"], cwd=tmp_path, env=env).strip())
+    assert folder.resolve().is_relative_to(fresh_venv.resolve()) and (folder / "train_gpt.py").is_file(), folder
+    assert str(folder / "train_gpt.py") in "".join(_run([exe, "demo", "--help"], cwd=tmp_path, env=env).split())
+    copy = tmp_path / "mine"
+    _run([exe, "examples", "--copy", str(copy)], cwd=tmp_path, env=env)
+    assert (copy / "nanogpt" / "train_resilient.py").read_bytes() == (folder / "nanogpt" / "train_resilient.py").read_bytes()
+    # the fresh venv borrows this interpreter's packages through a bare path entry, which skips
+    # the setup that lets mpi4py find the Open MPI wheel's library (and its launcher binaries)
+    (libmpi,) = [p for p in Path(sys.prefix, "lib").glob("libmpi.so.*") if p.stat().st_size > 4096][:1]
+    env = {**env, "MPI4PY_LIBMPI": str(libmpi), "PATH": f"{env['PATH']}{os.pathsep}{Path(sys.prefix) / 'bin'}"}
+    out = _run([str(fresh_venv / "bin" / "python"), str(folder / "train_gpt.py"), "--steps", "3", "--log-every", "1"],
+               cwd=tmp_path, env=env)
+    losses = [float(line.split("loss")[1].split()[0]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and all(0.0 < x < 10.0 for x in losses), out

@@ -26,7 +26,7 @@ from resihp.coordinator.detector.evidence import (
     tp_wait_share,
 )
 from resihp.coordinator.detector.noise import NoiseModel
-from resihp.coordinator.detector.predictor import Predictor, fill_nan, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.predictor import Predictor, fill_nan, median, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 
 log = logging.getLogger(__name__)
@@ -64,24 +64,24 @@ class IterationJudge:
     _job: JobTrack
     _rw_from: int
     noise: NoiseModel  # per-key healthy spreads (config.adaptive)
-    _recent: deque[tuple[FloatArray, FloatArray]]  # the last judged iterations' predictions
+    _recent: deque[tuple[FloatArray, FloatArray]]  # the last judged iterations' predictions (per TP group)
     _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
     _level: str  # the evidence level being judged (chunks, rank_step, iteration)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
         ix, pred, c = self.index, self.predictor, self.config
-        p_comp = pred.compute(tok, ssq)
-        p_p2p = pred.p2p(tok, ssq)
+        # per TP group (members share a prediction); trimmed_ratio reads a rank's through group_of
+        p_comp = pred.compute_groups(tok, ssq)
+        p_p2p = pred.p2p_groups(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
-        comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
+        comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of)
         self._tp_evidence = t.tp_wait is not None
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
             comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
         if c.peer_relative:
             comp = comp / self._common_factor(comp)
-        in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
-        in_b = trimmed_ratio(t.p2p[:, :, BWD, :], p_p2p[:, :, BWD, :])
+        in_f, in_b = trimmed_ratio(t.p2p, p_p2p, ix.group_of, parts=2)[[FWD, BWD]]  # inbound before F, before B
         dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
         hold = None
         if pred.rewarming:  # evidence on a re-warming key says nothing yet
@@ -122,11 +122,13 @@ class IterationJudge:
         if c.adaptive:
             comp = comp / self._peer_factor(comp)
             comp, host_noise = self._host_noise(comp)
-            adapt = self._noise_test(np.stack([comp, comm], axis=1), host_noise)
+            x = np.stack([comp, comm], axis=1)
+            adapt = self._noise_test(x, host_noise)
             ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]
         if not c.link_detection:
             comm = np.ones_like(comm)
             ex_m = np.full_like(ex_m, -1.0)
+            x = np.stack([comp, comm], axis=1)  # what the baselines learn (below)
         is_comm = ex_m > ex_c
         # the slowdown estimate of a link: the middle of its directions (the min, used to
         # decide, is biased low by the noise of the others), or its DP ring's when that is
@@ -160,7 +162,7 @@ class IterationJudge:
             ev["shift_spreads"] = np.where(is_comm, adapt[2][:, 1], adapt[2][:, 0])
         found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold, adaptive=adapt is not None)
         if adapt is not None:
-            self._noise_learn(np.stack([comp, comm], axis=1), adapt[2])
+            self._noise_learn(x, adapt[2])
         rw = pred.rewarming
         if t.iteration % c.calib_every == 0:
             healthy = (self.state == RankState.HEALTHY) & ~suspect
@@ -181,7 +183,7 @@ class IterationJudge:
         peers = (self.state != RankState.DEAD) & np.isfinite(comp)
         if int(peers.sum()) < 3:
             return 1.0
-        common = float(np.median(comp[peers]))
+        common = median(comp[peers])
         return common if common > 0 else 1.0
 
     def _host_noise(self, comp: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -236,7 +238,7 @@ class IterationJudge:
         peers = (self.state != RankState.DEAD) & (self.state != RankState.SLOW) & np.isfinite(comp)
         if int(peers.sum()) < 3:
             return 1.0
-        common = float(np.median(comp[peers]))
+        common = median(comp[peers])
         return common if self.config.peer_common_slowdown else min(1.0, common)
 
     def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
@@ -327,7 +329,8 @@ class IterationJudge:
         st[watching & suspect & (st == RankState.HEALTHY)] = RankState.SUSPECT
         st[watching & ~suspect] = RankState.HEALTHY
         if adaptive:  # far out in this iteration alone: a suspect, not yet a finding
-            st[watching & ~suspect & self.noise.far.any(axis=1)] = RankState.SUSPECT
+            far = self.noise.far  # (n, 2): compute, communication; columns, not any(axis=1) (slow on short rows)
+            st[watching & ~suspect & (far[:, 0] | far[:, 1])] = RankState.SUSPECT
         need = 1 if adaptive else c.confirm_iters
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
         slow = live & (st == RankState.SLOW)
@@ -429,9 +432,8 @@ class IterationJudge:
             return None
         ix, pred = self.index, self.predictor
         idx = np.asarray(members, dtype=np.int64)
-        # the schedule reads each TP group's op from its leader's row: a group's op lasts as
-        # long as its slowest member
-        lead = ix.group_leader[ix.group_of[idx]]
+        # predictions are per TP group: a group's op lasts as long as its slowest member
+        grp = ix.group_of[idx]
         dp, opt = np.nan_to_num(pred.dp()), np.nan_to_num(pred.opt())
         rings = np.isin(ix.ring, ix.ring[idx])  # an all-reduce is as slow as its slowest member
         costs, shares = [], []
@@ -441,7 +443,7 @@ class IterationJudge:
                 continue
             if cause == "compute":
                 c2 = p_comp.copy()
-                c2[lead] *= factor
+                c2[grp] *= factor
                 slow = pred.iteration_by_rank(c2, p_p2p, dp, opt)
             elif ring:
                 slow = pred.iteration_by_rank(p_comp, p_p2p, np.where(rings, dp * factor, dp), opt)
@@ -449,7 +451,7 @@ class IterationJudge:
                 p2 = p_p2p.copy()
                 touched = np.concatenate([idx, ix.fwd_recv[idx], ix.bwd_recv[idx]])
                 touched = touched[touched >= 0]
-                p2[ix.group_leader[ix.group_of[touched]]] *= factor
+                p2[ix.group_of[touched]] *= factor
                 # a slow NIC slows its rank's DP ring as well, by the ratio measured on it
                 ratio = dp_ratio if np.isfinite(dp_ratio) and dp_ratio > 1.0 else 1.0
                 slow = pred.iteration_by_rank(p_comp, p2, np.where(rings, dp * ratio, dp), opt)

@@ -95,6 +95,7 @@ class NoiseModel:
         # key is found slow meanwhile: a slowdown's onset must not become its own baseline
         self.pending = np.full((QUARANTINE, n, k), np.nan)
         self._inv_scale: FloatArray | None = None  # 1 / (s2 · the scales' units), cached
+        self._tolerance: FloatArray | None = None  # recent_tolerance(), cached
         self.recent_excess = np.zeros((n, k))  # mean relative excess of the last RECENT iterations
         self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
@@ -126,9 +127,11 @@ class NoiseModel:
         self.zprev2, self.zprev = self.zprev, raw
         self.eprev2, self.eprev = self.eprev, rel
         zw = self.z.shape[0]
-        old = (self.zpos - np.asarray(SCALES)) % zw  # the slot each scale's window lets go of
-        self.sums += z[None] - self.z[old]
-        self.esums += rel[None] - self.e[old]
+        # the slot each scale's window lets go of; one scale at a time in place: a (scales,
+        # n, kinds) temporary per update cost several times more than the arithmetic
+        for j, slot in enumerate((self.zpos - np.asarray(SCALES)) % zw):
+            self.sums[j] += z - self.z[slot]
+            self.esums[j] += rel - self.e[slot]
         self.z[self.zpos] = z
         self.e[self.zpos] = rel
         self.since += 1
@@ -138,9 +141,8 @@ class NoiseModel:
         # precise as the baseline it is held against, so its statistic is divided by
         # √(1 + 1.57·w/n) too (at w = n = 64 this alone would otherwise read 6 spreads about
         # once per key in some hundreds of iterations of healthy noise)
-        if self._inv_scale is None:  # changes only when a baseline is refreshed or grows
-            scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / self._n_base()[None]))
-            self._inv_scale = 1.0 / (self.s2[None] * scale)
+        if self._inv_scale is None:  # changes only when a baseline grows (_refresh updates its keys)
+            self._inv_scale = _inv_scale(self.s2, self._n_base())
         g_all = self.sums * self._inv_scale
         g = g_all.max(axis=0)
         jump = both > g
@@ -193,8 +195,9 @@ class NoiseModel:
             self.hpos.reshape(-1)[flat] = (pos + 1) % self.window
             self.hcount.reshape(-1)[flat] += 1
             self._fresh |= take
-            if (self.hcount.reshape(-1)[flat] <= self.window).any():
+            if (self.hcount.reshape(-1)[flat] <= self.window).any():  # a baseline grew
                 self._inv_scale = None
+                self._tolerance = None
         # a warming key refreshes on every other sample (its baseline is still moving); the
         # others once in REFRESH iterations, each rank on its own turn
         warming = take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
@@ -222,7 +225,9 @@ class NoiseModel:
     def recent_tolerance(self) -> FloatArray:
         """(n, kinds): how much wider than its own noise a RECENT-iteration mean deviation
         reads for a key whose baseline is a median of few samples (1 for a well-known one)."""
-        return np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / self._n_base()), dtype=np.float64)
+        if self._tolerance is None:  # changes only while a baseline grows
+            self._tolerance = np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / self._n_base()), dtype=np.float64)
+        return self._tolerance
 
     def _n_base(self) -> npt.NDArray[np.int64]:
         """(n, kinds): the samples each key's baseline median rests on (at least min_samples:
@@ -261,7 +266,8 @@ class NoiseModel:
             self.s[pr, pk] = sp
             self.mu[pr, pk] = np.nan_to_num(mu)
             self.s2[pr, pk] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
-        self._inv_scale = None
+            if self._inv_scale is not None:  # only these keys' spreads changed
+                self._inv_scale[:, pr, pk] = _inv_scale(self.s2[pr, pk], self._n_base()[pr, pk])
 
     # --- plan changes -------------------------------------------------------------------------
     def remap(self, ranks: Sequence[int], moved: set[int]) -> None:
@@ -295,6 +301,16 @@ class NoiseModel:
                 getattr(self, name)[:, i] = arr[:, j]
             self.sums[:, i] = sums[:, j]
             self.esums[:, i] = esums[:, j]
+
+
+def _inv_scale(s2: FloatArray, n_base: npt.NDArray[np.int64]) -> FloatArray:
+    """(scales, *keys): 1 / (s2 · √(w · (1 + 1.57·w/n))) for every scale w, the divisor of a
+    window's sum of deviations (``test``), from the keys' spreads and baseline sizes."""
+    shape = (len(SCALES),) + (1,) * s2.ndim
+    w = W.reshape(shape)
+    scale = np.sqrt(w * (1.0 + MEDIAN_VAR * w / n_base[None]))
+    out: FloatArray = 1.0 / (s2[None] * scale)
+    return out
 
 
 def _median_rows(a: FloatArray, complete: bool) -> FloatArray:

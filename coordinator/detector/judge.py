@@ -104,22 +104,25 @@ class IterationJudge:
         comm = np.where(self._dp_only, dp_ratio, link)
         # a pipeline end talks to one neighbour only, so the two ends of a slow link look
         # alike; the culprit's DP ring is slow too, the neighbour's is not
-        thr = 1.0 + c.comm_threshold
+        hot = fill_nan(link, 0.0) > 1.0 + c.comm_threshold
+        ring_or_1 = fill_nan(dp_ratio, 1.0)
         for nbr, cross in ((ix.fwd_recv, ix.cross_fwd), (ix.bwd_recv, ix.cross_bwd)):
             q = np.where(nbr >= 0, nbr, 0)
-            both = cross & (nbr >= 0) & (fill_nan(link, 0.0) > thr) & (fill_nan(link[q], 0.0) > thr)
-            lose = both & (fill_nan(dp_ratio, 1.0) < fill_nan(dp_ratio[q], 1.0))
+            both = cross & (nbr >= 0) & hot & hot[q]
+            lose = both & (ring_or_1 < ring_or_1[q])
             comm = np.where(lose, 1.0, comm)
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
         self._pending = (p_comp, p_p2p)
         self._recent.append(self._pending)  # what a finding's cost is averaged over
         self.last = {"observed_iteration_s": t.time_s}
-        ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
-        ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
         adapt = None
-        if c.adaptive:
+        x: FloatArray | None = None  # the adaptive test's evidence: (n, 2) compute, communication
+        if not c.adaptive:  # fixed thresholds (the adaptive test gives its own excesses)
+            ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
+            ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
+        else:
             comp = comp / self._peer_factor(comp)
             comp, host_noise = self._host_noise(comp)
             x = np.stack([comp, comm], axis=1)
@@ -128,7 +131,8 @@ class IterationJudge:
         if not c.link_detection:
             comm = np.ones_like(comm)
             ex_m = np.full_like(ex_m, -1.0)
-            x = np.stack([comp, comm], axis=1)  # what the baselines learn (below)
+            if x is not None:
+                x = np.stack([comp, comm], axis=1)  # what the baselines learn (below)
         is_comm = ex_m > ex_c
         # the slowdown estimate of a link: the middle of its directions (the min, used to
         # decide, is biased low by the noise of the others), or its DP ring's when that is
@@ -151,17 +155,18 @@ class IterationJudge:
         # far above dp_threshold), and its P2P need only be no longer suspect: small P2P messages
         # on shared cores read above comm_threshold / 2 in one iteration of three when healthy.
         link_slow = (self.state == RankState.SLOW) & (self.cause_code > 0)
-        ring = link_slow & np.isfinite(dp_ratio)
-        normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
-            fill_nan(comm, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
-            ~ring | (dp_ratio < 1 + c.dp_threshold))
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
-        if adapt is not None:
+        if adapt is None:
+            ring = link_slow & np.isfinite(dp_ratio)
+            normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
+                fill_nan(comm, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
+                ~ring | (dp_ratio < 1 + c.dp_threshold))
+        else:
             normal = self._noise_normal(adapt[1], link_slow)
             ev["shift_spreads"] = np.where(is_comm, adapt[2][:, 1], adapt[2][:, 0])
         found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold, adaptive=adapt is not None)
-        if adapt is not None:
+        if adapt is not None and x is not None:
             self._noise_learn(x, adapt[2])
         rw = pred.rewarming
         if t.iteration % c.calib_every == 0:

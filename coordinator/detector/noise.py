@@ -96,6 +96,8 @@ class NoiseModel:
         self.pending = np.full((QUARANTINE, n, k), np.nan)
         self._inv_scale: FloatArray | None = None  # 1 / (s2 · the scales' units), cached
         self._tolerance: FloatArray | None = None  # recent_tolerance(), cached
+        self._known_keys: BoolArray | None = None  # _known(), cached: it changes as keys reach min_samples
+        self._warmed = False  # every key past 2 * min_samples samples: none refreshes on every other one
         self.recent_excess = np.zeros((n, k))  # mean relative excess of the last RECENT iterations
         self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
@@ -166,7 +168,9 @@ class NoiseModel:
         return np.asarray((g > self.level) & (excess > self.floor) & self._known(), dtype=np.bool_)
 
     def _known(self) -> BoolArray:
-        return np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
+        if self._known_keys is None:
+            self._known_keys = np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
+        return self._known_keys
 
     # --- learning -----------------------------------------------------------------------------
     def learn(self, x: FloatArray, ok: BoolArray, g: FloatArray | None = None) -> None:
@@ -194,14 +198,18 @@ class NoiseModel:
             self.hist.reshape(-1, self.window)[flat, pos] = x.reshape(-1)[flat]
             self.hpos.reshape(-1)[flat] = (pos + 1) % self.window
             self.hcount.reshape(-1)[flat] += 1
+            if (self.hcount.reshape(-1)[flat] == self.min_samples).any():  # a key is judged from now on
+                self._known_keys = None
             self._fresh |= take
             if (self.hcount.reshape(-1)[flat] <= self.window).any():  # a baseline grew
                 self._inv_scale = None
                 self._tolerance = None
         # a warming key refreshes on every other sample (its baseline is still moving); the
         # others once in REFRESH iterations, each rank on its own turn
-        warming = take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
-        rows = warming | (self._fresh & (self._phase == self._turn))
+        rows = self._fresh & (self._phase == self._turn)
+        if not self._warmed:  # (counts only grow: once every key is past, none warms until a remap)
+            rows |= take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
+            self._warmed = bool(self.hcount.min(initial=2 * self.min_samples + 1) > 2 * self.min_samples)
         if rows.any():
             self._refresh(rows)
 
@@ -252,7 +260,7 @@ class NoiseModel:
             # a window fills from slot 0: while few are filled, sort only those columns
             filled = int(min(self.window, int(self.hcount[pr, pk].max())))
             h = self.hist[pr, pk, :filled]  # (q, filled)
-            mean = np.mean if complete else np.nanmean
+            mean = _mean_rows if complete else _nanmean_rows
             m = _median_rows(h, complete)
             mad = _median_rows(np.abs(h - m[:, None]), complete)
             # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
@@ -260,8 +268,8 @@ class NoiseModel:
             sp = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
             zc = np.clip((h - m[:, None]) / sp[:, None], -self.clip, self.clip)
             with np.errstate(invalid="ignore"):
-                mu = mean(zc, axis=1)
-                s2 = np.sqrt(mean((zc - mu[:, None]) ** 2, axis=1))
+                mu = mean(zc)
+                s2 = np.sqrt(mean((zc - mu[:, None]) ** 2))
             self.m[pr, pk] = m
             self.s[pr, pk] = sp
             self.mu[pr, pk] = np.nan_to_num(mu)
@@ -310,6 +318,23 @@ def _inv_scale(s2: FloatArray, n_base: npt.NDArray[np.int64]) -> FloatArray:
     w = W.reshape(shape)
     scale = np.sqrt(w * (1.0 + MEDIAN_VAR * w / n_base[None]))
     out: FloatArray = 1.0 / (s2[None] * scale)
+    return out
+
+
+def _mean_rows(a: FloatArray) -> FloatArray:
+    """``np.mean(a, axis=1)``: the same sum and division, without its dispatch."""
+    out: FloatArray = a.sum(axis=1) / a.shape[1]
+    return out
+
+
+def _nanmean_rows(a: FloatArray) -> FloatArray:
+    """``np.nanmean(a, axis=1)`` (NaN where a row has none): the same steps — NaN replaced
+    by 0, the row sums divided by the finite counts — without its dispatch."""
+    mask = np.isnan(a)
+    filled = np.array(a)
+    np.copyto(filled, 0.0, where=mask)
+    cnt = np.sum(~mask, axis=1, dtype=np.intp)
+    out: FloatArray = filled.sum(axis=1) / cnt
     return out
 
 

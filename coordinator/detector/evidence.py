@@ -325,8 +325,12 @@ def batch_features(seqlens: tuple[tuple[tuple[int, ...], ...], ...], M: int) -> 
     D = len(seqlens)
     tok = np.full((D, M), np.nan)
     ssq = np.full((D, M), np.nan)
-    shape = tuple(min(len(rep), M) for rep in seqlens)
-    mbs = list(chain.from_iterable(rep[:M] for rep in seqlens))
+    shape = tuple(map(len, seqlens))
+    if max(shape, default=0) > M:  # (M is the plan's most micro-batches: a batch never has more)
+        shape = tuple(min(k, M) for k in shape)
+        mbs = list(chain.from_iterable(rep[:M] for rep in seqlens))
+    else:
+        mbs = list(chain.from_iterable(seqlens))
     if not mbs:
         return tok, ssq
     counts = np.array(list(map(len, mbs)), dtype=np.int64)

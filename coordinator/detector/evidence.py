@@ -172,6 +172,13 @@ class PlanIndex:
         self.ring = np.array([rings.setdefault((p.stage, p.tp_index), len(rings)) for p in positions],
                              dtype=np.int64)
         self.n_rings = max(1, len(rings))
+        # the positions of each ring's members as rows, -1 padded (per-ring maxima without ufunc.at)
+        ring_members: list[list[int]] = [[] for _ in range(self.n_rings)]
+        for i, ring in enumerate(self.ring.tolist()):
+            ring_members[ring].append(i)
+        width = max((len(x) for x in ring_members), default=0)
+        self.ring_rows = np.array([x + [-1] * (width - len(x)) for x in ring_members], dtype=np.int64).reshape(
+            self.n_rings, width)
         self.group_key = list(groups)
         self.group_leader = np.zeros(self.n_groups, dtype=np.int64)
         for (r_idx, s_idx), g_id in groups.items():
@@ -265,12 +272,17 @@ def split_dp_wait(t: IterationTimings, index: PlanIndex) -> None:
     timed member, or spans without starts, are left as they are."""
     if t.dp is None or t.dp_start is None or t.dp_wait is not None:
         return
-    start = np.where(np.isfinite(t.dp) & np.isfinite(t.dp_start), t.dp_start, np.nan)
-    last = np.full(index.n_rings, -np.inf)
-    np.fmax.at(last, index.ring, np.nan_to_num(start, nan=-np.inf))
-    counts = np.bincount(index.ring, weights=np.isfinite(start).astype(np.float64), minlength=index.n_rings)
+    timed = np.isfinite(t.dp) & np.isfinite(t.dp_start)
+    # per ring (a row of ring_rows): the last arrival and how many members were timed
+    members = index.ring_rows
+    pad = members < 0
+    at = np.where(timed, t.dp_start, -np.inf)[np.where(pad, 0, members)]
+    at[pad] = -np.inf
+    last = at.max(axis=1)
+    counts = (timed[members] & ~pad).sum(axis=1)
     arrived = last[index.ring]
-    ok = np.isfinite(start) & (counts[index.ring] >= 2)
+    ok = timed & (counts[index.ring] >= 2)
+    start = np.where(timed, t.dp_start, np.nan)
     wait = np.where(ok, np.clip(arrived - start, 0.0, t.dp), 0.0)
     t.dp_wait = wait
     t.dp = t.dp - wait
@@ -313,8 +325,12 @@ def batch_features(seqlens: tuple[tuple[tuple[int, ...], ...], ...], M: int) -> 
     D = len(seqlens)
     tok = np.full((D, M), np.nan)
     ssq = np.full((D, M), np.nan)
-    shape = tuple(min(len(rep), M) for rep in seqlens)
-    mbs = list(chain.from_iterable(rep[:M] for rep in seqlens))
+    shape = tuple(map(len, seqlens))
+    if max(shape, default=0) > M:  # (M is the plan's most micro-batches: a batch never has more)
+        shape = tuple(min(k, M) for k in shape)
+        mbs = list(chain.from_iterable(rep[:M] for rep in seqlens))
+    else:
+        mbs = list(chain.from_iterable(seqlens))
     if not mbs:
         return tok, ssq
     counts = np.array(list(map(len, mbs)), dtype=np.int64)
@@ -344,8 +360,11 @@ def host_stats(values: FloatArray, hosts: npt.NDArray[np.int64], min_members: in
     if hosts.shape[1] < min_members:
         return center, spread
     pad = hosts < 0
-    v = np.where(pad, np.nan, values[np.where(pad, 0, hosts)])
-    count = np.isfinite(v).sum(axis=1)
+    padded = bool(pad.any())  # hosts of equal size (the usual case) need no padding
+    v = np.where(pad, np.nan, values[np.where(pad, 0, hosts)]) if padded else np.take(values, hosts)
+    # finite values per host: a matrix-vector product (exact small integers), as sums along
+    # short rows are slow
+    count = (np.isfinite(v).astype(np.float64) @ np.ones(v.shape[1])).astype(np.int64)
     rows = np.arange(len(v))
     lo, hi = np.maximum((count - 1) // 2, 0), np.maximum(count // 2, 0)
     srt = np.sort(v, axis=1)  # NaN last
@@ -353,6 +372,10 @@ def host_stats(values: FloatArray, hosts: npt.NDArray[np.int64], min_members: in
     dev = np.sort(np.abs(v - med[:, None]), axis=1)
     mad = 0.5 * (dev[rows, lo] + dev[rows, hi])
     enough = count >= min_members
+    if not padded and enough.all():
+        center[hosts] = med[:, None]
+        spread[hosts] = 1.4826 * mad[:, None]
+        return center, spread
     member = ~pad & enough[:, None]
     center[hosts[member]] = np.broadcast_to(med[:, None], v.shape)[member]
     spread[hosts[member]] = np.broadcast_to(1.4826 * mad[:, None], v.shape)[member]

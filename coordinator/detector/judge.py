@@ -26,7 +26,7 @@ from resihp.coordinator.detector.evidence import (
     tp_wait_share,
 )
 from resihp.coordinator.detector.noise import NoiseModel
-from resihp.coordinator.detector.predictor import Predictor, fill_nan, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.predictor import Predictor, fill_nan, median, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 
 log = logging.getLogger(__name__)
@@ -64,24 +64,25 @@ class IterationJudge:
     _job: JobTrack
     _rw_from: int
     noise: NoiseModel  # per-key healthy spreads (config.adaptive)
-    _recent: deque[tuple[FloatArray, FloatArray, float]]  # the last judged iterations' predictions, observed s
+    # the last judged iterations' predictions (per TP group) and observed iteration seconds
+    _recent: deque[tuple[FloatArray, FloatArray, float]]
     _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
     _level: str  # the evidence level being judged (chunks, rank_step, iteration)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
         ix, pred, c = self.index, self.predictor, self.config
-        p_comp = pred.compute(tok, ssq)
-        p_p2p = pred.p2p(tok, ssq)
+        # per TP group (members share a prediction); trimmed_ratio reads a rank's through group_of
+        p_comp = pred.compute_groups(tok, ssq)
+        p_p2p = pred.p2p_groups(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
-        comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k])
+        comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of)
         self._tp_evidence = t.tp_wait is not None
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
             comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
         if c.peer_relative:
             comp = comp / self._common_factor(comp)
-        in_f = trimmed_ratio(t.p2p[:, :, FWD, :], p_p2p[:, :, FWD, :])
-        in_b = trimmed_ratio(t.p2p[:, :, BWD, :], p_p2p[:, :, BWD, :])
+        in_f, in_b = trimmed_ratio(t.p2p, p_p2p, ix.group_of, parts=2)[[FWD, BWD]]  # inbound before F, before B
         dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
         hold = None
         if pred.rewarming:  # evidence on a re-warming key says nothing yet
@@ -104,29 +105,35 @@ class IterationJudge:
         comm = np.where(self._dp_only, dp_ratio, link)
         # a pipeline end talks to one neighbour only, so the two ends of a slow link look
         # alike; the culprit's DP ring is slow too, the neighbour's is not
-        thr = 1.0 + c.comm_threshold
+        hot = fill_nan(link, 0.0) > 1.0 + c.comm_threshold
+        ring_or_1 = fill_nan(dp_ratio, 1.0)
         for nbr, cross in ((ix.fwd_recv, ix.cross_fwd), (ix.bwd_recv, ix.cross_bwd)):
             q = np.where(nbr >= 0, nbr, 0)
-            both = cross & (nbr >= 0) & (fill_nan(link, 0.0) > thr) & (fill_nan(link[q], 0.0) > thr)
-            lose = both & (fill_nan(dp_ratio, 1.0) < fill_nan(dp_ratio[q], 1.0))
+            both = cross & (nbr >= 0) & hot & hot[q]
+            lose = both & (ring_or_1 < ring_or_1[q])
             comm = np.where(lose, 1.0, comm)
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
         self._pending = (p_comp, p_p2p)
         self._recent.append((p_comp, p_p2p, t.time_s))  # what a finding's cost is averaged over
         self.last = {"observed_iteration_s": t.time_s}
-        ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
-        ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
         adapt = None
-        if c.adaptive:
+        x: FloatArray | None = None  # the adaptive test's evidence: (n, 2) compute, communication
+        if not c.adaptive:  # fixed thresholds (the adaptive test gives its own excesses)
+            ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
+            ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
+        else:
             comp = comp / self._peer_factor(comp)
             comp, host_noise = self._host_noise(comp)
-            adapt = self._noise_test(np.stack([comp, comm], axis=1), host_noise)
+            x = np.stack([comp, comm], axis=1)
+            adapt = self._noise_test(x, host_noise)
             ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]
         if not c.link_detection:
             comm = np.ones_like(comm)
             ex_m = np.full_like(ex_m, -1.0)
+            if x is not None:
+                x = np.stack([comp, comm], axis=1)  # what the baselines learn (below)
         is_comm = ex_m > ex_c
         # the slowdown estimate of a link: the middle of its directions (the min, used to
         # decide, is biased low by the noise of the others), or its DP ring's when that is
@@ -149,18 +156,19 @@ class IterationJudge:
         # far above dp_threshold), and its P2P need only be no longer suspect: small P2P messages
         # on shared cores read above comm_threshold / 2 in one iteration of three when healthy.
         link_slow = (self.state == RankState.SLOW) & (self.cause_code > 0)
-        ring = link_slow & np.isfinite(dp_ratio)
-        normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
-            fill_nan(comm, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
-            ~ring | (dp_ratio < 1 + c.dp_threshold))
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
-        if adapt is not None:
+        if adapt is None:
+            ring = link_slow & np.isfinite(dp_ratio)
+            normal = (fill_nan(comp, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
+                fill_nan(comm, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
+                ~ring | (dp_ratio < 1 + c.dp_threshold))
+        else:
             normal = self._noise_normal(adapt[1], link_slow)
             ev["shift_spreads"] = np.where(is_comm, adapt[2][:, 1], adapt[2][:, 0])
         found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold, adaptive=adapt is not None)
-        if adapt is not None:
-            self._noise_learn(np.stack([comp, comm], axis=1), adapt[2])
+        if adapt is not None and x is not None:
+            self._noise_learn(x, adapt[2])
         rw = pred.rewarming
         if t.iteration % c.calib_every == 0:
             healthy = (self.state == RankState.HEALTHY) & ~suspect
@@ -181,7 +189,7 @@ class IterationJudge:
         peers = (self.state != RankState.DEAD) & np.isfinite(comp)
         if int(peers.sum()) < 3:
             return 1.0
-        common = float(np.median(comp[peers]))
+        common = median(comp[peers])
         return common if common > 0 else 1.0
 
     def _host_noise(self, comp: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -236,7 +244,7 @@ class IterationJudge:
         peers = (self.state != RankState.DEAD) & (self.state != RankState.SLOW) & np.isfinite(comp)
         if int(peers.sum()) < 3:
             return 1.0
-        common = float(np.median(comp[peers]))
+        common = median(comp[peers])
         return common if self.config.peer_common_slowdown else min(1.0, common)
 
     def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
@@ -327,7 +335,8 @@ class IterationJudge:
         st[watching & suspect & (st == RankState.HEALTHY)] = RankState.SUSPECT
         st[watching & ~suspect] = RankState.HEALTHY
         if adaptive:  # far out in this iteration alone: a suspect, not yet a finding
-            st[watching & ~suspect & self.noise.far.any(axis=1)] = RankState.SUSPECT
+            far = self.noise.far  # (n, 2): compute, communication; columns, not any(axis=1) (slow on short rows)
+            st[watching & ~suspect & (far[:, 0] | far[:, 1])] = RankState.SUSPECT
         need = 1 if adaptive else c.confirm_iters
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
         slow = live & (st == RankState.SLOW)
@@ -432,9 +441,8 @@ class IterationJudge:
             return None
         ix, pred = self.index, self.predictor
         idx = np.asarray(members, dtype=np.int64)
-        # the schedule reads each TP group's op from its leader's row: a group's op lasts as
-        # long as its slowest member
-        lead = ix.group_leader[ix.group_of[idx]]
+        # predictions are per TP group: a group's op lasts as long as its slowest member
+        grp = ix.group_of[idx]
         dp, opt = np.nan_to_num(pred.dp()), np.nan_to_num(pred.opt())
         rings = np.isin(ix.ring, ix.ring[idx])  # an all-reduce is as slow as its slowest member
         link = self._link_transfers(idx)[:, None, :, None] if cause == "communication" and not ring else None
@@ -445,7 +453,7 @@ class IterationJudge:
                 continue
             if cause == "compute":
                 c2 = p_comp.copy()
-                c2[lead] *= factor
+                c2[grp] *= factor
                 slow = pred.iteration_by_rank(c2, p_p2p, dp, opt)
             elif link is None:
                 slow = pred.iteration_by_rank(p_comp, p_p2p, np.where(rings, dp * factor, dp), opt)
@@ -462,10 +470,11 @@ class IterationJudge:
         return float(np.mean(costs)), float(np.mean(shares))
 
     def _link_transfers(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        """(TP-leader row, direction) of the inbound transfers a slow NIC of ``idx`` slows:
-        those that leave or enter its node, in and out (the schedule reads a group's hop from
-        its leader's row). Transfers inside a node, and a neighbour's transfers from its other
-        side, keep their times. Every transfer of the members' rows where none crosses a node."""
+        """(TP group, direction) of the inbound transfers a slow NIC of ``idx`` slows: those
+        that leave or enter its node, in and out (predictions are per TP group: a group's hop
+        lasts as long as its slowest member's). Transfers inside a node, and a neighbour's
+        transfers from its other side, keep their times. Every transfer of the members' groups
+        where none crosses a node."""
         ix = self.index
         hit = np.zeros((ix.n, 2), dtype=np.bool_)
         # i receives forward from bwd_recv[i] and backward from fwd_recv[i]
@@ -476,8 +485,8 @@ class IterationJudge:
             hit[nbr[idx][ok], d] = True
         if not hit.any():
             hit[idx] = True
-        rows = np.zeros((ix.n, 2), dtype=np.bool_)
-        np.logical_or.at(rows, ix.group_leader[ix.group_of], hit)
+        rows = np.zeros((ix.n_groups, 2), dtype=np.bool_)
+        np.logical_or.at(rows, ix.group_of, hit)
         return rows
 
     def _evidence_text(self, cause: str, members: list[int]) -> str:

@@ -95,6 +95,9 @@ class NoiseModel:
         # key is found slow meanwhile: a slowdown's onset must not become its own baseline
         self.pending = np.full((QUARANTINE, n, k), np.nan)
         self._inv_scale: FloatArray | None = None  # 1 / (s2 · the scales' units), cached
+        self._tolerance: FloatArray | None = None  # recent_tolerance(), cached
+        self._known_keys: BoolArray | None = None  # _known(), cached: it changes as keys reach min_samples
+        self._warmed = False  # every key past 2 * min_samples samples: none refreshes on every other one
         self.recent_excess = np.zeros((n, k))  # mean relative excess of the last RECENT iterations
         self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
@@ -126,9 +129,11 @@ class NoiseModel:
         self.zprev2, self.zprev = self.zprev, raw
         self.eprev2, self.eprev = self.eprev, rel
         zw = self.z.shape[0]
-        old = (self.zpos - np.asarray(SCALES)) % zw  # the slot each scale's window lets go of
-        self.sums += z[None] - self.z[old]
-        self.esums += rel[None] - self.e[old]
+        # the slot each scale's window lets go of; one scale at a time in place: a (scales,
+        # n, kinds) temporary per update cost several times more than the arithmetic
+        for j, slot in enumerate((self.zpos - np.asarray(SCALES)) % zw):
+            self.sums[j] += z - self.z[slot]
+            self.esums[j] += rel - self.e[slot]
         self.z[self.zpos] = z
         self.e[self.zpos] = rel
         self.since += 1
@@ -138,9 +143,8 @@ class NoiseModel:
         # precise as the baseline it is held against, so its statistic is divided by
         # √(1 + 1.57·w/n) too (at w = n = 64 this alone would otherwise read 6 spreads about
         # once per key in some hundreds of iterations of healthy noise)
-        if self._inv_scale is None:  # changes only when a baseline is refreshed or grows
-            scale = np.sqrt(W[:, None, None] * (1.0 + MEDIAN_VAR * W[:, None, None] / self._n_base()[None]))
-            self._inv_scale = 1.0 / (self.s2[None] * scale)
+        if self._inv_scale is None:  # changes only when a baseline grows (_refresh updates its keys)
+            self._inv_scale = _inv_scale(self.s2, self._n_base())
         g_all = self.sums * self._inv_scale
         g = g_all.max(axis=0)
         jump = both > g
@@ -164,7 +168,9 @@ class NoiseModel:
         return np.asarray((g > self.level) & (excess > self.floor) & self._known(), dtype=np.bool_)
 
     def _known(self) -> BoolArray:
-        return np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
+        if self._known_keys is None:
+            self._known_keys = np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
+        return self._known_keys
 
     # --- learning -----------------------------------------------------------------------------
     def learn(self, x: FloatArray, ok: BoolArray, g: FloatArray | None = None) -> None:
@@ -192,13 +198,18 @@ class NoiseModel:
             self.hist.reshape(-1, self.window)[flat, pos] = x.reshape(-1)[flat]
             self.hpos.reshape(-1)[flat] = (pos + 1) % self.window
             self.hcount.reshape(-1)[flat] += 1
+            if (self.hcount.reshape(-1)[flat] == self.min_samples).any():  # a key is judged from now on
+                self._known_keys = None
             self._fresh |= take
-            if (self.hcount.reshape(-1)[flat] <= self.window).any():
+            if (self.hcount.reshape(-1)[flat] <= self.window).any():  # a baseline grew
                 self._inv_scale = None
+                self._tolerance = None
         # a warming key refreshes on every other sample (its baseline is still moving); the
         # others once in REFRESH iterations, each rank on its own turn
-        warming = take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
-        rows = warming | (self._fresh & (self._phase == self._turn))
+        rows = self._fresh & (self._phase == self._turn)
+        if not self._warmed:  # (counts only grow: once every key is past, none warms until a remap)
+            rows |= take & (self.hcount <= 2 * self.min_samples) & (self.hcount % 2 == 0)
+            self._warmed = bool(self.hcount.min(initial=2 * self.min_samples + 1) > 2 * self.min_samples)
         if rows.any():
             self._refresh(rows)
 
@@ -222,7 +233,9 @@ class NoiseModel:
     def recent_tolerance(self) -> FloatArray:
         """(n, kinds): how much wider than its own noise a RECENT-iteration mean deviation
         reads for a key whose baseline is a median of few samples (1 for a well-known one)."""
-        return np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / self._n_base()), dtype=np.float64)
+        if self._tolerance is None:  # changes only while a baseline grows
+            self._tolerance = np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / self._n_base()), dtype=np.float64)
+        return self._tolerance
 
     def _n_base(self) -> npt.NDArray[np.int64]:
         """(n, kinds): the samples each key's baseline median rests on (at least min_samples:
@@ -247,7 +260,7 @@ class NoiseModel:
             # a window fills from slot 0: while few are filled, sort only those columns
             filled = int(min(self.window, int(self.hcount[pr, pk].max())))
             h = self.hist[pr, pk, :filled]  # (q, filled)
-            mean = np.mean if complete else np.nanmean
+            mean = _mean_rows if complete else _nanmean_rows
             m = _median_rows(h, complete)
             mad = _median_rows(np.abs(h - m[:, None]), complete)
             # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
@@ -255,13 +268,14 @@ class NoiseModel:
             sp = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
             zc = np.clip((h - m[:, None]) / sp[:, None], -self.clip, self.clip)
             with np.errstate(invalid="ignore"):
-                mu = mean(zc, axis=1)
-                s2 = np.sqrt(mean((zc - mu[:, None]) ** 2, axis=1))
+                mu = mean(zc)
+                s2 = np.sqrt(mean((zc - mu[:, None]) ** 2))
             self.m[pr, pk] = m
             self.s[pr, pk] = sp
             self.mu[pr, pk] = np.nan_to_num(mu)
             self.s2[pr, pk] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
-        self._inv_scale = None
+            if self._inv_scale is not None:  # only these keys' spreads changed
+                self._inv_scale[:, pr, pk] = _inv_scale(self.s2[pr, pk], self._n_base()[pr, pk])
 
     # --- plan changes -------------------------------------------------------------------------
     def remap(self, ranks: Sequence[int], moved: set[int]) -> None:
@@ -295,6 +309,33 @@ class NoiseModel:
                 getattr(self, name)[:, i] = arr[:, j]
             self.sums[:, i] = sums[:, j]
             self.esums[:, i] = esums[:, j]
+
+
+def _inv_scale(s2: FloatArray, n_base: npt.NDArray[np.int64]) -> FloatArray:
+    """(scales, *keys): 1 / (s2 · √(w · (1 + 1.57·w/n))) for every scale w, the divisor of a
+    window's sum of deviations (``test``), from the keys' spreads and baseline sizes."""
+    shape = (len(SCALES),) + (1,) * s2.ndim
+    w = W.reshape(shape)
+    scale = np.sqrt(w * (1.0 + MEDIAN_VAR * w / n_base[None]))
+    out: FloatArray = 1.0 / (s2[None] * scale)
+    return out
+
+
+def _mean_rows(a: FloatArray) -> FloatArray:
+    """``np.mean(a, axis=1)``: the same sum and division, without its dispatch."""
+    out: FloatArray = a.sum(axis=1) / a.shape[1]
+    return out
+
+
+def _nanmean_rows(a: FloatArray) -> FloatArray:
+    """``np.nanmean(a, axis=1)`` (NaN where a row has none): the same steps — NaN replaced
+    by 0, the row sums divided by the finite counts — without its dispatch."""
+    mask = np.isnan(a)
+    filled = np.array(a)
+    np.copyto(filled, 0.0, where=mask)
+    cnt = np.sum(~mask, axis=1, dtype=np.intp)
+    out: FloatArray = filled.sum(axis=1) / cnt
+    return out
 
 
 def _median_rows(a: FloatArray, complete: bool) -> FloatArray:

@@ -50,6 +50,17 @@ def nanmedian(x: FloatArray, axis: int) -> FloatArray:
     return out
 
 
+def median(x: FloatArray) -> float:
+    """``float(np.median(x))`` of a 1-d array without NaN, the same value (a partition, then
+    the mean of the middle one or two) without np.median's generic machinery."""
+    n = len(x)
+    h = n // 2
+    if n % 2:
+        return float(np.partition(x, h)[h])
+    part = np.partition(x, [h - 1, h])
+    return float((part[h - 1] + part[h]) / 2.0)
+
+
 def fill_nan(x: FloatArray, value: float) -> FloatArray:
     """A copy of x with NaN replaced (cheaper than nan_to_num, which also scans for inf)."""
     out = np.array(x, dtype=np.float64)
@@ -57,33 +68,67 @@ def fill_nan(x: FloatArray, value: float) -> FloatArray:
     return out
 
 
-def trimmed_ratio(obs: FloatArray, pred: FloatArray) -> FloatArray:
+def trimmed_ratio(obs: FloatArray, pred: FloatArray, rows: IntArray | None = None,
+                  parts: int | None = None) -> FloatArray:
     """Per row (rank): Σ observed / Σ predicted over its timed entries, after taking off
     the largest excess of any one entry over the row's own ratio. As a ratio of sums
     each op weighs what it costs, so a launch-bound tiny micro-batch (hard to predict,
     cheap) cannot move it; taking off the worst excess means one OS hiccup or one
     congested transfer cannot either, while a slow device, slow in every op, still shows
-    in full. NaN where a row has no entry.
+    in full. NaN where a row has no entry. ``rows``: ``pred`` holds one row per TP group
+    and row i of ``obs`` is predicted by ``pred[rows[i]]`` (members share a prediction).
+    ``parts``: an axis (after the first) whose entries are judged apart, e.g. the two
+    directions of P2P: then one ratio per (entry, row), (parts, n), in one pass.
 
-    Row sums are matrix-vector products and the row max runs over the transpose: numpy's
-    reductions along a short row axis are several times slower."""
+    Row sums are matrix-vector products (one per part, each on its own contiguous rows)
+    and the row max runs over the transpose: numpy's reductions along a short row axis
+    are several times slower."""
     n = obs.shape[0]
-    # single precision: ratios need 3 digits, and half the bytes is half the time here
-    o = np.array(obs.reshape(n, -1), dtype=np.float32)
-    p = np.array(np.broadcast_to(pred, obs.shape).reshape(n, -1), dtype=np.float32)
-    miss = np.isnan(o) | np.isnan(p)
-    np.copyto(o, 0.0, where=miss)
-    np.copyto(p, 0.0, where=miss)
-    ones = np.ones(o.shape[1], dtype=np.float32)
-    so, sp = o @ ones, p @ ones
+    if rows is None:
+        rows = np.arange(n)
+        pred = np.broadcast_to(pred, obs.shape)
+    # (parts, rows, entries); single precision: ratios need 3 digits, and half the bytes is
+    # half the time here. The groups' predictions are converted, then gathered (take: several
+    # times faster than [rows] here)
+    # (C order: the row sums must see contiguous rows, as BLAS sums a strided matrix otherwise)
+    if parts is None:
+        o = np.array(obs.reshape(1, n, -1), dtype=np.float32, order="C")
+        pg = np.asarray(pred.reshape(1, len(pred), -1), dtype=np.float32)
+    else:
+        o = np.array(np.moveaxis(obs, parts, 0).reshape(obs.shape[parts], n, -1), dtype=np.float32, order="C")
+        pg = np.asarray(np.moveaxis(pred, parts, 0).reshape(pred.shape[parts], len(pred), -1), dtype=np.float32)
+    p = np.take(pg, rows, axis=1)  # a new C-ordered array
+    miss = np.isnan(o)
+    miss |= np.isnan(p)
+    if miss.any():
+        np.copyto(o, 0.0, where=miss)
+        np.copyto(p, 0.0, where=miss)
+    k = o.shape[2]
+    ones = np.ones(k, dtype=np.float32)
+    so = np.stack([part @ ones for part in o])
+    sp = np.stack([part @ ones for part in p])
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = so / sp
         # the one op furthest above the row's own ratio: a uniformly slow device has none
-        worst = np.maximum(np.max(np.ascontiguousarray((o - p * rho[:, None]).T), axis=0), 0.0)
-    count = o.shape[1] - miss.astype(np.float32) @ ones
-    so = so - np.where(count > 1.5, np.nan_to_num(worst), 0.0)
+        np.multiply(p, rho[:, :, None], out=p)
+        np.subtract(o, p, out=p)
+        worst = np.maximum(np.max(np.ascontiguousarray(np.moveaxis(p, 2, 0)), axis=0), 0.0)
+    # timed entries per row (a matrix-vector product again: count_nonzero along rows is slower)
+    count = k - (miss.reshape(-1, k).astype(np.float32) @ ones).reshape(miss.shape[:2])
+    so = so - np.where(count > 1, _nan_to_num32(worst), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out: FloatArray = np.where(count > 0.5, so / sp, np.nan).astype(np.float64)
+        out: FloatArray = np.where(count > 0, so / sp, np.nan).astype(np.float64)
+    return out[0] if parts is None else out
+
+
+_F32 = np.finfo(np.float32)
+
+
+def _nan_to_num32(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``np.nan_to_num`` of a float32 array (NaN 0, ±inf the largest finite), without its
+    Python-level checks, which cost more than the work on a few thousand values."""
+    out = np.where(np.isnan(x), np.float32(0.0), x)
+    np.clip(out, _F32.min, _F32.max, out=out)
     return out
 
 
@@ -102,6 +147,7 @@ class Predictor:
         self._rewarm: dict[Hashable, tuple[int, int]] = {}
         self._rw_iters = 1
         self.iter_key: tuple[object, ...] = ("iter",)  # the job-level key (iteration-time evidence)
+        self._fitted = 0  # bumped whenever A, B or G change (``_coefficients`` caches on it)
         self.reindex(index)
 
     def reindex(self, index: PlanIndex) -> None:
@@ -112,6 +158,8 @@ class Predictor:
         self.B = np.full(k, np.nan)
         self.G = np.full(k, np.nan)
         self.level: FloatArray = np.full(k, np.nan)  # DP / OPT: median of recent healthy samples
+        self._fitted += 1  # A, B, G replaced: cached coefficient gathers are stale
+        self._coef: dict[str, tuple[int, FloatArray, FloatArray, FloatArray]] = {}  # op -> (version, α, β, γ)
         ix = index
         # TP-group member matrix [groups, max tp] (padded with the leader)
         width = int(ix.tp_size.max()) if ix.n else 1
@@ -168,6 +216,7 @@ class Predictor:
     def _fit(self, kid: int) -> None:
         model = self.cal.model(self.index.keys[kid])
         self.A[kid], self.B[kid], self.G[kid] = model.alpha, model.beta, model.gamma
+        self._fitted += 1
 
     def _add(self, keys: IntArray, tok: FloatArray, ssq: FloatArray, dur: FloatArray, per_key: int,
              only: BoolArray | None, got: BoolArray) -> None:
@@ -235,7 +284,7 @@ class Predictor:
                     ok &= sel[kk]
                 for kid in np.unique(kk[ok]).tolist():
                     hist = self._hist.setdefault(ix.keys[kid], deque(maxlen=64))
-                    hist.append(float(np.median(vals[ok & (kk == kid)])))
+                    hist.append(median(vals[ok & (kk == kid)]))
                     got[kid] = True
         elif t.rank_step is not None:
             tot, sq = np.nansum(tok, axis=1), np.nansum(ssq, axis=1)
@@ -373,28 +422,52 @@ class Predictor:
         return self.cal.ready(self.iter_key)
 
     # --- predictions ----------------------------------------------------------------------
-    def _linear(self, keys: npt.NDArray[np.int64], tok: FloatArray, ssq: FloatArray) -> FloatArray:
-        """keys [n, V, k] x features of the rank's replica [D, M] -> [n, V, k, M]. TP
-        members share a prediction, so it is computed per (replica, stage) group."""
+    def _linear(self, op: str, tok: FloatArray, ssq: FloatArray) -> FloatArray:
+        """The keys of ``op`` ("compute": ``ckey``, "p2p": ``pkey``; [n, V, k]) x features of
+        the rank's replica [D, M] -> [groups, V, k, M]: TP
+        members share a prediction, so it is computed per (replica, stage) group (its
+        leader's keys); ``PlanIndex.group_of`` maps ranks to rows."""
         ix = self.index
-        lead = ix.group_leader
-        gk = keys[lead]
+        a, b, g = self._coefficients(op)
+        rep = ix.rep[ix.group_leader]
+        t = tok[rep][:, None, None, :]
+        s = ssq[rep][:, None, None, :]
+        per_group: FloatArray = a * t + b * s + g
+        return per_group
+
+    def _coefficients(self, op: str) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """(α, β, γ) of every group's keys of ``op`` [groups, V, k, 1] (α NaN where there is
+        no key), cached until a key is fitted again: they change a few times per hundred
+        iterations, the predictions every iteration."""
+        cached = self._coef.get(op)
+        if cached is not None and cached[0] == self._fitted:
+            return cached[1], cached[2], cached[3]
+        keys = self.index.ckey if op == "compute" else self.index.pkey
+        gk = keys[self.index.group_leader]
         safe = np.where(gk >= 0, gk, 0)
         a = np.where(gk >= 0, self.A[safe], np.nan)[..., None]
         b = self.B[safe][..., None]
         g = self.G[safe][..., None]
-        rep = ix.rep[lead]
-        t = tok[rep][:, None, None, :]
-        s = ssq[rep][:, None, None, :]
-        per_group: FloatArray = a * t + b * s + g
-        out: FloatArray = per_group[ix.group_of]
-        return out
+        self._coef[op] = (self._fitted, a, b, g)
+        return a, b, g
+
+    def compute_groups(self, tok: FloatArray, ssq: FloatArray) -> FloatArray:
+        """Predicted compute op times per TP group [groups, V, 3, M]."""
+        return self._linear("compute", tok, ssq)
+
+    def p2p_groups(self, tok: FloatArray, ssq: FloatArray) -> FloatArray:
+        """Predicted inbound P2P times per TP group [groups, V, 2, M]."""
+        return self._linear("p2p", tok, ssq)
 
     def compute(self, tok: FloatArray, ssq: FloatArray) -> FloatArray:
-        return self._linear(self.index.ckey, tok, ssq)
+        """Predicted compute op times per rank [n, V, 3, M]."""
+        out: FloatArray = np.take(self.compute_groups(tok, ssq), self.index.group_of, axis=0)
+        return out
 
     def p2p(self, tok: FloatArray, ssq: FloatArray) -> FloatArray:
-        return self._linear(self.index.pkey, tok, ssq)
+        """Predicted inbound P2P times per rank [n, V, 2, M]."""
+        out: FloatArray = np.take(self.p2p_groups(tok, ssq), self.index.group_of, axis=0)
+        return out
 
     def dp(self) -> FloatArray:
         out: FloatArray = self.level[self.index.dkey]
@@ -421,8 +494,9 @@ class Predictor:
         return self.cal.model(self.iter_key).predict(float(tot[d]), float(sq[d]))
 
     def _gathers(self) -> dict[tuple[int, int], tuple[ScheduleProgram, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]]:
-        """Per compiled schedule: which replicas run it and, per op, the row (TP leader) and
-        indices into the prediction arrays. Built once per plan."""
+        """Per compiled schedule: which replicas run it and, per op, its TP group (the row
+        of the per-group predictions) and indices into the prediction arrays. Built once
+        per plan."""
         if self._gather_cache is not None:
             return self._gather_cache
         ix = self.index
@@ -432,15 +506,15 @@ class Predictor:
             reps = np.array([d for d, s in enumerate(ix.rep_program) if s == shape], dtype=np.int64)
             _, dev, kind, mb, vstage = ix.program_gather(shape)
             chunk = vstage // shape[0]
-            rows = np.array([[ix.group_leader[gid[(int(d), int(s))]] for s in dev] for d in reps], dtype=np.int64)
+            rows = np.array([[gid[(int(d), int(s))] for s in dev] for d in reps], dtype=np.int64)
             dirs = np.where(kind == 0, FWD, BWD)
             out[shape] = (prog, reps, rows, chunk[None, :], kind[None, :], mb[None, :], dirs[None, :])
         self._gather_cache = out
         return out
 
     def _schedule_ends(self, pred_compute: FloatArray, pred_p2p: FloatArray) -> Iterator[tuple[IntArray, IntArray, FloatArray]]:
-        """Per compiled schedule: (its replicas, each op's TP-leader row, each op's end time)
-        with the given op and transfer times."""
+        """Per compiled schedule: (its replicas, each op's TP group, each op's end time)
+        with the given per-group op and transfer times (``compute_groups``, ``p2p_groups``)."""
         for _shape, (prog, reps, rows, chunk, kind, mb, dirs) in self._gathers().items():
             dur = pred_compute[rows, chunk, kind, mb]
             hop = np.nan_to_num(pred_p2p[rows, chunk, dirs, mb])
@@ -452,17 +526,17 @@ class Predictor:
         """Predicted iteration seconds with each rank's own tail: the latest over ranks of
         (its TP group's last op end in the schedule + its DP all-reduce + its optimizer step).
         Finer than ``iteration`` (which adds the largest tail to the longest pipeline), for
-        pricing a slowdown whose ring or stage has slack."""
+        pricing a slowdown whose ring or stage has slack. Op and transfer times per group."""
         ix = self.index
-        ends = np.zeros(ix.n)
+        ends = np.zeros(ix.n_groups)
         for _reps, rows, end in self._schedule_ends(pred_compute, pred_p2p):
             np.maximum.at(ends, rows.ravel(), end.ravel())
-        ends = ends[ix.group_leader[ix.group_of]]
-        return float(np.max(ends + np.nan_to_num(dp) + np.nan_to_num(opt)))
+        return float(np.max(ends[ix.group_of] + np.nan_to_num(dp) + np.nan_to_num(opt)))
 
     def iteration(self, pred_compute: FloatArray, pred_p2p: FloatArray) -> tuple[float, FloatArray]:
         """(predicted iteration seconds, predicted pipeline makespan per replica) with every
-        device healthy: the schedule over predicted op and hop times, then DP and optimizer."""
+        device healthy: the schedule over predicted op and hop times (per group), then DP and
+        optimizer."""
         span = np.zeros(len(self.index.plan.replicas))
         for reps, _rows, end in self._schedule_ends(pred_compute, pred_p2p):
             span[reps] = end.max(axis=1)

@@ -163,24 +163,34 @@ def test_throttle_stalls_factor_minus_one_times_the_chunk() -> None:
         t.set_factor(0.5)
 
 
-def test_the_compute_clock_follows_the_device_and_the_throttle_follows_the_clock() -> None:
+def test_the_compute_clock_follows_the_device_and_a_throttled_op_counts_its_stall() -> None:
     """"auto" times a CPU rank's ops in its thread's CPU time (ranks sharing cores see the
-    scheduler in wall time only) and its throttle then spins on that clock, so a throttled
-    op really costs factor x its CPU time; a GPU keeps the wall clock (CUDA events) and the
-    sleeping throttle."""
-    from resihp.trainer_hooks.runtime.pipeline import PipelineStep
+    scheduler in wall time only), a GPU's by CUDA events. A throttled CPU op lasts factor x
+    its CPU time, in wall time and in the recorded span, while the stall sleeps: the core is
+    left to co-located ranks, as a slow GPU leaves its host idle."""
+    from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
 
-    cpu_throttle, gpu_throttle = Throttle(2.0), Throttle(2.0)
-    cpu = PipelineStep(None, None, torch.device("cpu"), cpu_throttle, {})  # type: ignore[arg-type]
-    gpu = PipelineStep(None, None, torch.device("cuda", 0), gpu_throttle, {})  # type: ignore[arg-type]
-    assert (cpu.compute_clock, cpu_throttle.mode) == ("cpu", "spin")
-    assert (gpu.compute_clock, gpu_throttle.mode) == ("wall", "sleep")
+    cpu = PipelineStep(None, None, torch.device("cpu"), Throttle(3.0), {})  # type: ignore[arg-type]
+    gpu = PipelineStep(None, None, torch.device("cuda", 0), Throttle(3.0), {})  # type: ignore[arg-type]
+    assert (cpu.compute_clock, gpu.compute_clock) == ("cpu", "wall")
     assert TrainConfig().compute_clock == "auto"
     with pytest.raises(SpecError, match="compute_clock must be 'auto', 'wall' or 'cpu'"):
         TrainConfig(compute_clock="gpu")
-    before = time.thread_time()
-    assert cpu_throttle.stall_for(0.02) == pytest.approx(0.02)
-    assert time.thread_time() - before >= 0.02  # burnt on this thread, not slept
+
+    def work() -> float:
+        t = time.thread_time()
+        while time.thread_time() - t < 0.02:
+            pass
+        return 1.0
+
+    log = ChunkLog()
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    cpu._compute(work, "F", 0, log)
+    burnt, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    ((kind, mb, _chunk, start, end),) = log.chunks
+    assert (kind, mb) == ("F", 0)
+    assert end - start >= 3 * 0.02  # the op's CPU time and the stall of a 3x slower device
+    assert wall >= end - start - 1e-3 and burnt < 2 * 0.02  # it waited the stall out, sleeping
 
 
 def test_throttle_env_parsing() -> None:

@@ -100,8 +100,7 @@ class PipelineStep:
                  peer_groups: Mapping[int, Any], compute_clock: str = "auto") -> None:
         """``peer_groups``: neighbour rank → the process group to reach it on
         (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it). ``compute_clock``
-        "auto": CPU time on a CPU device, CUDA events on a GPU (TrainConfig.compute_clock).
-        Under the CPU clock the throttle spins on the thread's CPU time, so it shows."""
+        "auto": CPU time on a CPU device, CUDA events on a GPU (TrainConfig.compute_clock)."""
         if compute_clock not in ("auto", "wall", "cpu"):
             raise ValueError(f"compute_clock must be 'auto', 'wall' or 'cpu', got {compute_clock!r}")
         if compute_clock == "cpu" and device.type == "cuda":
@@ -109,8 +108,6 @@ class PipelineStep:
                              "timed by CUDA events: use compute_clock 'wall'")
         if compute_clock == "auto":
             compute_clock = "wall" if device.type == "cuda" else "cpu"
-        if compute_clock == "cpu":
-            throttle.use_cpu_clock()
         self.stage = stage
         self.place = place
         self.device = device
@@ -170,13 +167,17 @@ class PipelineStep:
         if self.device.type == "cuda":
             return self._compute_on_gpu(fn, kind, mb, log)
         if self.compute_clock == "cpu":
-            # CPU-time durations (placed at the chunk's wall start): on CPUs shared with other
-            # jobs, a chunk's CPU time barely moves when co-tenants take the core, its wall
-            # time does. Only for CPU runs; pair it with a spinning throttle on thread_time.
+            # CPU-time durations (placed at the chunk's wall start), the CPU's device time: on
+            # cores shared with other ranks or jobs a chunk's CPU time barely moves when they
+            # take the core, its wall time does. A throttle plays a slower device as on a GPU:
+            # the op lasts factor x its own time, and the host waits out the extra without
+            # burning the core (a spinning stall would take it from co-located ranks, whose
+            # transfers would then look slow); the extra counts in the op's recorded time.
             start, cpu0 = time.perf_counter(), time.thread_time()
             out = fn()
-            self.throttle.stall_for(time.thread_time() - cpu0)
-            log.add(kind, mb, start, start + (time.thread_time() - cpu0))
+            used = time.thread_time() - cpu0
+            stalled = self.throttle.stall_for(used)
+            log.add(kind, mb, start, start + used + stalled)
             return out
         start, waited0 = time.perf_counter(), collective_seconds()
         out = fn()

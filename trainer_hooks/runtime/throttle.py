@@ -7,8 +7,9 @@ all-reduce) waits for it, exactly as behind a GPU whose clock dropped. Communica
 not slowed. ``mode="sleep"`` stalls without using the CPU (a slow accelerator does not load
 the host); ``mode="spin"`` busy-waits on ``clock``, which also takes a core from co-located
 ranks — with ``clock=time.thread_time`` it burns exactly (factor − 1) × the chunk's CPU time,
-the throttle to pair with CPU-time chunk timings (TrainConfig.compute_clock "cpu", the
-default on CPU devices: PipelineStep switches its throttle with ``use_cpu_clock``).
+once the throttle to pair with CPU-time chunk timings; now the CPU clock (the default on
+CPU devices) adds the stall to the op's recorded CPU time itself, as a slow device's op
+time would hold it, and the default sleep leaves the core to co-located ranks.
 The chunk timings the runtime records include the stall, so the detector sees it.
 """
 from __future__ import annotations
@@ -28,12 +29,6 @@ class Throttle:
             raise ValueError(f"throttle mode must be 'sleep' or 'spin', got {mode!r}")
         self.set_factor(factor)
 
-    def use_cpu_clock(self) -> None:
-        """Stall by spinning on the calling thread's CPU time: the throttle that CPU-time chunk
-        timings see (a sleep would not show in them)."""
-        with self._lock:
-            self.mode, self._clock = "spin", time.thread_time
-
     @property
     def factor(self) -> float:
         with self._lock:
@@ -50,12 +45,10 @@ class Throttle:
         extra = (self.factor - 1.0) * max(0.0, elapsed_s)
         if extra <= 0.0:
             return 0.0
-        with self._lock:
-            mode, clock = self.mode, self._clock
-        if mode == "sleep":
+        if self.mode == "sleep":
             time.sleep(extra)
         else:
-            deadline = clock() + extra
-            while clock() < deadline:
+            deadline = self._clock() + extra
+            while self._clock() < deadline:
                 pass
         return extra

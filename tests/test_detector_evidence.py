@@ -93,3 +93,20 @@ def test_a_findings_cost_is_what_the_slowdown_really_costs(pp: int, kind: str, r
     truth = sum(times[i] / twin[i] - 1.0 for i in range(12, 40)) / 28
     assert truth > 0.001  # the fault costs something: the comparison means something
     assert mine[0].evidence["cost_share"] == pytest.approx(truth, rel=0.12, abs=2e-4)
+
+
+def test_a_slow_ring_seen_only_on_its_transfer_is_one_finding_naming_its_suspect_members() -> None:
+    """PP1 (TP8 x DP4, two GPUs per node): a slow NIC shows only on its rank's DP ring, whose
+    transfer is one measurement for every member, so the member it names is chance. Under
+    noisy timings (30 % transfer jitter) and a compute fault elsewhere, one member crossed
+    the test an iteration before the others and was reported alone (a finding about a rank
+    whose NIC is fine), then the rest. The members that are suspect with it are named
+    together, in one finding."""
+    noisy = Noise(op_jitter=0.04, device_spread=0.02, drift=0.01, os_noise_prob=0.01, gc_prob=0.1,
+                  loader_prob=0.1, comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0, cotenant_prob=0.05)
+    cfg = WorkloadConfig(MODEL, Plan.uniform(8, 1, 4, 32, 8), budget=8192, packing="best-fit", seed=1311,
+                         iterations=60, noise=noisy, heartbeats=False, hardware=Hardware(gpus_per_node=2),
+                         faults=(Fault("compute", 0, 30, 2.0), Fault("link", 16, 33, 3.0)))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
+    slow = [(f.ranks, f.cause) for f in found if f.kind in ("fail-slow", "degraded")]
+    assert slow == [((0,), "compute"), ((8, 16, 24), "communication")], slow

@@ -339,6 +339,10 @@ class IterationJudge:
             st[watching & ~suspect & (far[:, 0] | far[:, 1])] = RankState.SUSPECT
         need = 1 if adaptive else c.confirm_iters
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
+        mates = np.zeros_like(confirm)
+        if is_comm is not None and (confirm & sus_m & self._dp_only).any():
+            mates = self._ring_mates(confirm & sus_m & self._dp_only, watching & (st == RankState.SUSPECT) & ~confirm)
+            confirm |= mates
         slow = live & (st == RankState.SLOW)
         if hold is not None:
             slow &= ~hold
@@ -356,6 +360,9 @@ class IterationJudge:
             self.score = np.where(confirm, score, self.score)
             if is_comm is not None:
                 self.cause_code = np.where(confirm, is_comm.astype(np.int64), self.cause_code)
+            if mates.any():  # named for their ring's transfer: its cause and its ratio
+                self.cause_code = np.where(mates, 1, self.cause_code)
+                self.score = np.where(mates, fill_nan(ev["dp_ratio"], 1.0), self.score)
             out += self._group(t, np.nonzero(confirm)[0], "fail-slow", is_comm is None, ev, now)
         if recover.any():
             st[recover] = RankState.HEALTHY
@@ -367,6 +374,14 @@ class IterationJudge:
             self.run_m[recover] = 0
             self.score = np.where(recover, 1.0, self.score)
         return out
+
+    def _ring_mates(self, found: npt.NDArray[np.bool_], suspect: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """Suspect members of the DP rings of ``found`` (ranks only their ring's transfer shows
+        slow): their ring's transfer is one measurement for all of them, so which member's
+        noise crosses the test first is chance; named together, in one finding, rather than one
+        now and the others an iteration later (a second finding about the same ring)."""
+        ix = self.index
+        return np.asarray(suspect & self._dp_only & np.isin(ix.ring, ix.ring[found]), dtype=np.bool_)
 
     def _group(self, t: IterationTimings, idx: npt.NDArray[np.int64], kind: FindingKind, coarse: bool,
                ev: dict[str, FloatArray], now: float) -> list[Finding]:

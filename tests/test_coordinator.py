@@ -423,7 +423,7 @@ def test_a_switch_in_progress_is_no_hang_and_the_hang_clock_restarts_when_it_is_
     core.on_batch(conn, m.AgentBatch(exits=(m.RankExit(7, 107, 1.0, -9),)))
     cmd = _command(conn)
     silent = cmd.plan.ranks()[1]
-    assert core.engine.hang_after_s() < 2.0
+    assert core.engine.hang_after_s() <= 2.0  # the floor: 2 x 0.2 s iterations is less
     for _ in range(10):  # ten seconds of switching, one rank silent all along
         t[0] += 1.0
         beat(silent)

@@ -164,11 +164,23 @@ def test_a_replan_that_measures_slower_is_undone_and_the_fault_keeps_the_layout(
     assert conn.outbox.empty() and core.state_reason.startswith(
         "keeping the layout: the planner's answer is the switch that measured slower: the re-plan for the fail-slow "
         f"of ranks [{SLOW}]"), core.state_reason
-    # once it recovers, a new fault on it is planned for again
-    core.engine.decide = lambda *a: EngineDecision(False, core.plan, "nothing to gain")  # type: ignore[method-assign]
+    # once it recovers, a new fault on it is planned for again, but the switch that measured
+    # slower (with the slow rank in the old layout) is not made again: not for the recovery,
+    # not for the next fault
     core._findings([m.FindingInfo(it, "recovered", (SLOW,), reason="recovered")], core.now())
+    assert conn.outbox.empty() and core.state_reason.startswith(
+        "keeping the layout: the planner's answer is the switch that measured slower"), core.state_reason
+    kept = {r["rank"]: r["kept"] for r in core.admin.status()["ranks"]}
+    assert kept[SLOW].startswith("the switch that measured slower is not made again: the re-plan for the fail-slow"), kept
     core._findings([_slow(it + 5)], core.now())
+    assert conn.outbox.empty() and core.state_reason.startswith("keeping the layout: the planner's answer is the switch")
+    core.engine.decide = lambda *a: EngineDecision(False, core.plan, "nothing to gain")  # type: ignore[method-assign]
+    core._findings([_slow(it + 9)], core.now())
     assert core.state_reason == "nothing to gain"
+    # a restarted coordinator still refuses it (journalled as kind 'switch')
+    from resihp.coordinator.service.journal import Journal as J
+
+    assert [r["kind"] for r in J(tmp_path / "journal.jsonl").load().regrets.values()] == ["switch"]
 
 
 def test_a_replan_that_pays_off_is_kept_and_audits_can_be_switched_off(tmp_path: Path) -> None:

@@ -37,7 +37,10 @@ class DetectorConfig:
     # a rank whose heartbeats stopped while its peers' go on holds the job up (SIGSTOP, a frozen
     # host) and is declared fail-stop, cause no-progress, long before heartbeat_timeout_s
     hang_iters: float = 2.0
-    hang_floor_s: float = 1.0
+    # 2 s, not 1: a no-progress verdict is fenced (the rank is killed), and on hosts loaded
+    # far beyond their cores (4-5 runnable processes per core) a healthy rank's heartbeat
+    # thread was starved for 1.3 s and killed, taking the only copy of its state with it
+    hang_floor_s: float = 2.0
     # how long the slow verdict of a rank a re-plan left out stands when nothing observes it (a
     # rank that does not probe, or one slow because of its links): Greyhound's mean compute
     # fail-slow lasts 10 minutes. After it the next re-plan may use the rank again and its

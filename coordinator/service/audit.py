@@ -11,7 +11,11 @@ fail-slow finding on the same ranks keeps the layout until they recover (or die)
 recovery of the same ranks does not readmit them again (``resihp admin readmit`` still
 does); and the planner's answer to *any* finding is refused while it is the very switch
 that measured slower (a slow link is also seen through its ring partners, whose findings
-the planner answers with the same layout). The coordinator journals these regrets, so a
+the planner answers with the same layout). When the ranks recover, the fault's hold ends
+but the switch stays refused (kind ``switch``): it measured slower than the old layout
+*with* the slow device in it, so it is slower still without (on shared CPUs the planner
+kept proposing the same 3x slower layout at every recovery). A death or an operator's
+exclude / readmit of its ranks ends that too. The coordinator journals these regrets, so a
 restarted coordinator keeps them.
 """
 from __future__ import annotations
@@ -125,13 +129,23 @@ class Audits:
         out: dict[int, list[str]] = {}
         for r in self.regrets.values():
             for rank in r.ranks:
-                out.setdefault(rank, []).append(f"a {r.kind} keeps the layout: {r.why}")
+                out.setdefault(rank, []).append(f"the switch that measured slower is not made again: {r.why}"
+                                                if r.kind == "switch" else f"a {r.kind} keeps the layout: {r.why}")
         return {rank: "; ".join(lines) for rank, lines in out.items()}
 
-    def forget(self, finding: m.FindingInfo) -> list[int]:
-        """A fault is over: a recovery ends a fail-slow's regret, a death both kinds. The ids dropped."""
-        kinds = {"recovered": ("fail-slow",), "fail-stop": AUDITED}.get(finding.kind, ())
-        return self._drop(lambda r: r.kind in kinds and bool(set(r.ranks) & set(finding.ranks)))
+    def forget(self, finding: m.FindingInfo) -> tuple[list[int], list[Regret]]:
+        """A fault is over: a recovery ends a fail-slow's hold on the layout (its switch stays
+        refused: kept as kind ``switch``), a death every kind. (The ids dropped, the regrets
+        that became ``switch``.)"""
+        touched = set(finding.ranks)
+        if finding.kind == "fail-stop":
+            return self._drop(lambda r: bool(set(r.ranks) & touched)), []
+        if finding.kind != "recovered":
+            return [], []
+        kept = [replace(r, kind="switch") for r in self.regrets.values() if r.kind == "fail-slow" and set(r.ranks) & touched]
+        for r in kept:
+            self.regrets[r.id] = r
+        return [], kept
 
     def overrule(self, rank: int) -> list[int]:
         """The operator excluded or readmitted ``rank``: their call, not the audit's. The ids dropped."""

@@ -437,8 +437,11 @@ class CoordinatorCore(PlanFlow, ObserveFlow, LivenessFlow, FenceFlow):
                 if self.pending is not None:
                     self.pending.awaiting.difference_update(fresh)
             self.last_finding = f
-            for gone in self.audits.forget(f):
-                self.journal.regret_over(gone)
+            gone, lasting = self.audits.forget(f)
+            for regret_id in gone:
+                self.journal.regret_over(regret_id)
+            for regret in lasting:
+                self.journal.regret(regret.to_json())
             self.metrics.inc("resihp_findings_total", 1, {"kind": f.kind, "job": self.config.job})
             self.events.emit("finding", epoch=self.epoch, **f.to_json())
             if fresh:

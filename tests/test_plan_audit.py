@@ -7,6 +7,7 @@ test controls which switch is made (the real planner's choice is tested elsewher
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,13 @@ def test_a_replan_that_measures_slower_is_undone_and_the_fault_keeps_the_layout(
     assert kept[SLOW].startswith("the switch that measured slower is not made again: the re-plan for the fail-slow"), kept
     core._findings([_slow(it + 5)], core.now())
     assert conn.outbox.empty() and core.state_reason.startswith("keeping the layout: the planner's answer is the switch")
+    # the same grouping with another layer split is refused too; another grouping is not
+    resplit = replace(WITHOUT_3, replicas=(PipelinePlan(((0,), (1,)), (5, 3), 3), WITHOUT_3.replicas[1]))
+    core.engine.decide = lambda *a: EngineDecision(True, resplit, "planner: 5-3")  # type: ignore[method-assign]
+    core._findings([_slow(it + 7)], core.now())
+    assert conn.outbox.empty() and core.state_reason.startswith(
+        "keeping the layout: the planner's answer regroups the ranks as the switch that measured slower did"), \
+        core.state_reason
     core.engine.decide = lambda *a: EngineDecision(False, core.plan, "nothing to gain")  # type: ignore[method-assign]
     core._findings([_slow(it + 9)], core.now())
     assert core.state_reason == "nothing to gain"

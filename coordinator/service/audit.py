@@ -37,6 +37,12 @@ def layout(plan: Plan) -> Plan:
     return replace(plan, epoch=0, reason="")
 
 
+def grouping(plan: Plan) -> tuple[object, ...]:
+    """How a plan groups the ranks (each replica's stages' TP groups, the schedule and its
+    chunks, the spares), without its layer split or micro-batch shares."""
+    return (plan.schedule, plan.virtual_chunks, tuple(rep.stages for rep in plan.replicas), plan.spares)
+
+
 @dataclass(frozen=True)
 class Regret:
     """A switch the planner chose for a ``kind`` finding on ``ranks`` that measured slower."""
@@ -118,10 +124,18 @@ class Audits:
         return ""
 
     def refused(self, current: Plan, proposed: Plan) -> str:
-        """Why the switch ``current`` -> ``proposed`` is refused (it measured slower), or ''."""
+        """Why the switch ``current`` -> ``proposed`` is refused (it measured slower), or ''. A
+        switch that regrouped the ranks (other TP groups, stages or replicas) is refused
+        whatever layer split or shares the planner gives the same grouping next time (a split
+        moves a few layers; it does not undo a 3x slower grouping: the planner came back with
+        5-3 after 4-4 had measured 3x slower); one that kept the grouping, only exactly."""
         for r in self.regrets.values():
             if r.before == layout(current) and r.after == layout(proposed):
                 return f"keeping the layout: the planner's answer is the switch that measured slower: {r.why}"
+            regrouped = grouping(r.before) != grouping(r.after)
+            if regrouped and grouping(r.before) == grouping(current) and grouping(r.after) == grouping(proposed):
+                return (f"keeping the layout: the planner's answer regroups the ranks as the switch that measured "
+                        f"slower did: {r.why}")
         return ""
 
     def verdicts(self) -> dict[int, str]:

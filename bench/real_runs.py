@@ -82,7 +82,7 @@ def _last_step(run: Path) -> int:
 
 
 def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor: float,
-            timeout_s: float) -> RealRun:
+            timeout_s: float, clock: str = "auto") -> RealRun:
     tp, pp, dp = LAYOUTS[layout]
     n = tp * pp * dp
     run = root / f"{layout}-{kind}-{time.monotonic_ns()}"
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--factor", type=float, default=1.3)
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per job")
     ap.add_argument("--keep", default="", help="keep the run directories here (default: a temporary one)")
+    ap.add_argument("--compute-clock", default="auto", choices=("auto", "wall", "cpu"),
+                    help="the example's --compute-clock (auto: CPU time on CPUs)")
     args = ap.parse_args(argv)
     layouts = [x for x in args.layouts.split(",") if x]
     unknown = [x for x in layouts if x not in LAYOUTS]
@@ -157,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     for layout in layouts:
         for i in range(args.runs):
             kind = "co-tenant" if i == args.runs - 1 else "healthy"
-            runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s))
+            runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s, args.compute_clock))
             print(runs[-1].row(), flush=True)
-        runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s))
+        runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s,
+                            args.compute_clock))
         print(runs[-1].row(), flush=True)
     kept = [r.run_dir for r in runs if r.rc != 0 or (r.kind != "slow" and (r.findings or r.reconfigs))
             or (r.kind == "slow" and (r.detect_iters is None or r.found_ranks != [SLOW_RANK[r.layout]]))]

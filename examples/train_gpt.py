@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", default="", help="micro-batches per DP replica, e.g. 3,5 (default: even)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--compute-clock", choices=("auto", "wall", "cpu"), default="auto",
+                   help="how compute ops are timed: auto = CPU time on a CPU, CUDA events on a GPU")
     p.add_argument("--trace", default=None, help="write the run's trace here (default $RESIHP_TRACE)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (default: none)")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = preset(args.model)
     plan = build_plan(args, spec)
 
-    job = hooks.init(spec, plan, config=TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr),
+    job = hooks.init(spec, plan, config=TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr,
+                                                compute_clock=args.compute_clock),
                      trace=args.trace, resilient=False if args.no_resilience else None,
                      checkpoint_dir=args.checkpoint_dir or None)  # resihp call 1
     ckpt = AsyncCheckpointer(args.checkpoint_dir, job.rank, spec, job.config) if args.checkpoint_dir else None

@@ -89,7 +89,7 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
     run.mkdir(parents=True)
     cmd = _resihp("launch", "-n", str(n), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--nodes", "2",
                   "--run-dir", str(run), "--", sys.executable, str(EXAMPLE), "--tp", str(tp), "--pp", str(pp),
-                  "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000")
+                  "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000", "--compute-clock", clock)
     t0 = time.monotonic()
     with open(run / "launch.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -157,6 +157,14 @@ class Plan:
         """Tokens of the global batch this plan trains per step."""
         return sum(rep.share_tokens(tokens_per_microbatch) for rep in self.replicas)
 
+    def batch_microbatches(self, tokens_per_microbatch: int) -> int:
+        """The global batch in micro-batches of ``tokens_per_microbatch`` tokens: the micro-batch
+        count for whole shares; a token-share plan's replicas may run other counts
+        (``global_microbatches``), but their tokens add up to the same batch."""
+        if not self.document_shares or tokens_per_microbatch < 1:
+            return self.global_microbatches
+        return self.global_tokens(tokens_per_microbatch) // tokens_per_microbatch
+
     def describe(self) -> str:
         """A short human-readable layout, e.g. ``TP2xPP2xDP2 mb 4,4`` or, for replicas that
         differ, ``[PP2 TP2,2 L4,4 mb5 | PP1 TP2 L8 mb3] spares 7``."""

@@ -213,10 +213,16 @@ class RealEngine:
         fields, priced = self._profile_fields()
         cluster = Cluster(devices=devices, **fields)
         rec = self._last
-        mbs = max(1, current.global_microbatches)
+        # a token-share plan's replicas run other micro-batch counts than the batch has
+        mbs = max(1, current.batch_microbatches(self.header.tokens_per_microbatch))
         if rec is not None and rec.seqlens and rec.seqlens[0]:
-            sample = rec.seqlens[0][0]
+            sample = list(rec.seqlens[0][0])
             tokens = max(self.header.tokens_per_microbatch, sum(sample))
+            if current.document_shares and self.header.tokens_per_microbatch:
+                # a re-packed micro-batch may hold more than the batch's: the documents that fit
+                tokens = self.header.tokens_per_microbatch
+                while sum(sample) > tokens:
+                    sample.pop()
             batch = GlobalBatch(mbs, tokens, tuple(sample))
         else:
             batch = GlobalBatch(mbs, self.header.tokens_per_microbatch or 2048)

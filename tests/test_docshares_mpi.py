@@ -1,9 +1,11 @@
 """Token shares train the same steps, on real mpirun ranks (PP2 x DP2, gloo).
 
-tests/mpi_scripts/docshares.py runs 20 steps from one seed four times: whole micro-batches
+tests/mpi_scripts/docshares.py runs 20 steps from one seed five times: whole micro-batches
 4 + 4 (``even``, the old data path), token shares 60/40 in 5 + 4 micro-batches, 75/25 in
-6 + 2, and ``switching`` (even, a live re-plan into 75/25 at step 7 and out to whole
-micro-batches at step 14, commands through the hooks).
+6 + 2, 50/50 in 6 + 6 (more micro-batches than the batch's 8: steps with fewer documents
+pad the count with one-token micro-batches that train nothing), and ``switching`` (even, a
+live re-plan into 75/25 at step 7 and out to whole micro-batches at step 14, commands
+through the hooks).
 
 Tolerance: parameters, AdamW moments and step counts within 1e-5 (absolute) of the even run,
 every step's loss within 1e-5 (relative). Every token's loss is computed alike under any
@@ -51,7 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_three_share_vectors_give_the_same_parameters(runs: dict[str, Any]) -> None:
-    assert set(runs) == {"even", "60/40", "75/25", "switching"}
+    assert set(runs) == {"even", "60/40", "75/25", "50/50 in 6+6", "switching"}
     assert len(runs["even"]["losses"]) == 20
     for name, run in runs.items():
         assert run["vs_even"]["max_abs"] <= STATE_TOL, (name, run["vs_even"])
@@ -59,6 +61,8 @@ def test_three_share_vectors_give_the_same_parameters(runs: dict[str, Any]) -> N
             assert abs(a - b) <= LOSS_TOL * abs(b), (name, step, a, b)
     # the runs really differ in how they split the batch (else the test proves nothing)
     assert not runs["60/40"]["vs_even"]["bitwise"] and not runs["75/25"]["vs_even"]["bitwise"]
+    # the padded path ran: some step had fewer documents than 12 micro-batches
+    assert runs["50/50 in 6+6"]["padding"] > 0 and runs["even"]["padding"] == 0
 
 
 def test_live_replan_into_and_out_of_token_shares_moves_no_state(runs: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
 from resihp.trainer_hooks.runtime.docsplit import pack, split_runs
+from resihp.trainer_hooks.runtime.model import IGNORE, GPTStage, PackedMeta, loss_sum
 
 B = 64  # tokens per stream micro-batch
 G = 8  # micro-batches per global batch
@@ -144,3 +145,35 @@ def test_the_rest_of_the_runtime_counts_a_token_plan_s_batch_in_tokens() -> None
     spec = ModelSpec("t", num_layers=4, hidden=16, num_heads=4, ffn_hidden=32, vocab=256)
     rule = survivor_plan(plan, [0, 1, 2], spec, epoch=1, tokens_per_microbatch=B)
     assert not rule.document_shares and rule.global_microbatches == G
+
+
+def test_a_replica_short_of_documents_pads_its_count_with_microbatches_that_train_nothing() -> None:
+    stream = PackedStream(128, seed=0)  # the demo's stream: whole 128-token pieces of long files
+    data = GlobalBatches(stream, G, 128)
+    plan = token_plan([(4, 470), (3, 298), (3, 256)])  # 10 micro-batches for a batch of 8
+    padded = 0
+    for step in range(20):
+        docs = data.documents(step)
+        trained = 0
+        for r, (m, _) in enumerate([(4, 470), (3, 298), (3, 256)]):
+            batch = data.for_replica(step, plan, r)
+            assert len(batch.microbatches) == m  # the plan's count, whatever the documents
+            for mb in batch.microbatches:
+                if mb.padding:
+                    padded += 1
+                    assert mb.seqlens == (1,) and mb.targets.tolist() == [IGNORE]
+            trained += batch.tokens
+        assert trained == sum(d.length for d in docs) == G * 128
+    assert padded > 0, "some step of this stream has fewer documents than the plan's 10 micro-batches"
+
+
+def test_a_padding_microbatch_adds_exactly_nothing() -> None:
+    from resihp.coordinator.model.spec import ModelSpec
+
+    model = GPTStage(ModelSpec("t", num_layers=2, hidden=16, num_heads=4, ffn_hidden=32, vocab=256), 16, (0, 2),
+                     True, True)
+    model.init_from_seed(0)
+    loss = loss_sum(model(torch.tensor([7]), PackedMeta.from_seqlens([1])), torch.tensor([IGNORE]))
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

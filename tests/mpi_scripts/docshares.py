@@ -4,7 +4,9 @@
 
 Runs, each from the same seed and data, in its own plan epoch: ``even`` (whole micro-batches,
 4 and 4: the old data path), ``60/40`` and ``75/25`` (token shares of the global batch, cut
-by the document, in 5 + 4 and 6 + 2 micro-batches), and ``switching``: even, then a live
+by the document, in 5 + 4 and 6 + 2 micro-batches), ``50/50 in 6+6`` (more micro-batches
+than the batch has: a step with fewer documents pads the count with micro-batches that train
+nothing), and ``switching``: even, then a live
 re-plan into 75/25 tokens at SWITCH_IN and back out to whole micro-batches at SWITCH_OUT,
 the commands arriving through the hooks (``Job.step`` with a scripted agent transport) and
 applied by ``LiveReconfigurer.on_reconfigure``. Rank 0 writes DIR/docshares.json: every
@@ -47,20 +49,24 @@ RUNS: dict[str, Plan] = {
     "even": EVEN,
     "60/40": shares((5, SIXTY), (4, TOKENS - SIXTY)),
     "75/25": shares((6, TOKENS - QUARTER), (2, QUARTER)),
+    "50/50 in 6+6": shares((6, TOKENS // 2), (6, TOKENS - TOKENS // 2)),
 }
 
 
 def run_fixed(comm: Any, boot: Bootstrap, epoch: int, plan: Plan, steps: int) -> dict[str, Any]:
     boot.init_epoch(epoch)
     rc = LiveReconfigurer(SPEC, plan, boot.rank, CONFIG, boot.info().store_addr, timeout_s=120, epoch=epoch)
-    losses = []
+    losses, padding = [], 0
     for step in range(steps):
         r = rc.train_step(step)
         losses.append(first_loss(comm, r.loss if r else None))
+        # padding micro-batches are one token each that trains nothing; counted on stage 0 of each replica
+        mine = sum(map(sum, r.seqlens)) - r.tokens if r is not None and boot.rank in (0, 2) else 0
+        padding += sum(comm.gather(mine, root=0) or [])
     state = gather_full(comm, rc)
     assert rc.runtime is not None
     destroy_groups(rc.runtime.groups)
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "padding": padding}
 
 
 def run_switching(comm: Any, boot: Bootstrap, epoch: int, steps: int) -> dict[str, Any]:

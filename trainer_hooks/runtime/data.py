@@ -38,6 +38,7 @@ import torch
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.trainer_hooks.runtime.docsplit import pack, split_runs
+from resihp.trainer_hooks.runtime.model import IGNORE
 
 VOCAB = 256
 
@@ -48,6 +49,7 @@ class Microbatch:
     tokens: torch.Tensor  # [T] int64 inputs
     targets: torch.Tensor  # [T] int64 next bytes
     seqlens: tuple[int, ...]  # document lengths, summing to T
+    padding: bool = False  # a stand-in that trains nothing (every target IGNORE): see GlobalBatches
 
     @property
     def num_tokens(self) -> int:
@@ -171,6 +173,11 @@ class ReplicaBatch:
     def seqlens(self) -> tuple[tuple[int, ...], ...]:
         return tuple(mb.seqlens for mb in self.microbatches)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens this replica trains (padding micro-batches train none)."""
+        return sum(mb.num_tokens for mb in self.microbatches if not mb.padding)
+
 
 class GlobalBatches:
     """Splits global batch ``step`` among the replicas of a plan by their shares.
@@ -178,6 +185,13 @@ class GlobalBatches:
     ``max_microbatch_tokens``: the largest micro-batch a token share may pack (the model's
     position table; 0 = the stream's micro-batch). ``packed``: the model masks attention per
     document (False: a stream micro-batch is one sequence and is never re-packed).
+
+    A replica whose documents are fewer than its plan's micro-batch count (a step of long
+    documents: a batch holds as few as one per stream micro-batch, and a token plan may run
+    more micro-batches in all than the batch has) fills the count with one-token padding
+    micro-batches whose target is IGNORE: they add exactly zero to the loss and to every
+    gradient, and the replica runs the count its plan says, which the coordinator reads from
+    its reports (another count is a layout mismatch there, and ends the job's judging).
     """
 
     def __init__(self, stream: PackedStream, global_microbatches: int, max_microbatch_tokens: int = 0,
@@ -230,12 +244,21 @@ class GlobalBatches:
                             f"tokens ({self.global_microbatches} micro-batches of {b}); shares must add up to it")
         docs = self.documents(step)
         mine = [docs[i] for i in split_runs([d.length for d in docs], shares)[replica]]
+        count = plan.replicas[replica].microbatches
         if self.packed:
-            groups = pack([d.length for d in mine], plan.replicas[replica].microbatches, self.cap)
+            groups = pack([d.length for d in mine], count, self.cap)
             mbs = tuple(self._microbatch([mine[i] for i in g]) for g in groups)
         else:  # whole rows: the split is by the stream micro-batch
             mbs = tuple(self.stream.get(d.sample) for d in mine)
+        pad = self._padding(docs[0]) if len(mbs) < count else None
+        mbs += tuple(pad for _ in range(count - len(mbs)) if pad is not None)
         return ReplicaBatch(step, replica, mbs, self.global_tokens(step), tuple(mine))
+
+    def _padding(self, doc: DocRef) -> Microbatch:
+        """One token of the step's first document with an IGNORE target: it trains nothing."""
+        src = self.stream.get(doc.sample)
+        return Microbatch(sample_id=doc.sample, tokens=src.tokens[doc.start : doc.start + 1].clone(),
+                          targets=torch.full((1,), IGNORE, dtype=torch.int64), seqlens=(1,), padding=True)
 
     def _microbatch(self, docs: Sequence[DocRef]) -> Microbatch:
         """One micro-batch of whole documents, cut out of their stream micro-batches (its

@@ -8,8 +8,9 @@ each replica's tokens differ from its share by less than one document (half of o
 end of its run). Every rank computes the same cut from the document lengths and the shares
 alone: replicas agree without talking, and the batch itself never depends on the plan.
 
-A replica then packs its run into exactly its plan's micro-batch count (the coordinator's
-schedule model and layout check read that count from its reports): the longest document
+A replica then packs its run into its plan's micro-batch count (the coordinator's schedule
+model and layout check read that count from its reports; data.py pads a replica that has
+fewer documents than micro-batches): the longest document
 first into the least-loaded micro-batch that holds it under the token cap, ties to the
 lower index. Where the documents leave no room, one goes to the least-loaded micro-batch
 anyway, which then exceeds the cap by less than one document: cutting the document instead

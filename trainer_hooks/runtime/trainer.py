@@ -281,7 +281,7 @@ class Runtime:
         time_s = log.finish()
         return StepResult(
             iteration=step, replica=place.replica, loss=loss,
-            tokens=sum(mb.num_tokens for mb in batch.microbatches), global_tokens=batch.global_tokens,
+            tokens=batch.tokens, global_tokens=batch.global_tokens,
             seqlens=batch.seqlens if self.recipe is None or self.recipe.packed else
             tuple((sum(lens),) for lens in batch.seqlens),  # a model without document masks: one sequence a row
             sample_ids=batch.sample_ids, wall_start_s=wall,

@@ -120,7 +120,7 @@ def test_largest_microbatch_respects_the_activation_budget() -> None:
 
 def test_decide_uses_document_shares_only_when_configured() -> None:
     on = decide(SLOW, SPEC, PACKED, CURRENT, None, 0.0, PlannerConfig(document_shares=True))
-    off = decide(SLOW, SPEC, PACKED, CURRENT, None, 0.0, PlannerConfig())
+    off = decide(SLOW, SPEC, PACKED, CURRENT, None, 0.0, PlannerConfig(document_shares=False))
     assert on.plan is not None and on.plan.document_shares
     assert off.plan is None or not off.plan.document_shares
     assert evaluate(on.plan, SLOW, SPEC, PACKED, PlannerConfig()).tokens_per_s > max(
@@ -139,3 +139,35 @@ def test_simulator_prices_token_shares() -> None:
     assert perf.replica_s(lighter, 0, world) < perf.replica_s(plan, 0, world)
     assert perf.tokens_per_s(lighter, world) * perf.iteration_s(lighter, world) == pytest.approx(16 * 4096)
     assert json.loads(json.dumps(lighter.to_dict()))["replicas"][0]["tokens"] == 6 * 4096
+
+
+def test_the_engine_sizes_a_token_plan_s_batch_by_the_tokens_per_microbatch_it_learned() -> None:
+    """A coordinator not told tokens_per_microbatch learns it from whole-share iterations (each
+    micro-batch holds exactly that many), so a later token plan's batch is the job's 8
+    micro-batches, not the sum of its replicas' counts (seen in a real job: "token shares sum
+    to 1024, the global batch has 1280 tokens", and a needless re-plan)."""
+    from types import SimpleNamespace
+
+    from resihp.coordinator.model.trace import IterationRecord
+    from resihp.coordinator.service.engine import build_header
+    from resihp.coordinator.service.engine_real import RealEngine
+
+    spec = preset("gpt-tiny")
+    whole = Plan.uniform(1, 1, 2, spec.num_layers, 8)
+    engine = RealEngine(build_header(spec, whole, 2, "job"))
+    engine.observe(IterationRecord(0, 0.0, 1.0, (((60, 68),) * 4, ((128,),) * 4)), 1.0)
+    tokens = Plan(replicas=(PipelinePlan(((0,),), (spec.num_layers,), 6, 640),
+                            PipelinePlan(((1,),), (spec.num_layers,), 4, 384)), epoch=1)
+    engine.set_plan(tokens, 1)
+    engine.observe(IterationRecord(1, 1.0, 1.0, (((50, 60, 30),) * 6, ((96,),) * 4)), 2.0)
+    seen: list[GlobalBatch] = []
+
+    def fake_decide(cluster: object, model: object, batch: GlobalBatch, current: Plan, *rest: object,
+                    **kw: object) -> object:
+        seen.append(batch)
+        return SimpleNamespace(act=False, plan=current, reason="kept", level="none")
+
+    engine._planner = SimpleNamespace(decide=fake_decide)  # type: ignore[assignment]
+    engine.decide(tokens, None, frozenset(), 3.0, {})
+    assert seen and seen[0].microbatches == 8 and seen[0].tokens_per_microbatch == 128
+    assert sum(seen[0].seqlens) <= 128  # a re-packed micro-batch's sample, trimmed to the batch's

@@ -63,8 +63,9 @@ class PlannerConfig:
     # replica to split a given layer (and the embedding / head) over the same TP size
     uniform_tp_per_layer: bool = False
     # DP shares cut by the packed document, not the micro-batch (docs/plan-inputs.md,
-    # "Document shares"): only for runtimes that can draw a token share of the global batch
-    document_shares: bool = False
+    # "Document shares"); the runtime's data path draws token shares (trainer_hooks/runtime/docsplit.py).
+    # A batch with one document per micro-batch (no seqlens) keeps whole shares either way
+    document_shares: bool = True
     # the largest micro-batch a document share may pack, in tokens (the activation budget:
     # stage memory is checked at it too); 0 = the batch's tokens_per_microbatch
     max_microbatch_tokens: int = 0

@@ -34,7 +34,7 @@ lint: venv
 # checkout through the links resihp/<folder> -> <folder>; nothing is generated.
 PURE_PACKAGES := $(addprefix resihp.coordinator.,model schedule detector planner) resihp.report
 PURE_MODULES := $(addprefix resihp.coordinator.,cli.detect cli.plan cli.profile service.statemachine service.joiner service.audit) \
-	$(addprefix resihp.trainer_hooks.,runtime.layout reconfig.reshard checkpoint.format launch.hostfile \
+	$(addprefix resihp.trainer_hooks.,runtime.layout runtime.docsplit reconfig.reshard checkpoint.format launch.hostfile \
 	  launch.rank_env launch.watch launch.store_server launch.env_rendezvous model_source own_loop) \
 	$(addprefix resihp.sim.,engine runner perf world failures scenarios detection workload workload_truth) resihp.sim.policies
 typecheck: venv

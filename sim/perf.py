@@ -166,12 +166,16 @@ class PerfModel:
 
     def stage_cost(
         self, layers: int, tp: int, first: bool, last: bool, speed: float,
-        p2p_factor: float, cross_node_p2p: bool, overlap_p2p: bool = False,
+        p2p_factor: float, cross_node_p2p: bool, overlap_p2p: bool = False, frac: float = 1.0,
     ) -> StageCost:
+        """One micro-batch of ``frac`` of the job's micro-batch tokens (a document share packs
+        the same kind of documents, fewer of them: FLOPs and bytes scale, latencies do not)."""
         job = self.job
         fl = self._flops(layers, tp, first, last)
+        if frac != 1.0:
+            fl = fl.scale(frac)
         rate = job.device_flops * speed
-        act_bytes = job.activation_bytes_per_value * job.tokens_per_microbatch * job.model.hidden
+        act_bytes = job.activation_bytes_per_value * job.tokens_per_microbatch * job.model.hidden * frac
         # TP: 2 all-reduces of the activations forward and 2 backward per layer; a ring takes
         # 2(tp-1) steps, each paying the link latency (as the DP all-reduce and the planner's model)
         tp_comm = 0.0
@@ -209,17 +213,25 @@ class PerfModel:
         info = self._info(plan)
         bad_ranks, bad_nodes = world.faulty()
         touched = not info.ranks[replica].isdisjoint(bad_ranks) or not info.nodes[replica].isdisjoint(bad_nodes)
+        frac = self.share_fraction(plan.replicas[replica])
         if not touched:  # the common case: every healthy replica of a shape costs the same
-            key: tuple[object, ...] = ("healthy", info.sigs[replica], overlap_p2p)
+            key: tuple[object, ...] = ("healthy", info.sigs[replica], overlap_p2p, frac)
             hit = self._cache.get(key)
             if hit is None:
-                hit = self._stage_costs(plan.replicas[replica], info.stage_nodes[replica], None, overlap_p2p)
+                hit = self._stage_costs(plan.replicas[replica], info.stage_nodes[replica], None, overlap_p2p, frac=frac)
                 self._cache[key] = hit
             return hit  # type: ignore[return-value]
-        return self._stage_costs(plan.replicas[replica], info.stage_nodes[replica], world, overlap_p2p, replica)
+        return self._stage_costs(plan.replicas[replica], info.stage_nodes[replica], world, overlap_p2p, replica, frac)
+
+    def share_fraction(self, rep: PipelinePlan) -> float:
+        """A replica's mean micro-batch as a fraction of the job's (1 for whole micro-batches)."""
+        if not rep.tokens or rep.microbatches <= 0:
+            return 1.0
+        return rep.tokens / (rep.microbatches * self.job.tokens_per_microbatch)
 
     def _stage_costs(
         self, rep: PipelinePlan, nodes: list[frozenset[int]], world: World | None, overlap_p2p: bool, replica: int = 0,
+        frac: float = 1.0,
     ) -> list[StageCost]:
         out = []
         for s, group in enumerate(rep.stages):
@@ -231,7 +243,8 @@ class PerfModel:
             cross = bool(nodes[s] ^ nxt) or bool(nodes[s] ^ prev) or len(nodes[s]) > 1
             p2p_factor = 1.0 if world is None else max(world.net_factor(n) for n in nodes[s] | nxt | prev)
             out.append(
-                self.stage_cost(rep.layers[s], len(group), s == 0, s == rep.pp - 1, speed, p2p_factor, cross, overlap_p2p)
+                self.stage_cost(rep.layers[s], len(group), s == 0, s == rep.pp - 1, speed, p2p_factor, cross, overlap_p2p,
+                                frac)
             )
         return out
 
@@ -290,7 +303,7 @@ class PerfModel:
         t = self.iteration_s(plan, world, overlap_p2p)
         if not math.isfinite(t) or t <= 0:
             return 0.0
-        return plan.global_microbatches * self.job.tokens_per_microbatch / t
+        return plan.global_tokens(self.job.tokens_per_microbatch) / t
 
     # --- memory (for the baselines' feasibility checks) -------------------------------------
     def replica_fits(self, rep: PipelinePlan, schedule: Schedule) -> bool:

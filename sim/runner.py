@@ -59,7 +59,8 @@ def best_healthy_tps(job: JobSpec, perf: PerfModel) -> float:
     try:
         from resihp.coordinator.planner import planner
 
-        plan = planner.search_plan(job.cluster(), job.model, job.batch(), job.initial_plan(), planner.PlannerConfig())
+        plan = planner.search_plan(job.cluster(), job.model, job.batch(), job.initial_plan(),
+                                   planner.PlannerConfig(document_shares=True))
         return max(r0, perf.tokens_per_s(plan, World(job.world_size, job.gpus_per_node)))
     except Exception:  # no planner in this build: the initial layout is the reference
         return r0

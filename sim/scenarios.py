@@ -48,15 +48,24 @@ def global_microbatches(gpus: int) -> int:
     return max(256, gpus // 8)
 
 
-def job_for(model: str, gpus: int, *, layout: str = "tuned", tokens_per_microbatch: int = 8192) -> JobSpec:
+def job_for(model: str, gpus: int, *, layout: str = "tuned", tokens_per_microbatch: int = 8192,
+            documents: int = 1) -> JobSpec:
     """The job layout used for ``model`` on ``gpus`` GPUs.
 
     ``layout="tuned"`` (the default for comparisons) picks, among uniform layouts with whole
     nodes per pipeline (what every baseline can run), the fastest one that fits in memory
     under the simulator's cost model — a well-tuned job, so that no policy gains merely by
     leaving a poor initial layout. ``layout="paper"`` uses the paper's shapes as given
-    (PAPER_SHAPES / LARGE_SHAPES).
+    (PAPER_SHAPES / LARGE_SHAPES). ``documents``: packed documents of a typical
+    micro-batch, equal in length (1: one document fills it); they set the attention term
+    and how finely a document share can cut the global batch.
     """
+    if documents < 1 or documents > tokens_per_microbatch:
+        raise SpecError(f"documents must be in 1..{tokens_per_microbatch}, got {documents}")
+    if documents > 1:
+        seqlens = (tokens_per_microbatch // documents,) * documents
+        return replace(job_for(model, gpus, layout=layout, tokens_per_microbatch=tokens_per_microbatch),
+                       seqlens=seqlens)
     spec = preset(model)
     m_total = global_microbatches(gpus)
     if layout == "paper":

@@ -239,8 +239,10 @@ def test_launch_watch_ends_the_job_on_finish_or_abort(tmp_path: Path) -> None:
 
 def _resilience(plan: Plan, transport: Any) -> Any:
     from resihp.trainer_hooks.runtime.resilient import Resilience
+    from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
-    rc = SimpleNamespace(epoch=plan.epoch, members=tuple(range(8)), plan=plan, rank=0, timeout_s=1.0)
+    rc = SimpleNamespace(epoch=plan.epoch, members=tuple(range(8)), plan=plan, rank=0, timeout_s=1.0,
+                         config=TrainConfig(max_seq_len=64))
     job = SimpleNamespace(_pending=[], transport=transport)
     return Resilience(job=job, rc=rc, world=SimpleNamespace(), agreement=object(), plan_wait_s=60.0)  # type: ignore[arg-type]
 
@@ -253,8 +255,13 @@ def test_a_plan_that_changes_the_global_batch_is_refused_in_a_switch_and_in_a_re
     job_plan = Plan.uniform(1, 2, 2, 8, 8)  # the script's: 8 micro-batches per step
     same = Plan.uniform(1, 1, 2, 8, 8)
     smaller = replace(Plan.uniform(1, 1, 2, 8, 4), epoch=1)  # the coordinator's: 4
-    assert batch_change(job_plan, same) == ""
-    why = batch_change(job_plan, smaller)
+    assert batch_change(job_plan, same, 64) == ""
+    why = batch_change(job_plan, smaller, 64)
+    # token shares count in tokens: 5 + 2 micro-batches that hold the 8 of the batch are the same batch
+    shares = Plan(replicas=(PipelinePlan(((0,),), (8,), 5, 320), PipelinePlan(((1,),), (8,), 2, 192)))
+    assert batch_change(job_plan, shares, 64) == "" and batch_change(shares, job_plan, 64) == ""
+    fewer = Plan(replicas=(PipelinePlan(((0,),), (8,), 5, 320), PipelinePlan(((1,),), (8,), 2, 128)))
+    assert batch_change(job_plan, fewer, 64).startswith("the plan trains 7 micro-batches per step and this job 8")
     assert why.startswith("the plan trains 4 micro-batches per step and this job 8: a re-plan may not change the "
                           "global batch") and "--microbatches" in why
     tx = _Transport()

@@ -134,17 +134,18 @@ def main(argv: list[str]) -> int:
         finding = FindingInput.from_dict(_load(args.finding, "finding")) if args.finding else None
         if args.batch:
             batch = GlobalBatch.from_dict(_load(args.batch, "batch"))
-            if batch.microbatches != current.global_microbatches:
+            # a token-share plan's shares count in tokens (its micro-batch counts may differ)
+            if batch.microbatches != current.batch_microbatches(batch.tokens_per_microbatch):
                 raise SpecError(
                     f"contradictory input: the batch has {batch.microbatches} micro-batches but the current plan's "
-                    f"shares sum to {current.global_microbatches}"
+                    f"shares sum to {current.batch_microbatches(batch.tokens_per_microbatch)}"
                 )
         else:
             if args.tokens_per_microbatch < 1:
                 raise SpecError(f"--tokens-per-microbatch must be >= 1, got {args.tokens_per_microbatch}")
             if current.global_microbatches < 1:
                 raise SpecError("current plan: its micro-batch shares sum to 0; give every replica its share")
-            batch = GlobalBatch(current.global_microbatches, args.tokens_per_microbatch)
+            batch = GlobalBatch(current.batch_microbatches(args.tokens_per_microbatch), args.tokens_per_microbatch)
         if not cluster.healthy():
             raise SpecError("cluster: every device has failed; there is no healthy device to plan for")
         now = args.now if args.now is not None else (finding.time_s if finding and finding.time_s is not None else 0.0)

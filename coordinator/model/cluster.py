@@ -269,6 +269,12 @@ class GlobalBatch:
     def typical_seqlens(self) -> tuple[int, ...]:
         return self.seqlens or (self.tokens_per_microbatch,)
 
+    @property
+    def documents_per_microbatch(self) -> int:
+        """Packed documents in a typical micro-batch: the granularity of a document share
+        (1: documents fill micro-batches, shares stay whole micro-batches)."""
+        return len(self.typical_seqlens())
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"microbatches": self.microbatches, "tokens_per_microbatch": self.tokens_per_microbatch}
         if self.seqlens:

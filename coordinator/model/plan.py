@@ -45,11 +45,22 @@ class PipelinePlan:
     ``layers`` has one entry per *virtual* stage (pp × virtual_chunks); virtual stage j
     runs on stage ``j % pp`` — Megatron's interleaved assignment. With one chunk per
     device it is simply the layer count of each stage.
+
+    ``tokens`` is the replica's share of the global batch in tokens when shares are cut by
+    the document (docs/plan-inputs.md, "Document shares"): the replica packs them into
+    ``microbatches`` micro-batches, so its micro-batches may be smaller (or, within the
+    activation budget, larger) than the batch's. 0 keeps whole micro-batches: the share is
+    ``microbatches × tokens_per_microbatch`` (every plan written before shares existed).
     """
 
     stages: tuple[tuple[int, ...], ...]
     layers: tuple[int, ...]
     microbatches: int
+    tokens: int = 0
+
+    def share_tokens(self, tokens_per_microbatch: int) -> int:
+        """This replica's tokens of the global batch."""
+        return self.tokens if self.tokens else self.microbatches * tokens_per_microbatch
 
     @property
     def pp(self) -> int:
@@ -68,7 +79,11 @@ class PipelinePlan:
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stages": [list(g) for g in self.stages], "layers": list(self.layers), "microbatches": self.microbatches}
+        out: dict[str, Any] = {"stages": [list(g) for g in self.stages], "layers": list(self.layers),
+                               "microbatches": self.microbatches}
+        if self.tokens:  # absent for whole micro-batches: older readers see the plans they know
+            out["tokens"] = self.tokens
+        return out
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,8 @@ class Plan:
         v = self.virtual_chunks
         groups = [g for rep in self.replicas for g in rep.stages]
         ok = all(rep.stages and len(rep.layers) == len(rep.stages) * v and min(rep.layers) >= 1
-                 and rep.microbatches >= 0 for rep in self.replicas) and all(groups)
+                 and rep.microbatches >= 0 and rep.tokens >= 0 and (rep.microbatches or not rep.tokens)
+                 for rep in self.replicas) and all(groups)
         members: set[int] = set(chain.from_iterable(groups)) if ok else set()
         if not ok or len(members) != sum(map(len, groups)):
             _raise_first_problem(self.replicas, v)  # the first problem in plan order, named as always
@@ -132,11 +148,28 @@ class Plan:
     def global_microbatches(self) -> int:
         return sum(rep.microbatches for rep in self.replicas)
 
+    @property
+    def document_shares(self) -> bool:
+        """Whether any replica's share is given in tokens (cut by the document)."""
+        return any(rep.tokens for rep in self.replicas)
+
+    def global_tokens(self, tokens_per_microbatch: int) -> int:
+        """Tokens of the global batch this plan trains per step."""
+        return sum(rep.share_tokens(tokens_per_microbatch) for rep in self.replicas)
+
+    def batch_microbatches(self, tokens_per_microbatch: int) -> int:
+        """The global batch in micro-batches of ``tokens_per_microbatch`` tokens: the micro-batch
+        count for whole shares; a token-share plan's replicas may run other counts
+        (``global_microbatches``), but their tokens add up to the same batch."""
+        if not self.document_shares or tokens_per_microbatch < 1:
+            return self.global_microbatches
+        return self.global_tokens(tokens_per_microbatch) // tokens_per_microbatch
+
     def describe(self) -> str:
         """A short human-readable layout, e.g. ``TP2xPP2xDP2 mb 4,4`` or, for replicas that
         differ, ``[PP2 TP2,2 L4,4 mb5 | PP1 TP2 L8 mb3] spares 7``."""
         shapes = {(tuple(len(g) for g in rep.stages), rep.layers) for rep in self.replicas}
-        mbs = ",".join(str(rep.microbatches) for rep in self.replicas)
+        mbs = ",".join(_share_text(rep) for rep in self.replicas)
         if len(shapes) == 1 and len({len(g) for rep in self.replicas for g in rep.stages}) == 1:
             rep = self.replicas[0]
             even = len(set(rep.layers)) == 1
@@ -144,7 +177,7 @@ class Plan:
             text += f" mb {mbs}"
         else:
             parts = [f"PP{rep.pp} TP{','.join(str(len(g)) for g in rep.stages)} L{','.join(map(str, rep.layers))} "
-                     f"mb{rep.microbatches}" for rep in self.replicas]
+                     f"mb{_share_text(rep)}" for rep in self.replicas]
             text = "[" + " | ".join(parts) + "]"
         return text + (f" spares {','.join(map(str, self.spares))}" if self.spares else "")
 
@@ -253,11 +286,13 @@ class Plan:
                 stages = tuple(tuple(int(r) for r in g) for g in rep["stages"])
                 layers = tuple(int(c) for c in rep["layers"])
                 mbs = int(rep["microbatches"])
-            except (KeyError, TypeError, ValueError) as exc:
+                tokens = int(rep.get("tokens", 0))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise SpecError(
-                    f"plan: replica {i} needs 'stages' (lists of ranks), 'layers' (ints) and 'microbatches' (int): {exc}"
+                    f"plan: replica {i} needs 'stages' (lists of ranks), 'layers' (ints), 'microbatches' (int) "
+                    f"and optionally 'tokens' (int): {exc}"
                 ) from None
-            replicas.append(PipelinePlan(stages=stages, layers=layers, microbatches=mbs))
+            replicas.append(PipelinePlan(stages=stages, layers=layers, microbatches=mbs, tokens=tokens))
         return cls(
             replicas=tuple(replicas),
             schedule=Schedule.parse(str(data.get("schedule", "1f1b"))),
@@ -266,6 +301,11 @@ class Plan:
             spares=tuple(int(r) for r in data.get("spares", ())),
             reason=str(data.get("reason", "")),
         )
+
+
+def _share_text(rep: PipelinePlan) -> str:
+    """``5`` for whole micro-batches, ``5:37000t`` for a token share in 5 micro-batches."""
+    return f"{rep.microbatches}:{rep.tokens}t" if rep.tokens else str(rep.microbatches)
 
 
 def _raise_first_problem(replicas: Sequence[PipelinePlan], v: int) -> None:
@@ -284,6 +324,9 @@ def _raise_first_problem(replicas: Sequence[PipelinePlan], v: int) -> None:
             raise SpecError(f"plan: replica {r_idx} has a stage with no layers: {list(rep.layers)}")
         if rep.microbatches < 0:
             raise SpecError(f"plan: replica {r_idx} has a negative micro-batch share ({rep.microbatches})")
+        if rep.tokens < 0 or (rep.tokens and not rep.microbatches):
+            raise SpecError(f"plan: replica {r_idx} has a token share of {rep.tokens} in {rep.microbatches} "
+                            f"micro-batches; a token share must be >= 0 and needs at least one micro-batch")
         for s_idx, group in enumerate(rep.stages):
             if not group:
                 raise SpecError(f"plan: replica {r_idx} stage {s_idx} has an empty TP group")

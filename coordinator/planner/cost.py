@@ -15,6 +15,7 @@ Pure: no torch, grpc or MPI.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -22,7 +23,7 @@ from itertools import chain
 from resihp.coordinator.model.cluster import Cluster, GlobalBatch
 from resihp.coordinator.model.costmodel import embedding_flops, head_flops, layer_flops
 from resihp.coordinator.model.memory import MemoryModel, inflight_microbatches, max_layers_fitting, stage_device_bytes
-from resihp.coordinator.model.plan import Plan, Schedule
+from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.planner.tables import ClusterTables as ClusterTables  # re-exported
 from resihp.coordinator.planner.tables import PipeSig as PipeSig
@@ -61,6 +62,13 @@ class PlannerConfig:
     # the runtime all-reduces a layer's gradient shards across replicas, so it needs every
     # replica to split a given layer (and the embedding / head) over the same TP size
     uniform_tp_per_layer: bool = False
+    # DP shares cut by the packed document, not the micro-batch (docs/plan-inputs.md,
+    # "Document shares"); the runtime's data path draws token shares (trainer_hooks/runtime/docsplit.py).
+    # A batch with one document per micro-batch (no seqlens) keeps whole shares either way
+    document_shares: bool = True
+    # the largest micro-batch a document share may pack, in tokens (the activation budget:
+    # stage memory is checked at it too); 0 = the batch's tokens_per_microbatch
+    max_microbatch_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -72,6 +80,8 @@ class PlannerConfig:
                 raise SpecError(f"planner config: {name} must be >= 0, got {getattr(self, name)}")
         if self.max_tp < 0:
             raise SpecError(f"planner config: max_tp must be >= 0, got {self.max_tp}")
+        if self.max_microbatch_tokens < 0:
+            raise SpecError(f"planner config: max_microbatch_tokens must be >= 0, got {self.max_microbatch_tokens}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +89,7 @@ class _Memos:
     caps: dict[tuple[StageKey, bool, bool, float], int]
     inflight: dict[tuple[int, int, int], float]
     bytes: dict[tuple[int, int, bool, bool, float], float]
-    pipe_t: dict[tuple[PipeSig, tuple[int, ...], int], float]
+    pipe_t: dict[tuple[PipeSig, tuple[int, ...], int, float, float], float]
     profiles: dict[tuple[StageKey, ...], object]
 
 
@@ -214,26 +224,48 @@ class Costs:
             hit = self._inflight[key] = inflight_microbatches(self.schedule, p, s, max(m, 1), self.v)
         return hit
 
-    def pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int) -> float:
+    def pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int, frac: float = 1.0,
+                      peak: float | None = None) -> float:
         """Closed-form time of a pipeline with a given split (layers per device); inf if a
-        stage exceeds its memory. Memoised: thousands of replicas share a few shapes."""
+        stage exceeds its memory. ``frac``: the micro-batches' mean size as a fraction of the
+        batch's (a document share); ``peak``: the largest one's (memory is checked at it;
+        default ``frac``). Memoised: thousands of replicas share a few shapes."""
         if m <= 0:
             return 0.0
-        key = (sig, tuple(layers), m)
+        peak = frac if peak is None else peak
+        key = (sig, tuple(layers), m, frac, peak)
         hit = self._pipe_t.get(key)
         if hit is None:
-            hit = self._pipe_t[key] = self._pipeline_time(sig, layers, m)
+            hit = self._pipe_t[key] = self._pipeline_time(sig, layers, m, frac, peak)
         return hit
 
-    def _pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int) -> float:
+    def _pipeline_time(self, sig: PipeSig, layers: Sequence[int], m: int, frac: float, peak: float) -> float:
         p = len(sig.stages)
         times = []
         for s, (k, sp, mem) in enumerate(sig.stages):
             first, last = s == 0, s == p - 1
-            if self.stage_bytes(k, layers[s], first, last, self.inflight(p, s, m)) > mem:
-                return INF
-            times.append(self.extra_s(k, sp, first, last) + layers[s] * self.per_layer_s(k, sp))
+            if self.stage_bytes(k, layers[s], first, last, self.inflight(p, s, m) * peak) > mem:
+                return INF  # activations scale with the largest micro-batch's tokens
+            if frac == 1.0:
+                times.append(self.extra_s(k, sp, first, last) + layers[s] * self.per_layer_s(k, sp))
+            else:
+                times.append(self.stage_s(k, sp, layers[s], first, last, frac))
         return (m - 1) * max(times) + self.beta * sum(times)  # the sends are in extra_s
+
+    def stage_s(self, k: int, speed: float, layers: int, first: bool, last: bool, frac: float) -> float:
+        """One stage's time for a micro-batch of ``frac`` of the batch's tokens: compute and
+        bytes on the wire scale with the tokens (attention too: the same documents, fewer of
+        them), latencies do not."""
+        c = self.cluster
+        work = layers * self.layer_flops + (self.first_flops if first else 0.0) + (self.last_flops if last else 0.0)
+        compute = frac * work / (k * speed * self.flops)
+        tp = 0.0
+        if k > 1:
+            tp = 4.0 * layers * (2.0 * (k - 1) / k * frac * self.boundary_bytes / c.intra_node_bw_Bps
+                                 + 2.0 * (k - 1) * c.intra_node_latency_s)
+        sends = (0 if first else 1) + (0 if last else 1)
+        hop = c.inter_node_latency_s + frac * self.boundary_bytes / c.inter_node_bw_Bps
+        return compute + tp + sends * hop
 
     # --- whole iteration ---------------------------------------------------------------
     def sync_s(self, dp: int, shards: Sequence[tuple[int, int, bool, bool, float]], link: float = 1.0) -> float:
@@ -316,20 +348,27 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
             else:
                 one_node.add(g)
                 seen[id(g)] = g
-    if plan.global_microbatches != batch.microbatches:
+    if plan.document_shares:
+        want = batch.microbatches * batch.tokens_per_microbatch
+        got = plan.global_tokens(batch.tokens_per_microbatch)
+        if got != want:
+            out.append(f"token shares sum to {got}, the global batch has {want} tokens")
+    elif plan.global_microbatches != batch.microbatches:
         out.append(f"micro-batch shares sum to {plan.global_microbatches}, the global batch has {batch.microbatches}")
     if out:
         return out
     costs = Costs(cluster, spec, batch, config, plan.schedule, plan.virtual_chunks)
-    needs: dict[tuple[tuple[int, ...], int, tuple[int, ...]], list[float]] = {}
+    needs: dict[tuple[tuple[int, ...], int, tuple[int, ...], int], list[float]] = {}
     least = tab.least_memory  # a stage needing no more fits anywhere
     for i, rep in enumerate(plan.replicas):
-        shape = (rep.layers, rep.microbatches, tuple(map(len, rep.stages)))
+        shape = (rep.layers, rep.microbatches, tuple(map(len, rep.stages)), rep.tokens)
         row = needs.get(shape)
         if row is None:  # identical replicas need identical memory
             per_dev = device_layers(rep.layers, rep.pp)
+            peak = share_fractions(rep, batch)[1]  # activations of the largest micro-batch
             row = needs[shape] = [
-                costs.stage_bytes(len(g), per_dev[s], s == 0, s == rep.pp - 1, costs.inflight(rep.pp, s, rep.microbatches))
+                costs.stage_bytes(len(g), per_dev[s], s == 0, s == rep.pp - 1,
+                                  costs.inflight(rep.pp, s, rep.microbatches) * peak)
                 for s, g in enumerate(rep.stages)
             ]
         if max(row) <= least:
@@ -342,6 +381,23 @@ def plan_problems(plan: Plan, cluster: Cluster, spec: ModelSpec, batch: GlobalBa
                     f"replica {i} stage {s}: needs {need / 2**30:.1f} GiB per device, has {mem / 2**30:.1f} GiB"
                 )
     return out
+
+
+def share_fractions(rep: PipelinePlan, batch: GlobalBatch) -> tuple[float, float]:
+    """(mean, largest) micro-batch of a replica as fractions of the batch's micro-batch.
+
+    A token share packs whole documents: with n documents per typical micro-batch the
+    replica holds d = share / (B / n) of them, ``microbatches`` micro-batches of ⌊d/m⌋ or
+    ⌈d/m⌉ documents. Time is priced at the mean (documents of varying length let the packer
+    even the tokens out), memory at the largest. Whole micro-batches: (1, 1)."""
+    if not rep.tokens or rep.microbatches <= 0:
+        return 1.0, 1.0
+    b = batch.tokens_per_microbatch
+    n = batch.documents_per_microbatch
+    mean = rep.tokens / (rep.microbatches * b)
+    docs = rep.tokens * n / b
+    peak = math.ceil(docs / rep.microbatches - 1e-9) / n
+    return mean, max(mean, peak)
 
 
 def failed_text(ranks: Sequence[int], excluded: Collection[int], verb: str = "were") -> str:
@@ -387,13 +443,14 @@ def evaluate_with(costs: Costs, plan: Plan) -> Evaluation:
         plain = not special or special.isdisjoint(chain.from_iterable(rep.stages))
         sig = tab.plain_sig(tuple(map(len, rep.stages))) if plain else tab.sig(rep.stages)
         per_dev = tuple(rep.layers) if len(rep.layers) == rep.pp else tuple(device_layers(rep.layers, rep.pp))
-        t = costs.pipeline_time(sig, per_dev, rep.microbatches)
+        frac, peak = share_fractions(rep, costs.batch)
+        t = costs.pipeline_time(sig, per_dev, rep.microbatches, frac, peak)
         if not plain and slow_links and not slow_links.keys().isdisjoint(chain.from_iterable(rep.stages)):
             # a communication slowdown stretches this pipeline's p2p, not its compute
             factors = [max(slow_links.get(r, 1.0) for r in g) for g in rep.stages]
             worst_link = max(worst_link, max(factors))
             if rep.microbatches > 0:
-                t += costs.link_extra_s(factors, rep.microbatches)
+                t += costs.link_extra_s(factors, rep.microbatches) * frac
         rep_s.append(t)
         if (sig, per_dev) not in seen:
             seen.add((sig, per_dev))

@@ -37,6 +37,7 @@ from resihp.coordinator.planner.cost import (
     failed_text,
     plan_problems,
 )
+from resihp.coordinator.planner.docshares import document_shares
 from resihp.coordinator.planner.levels import rebuild, regroup, reshare, resplit
 from resihp.coordinator.planner.move import Move, plan_move
 from resihp.coordinator.planner.search import Searcher
@@ -222,6 +223,10 @@ def _candidates(costs: Costs, current: Plan, searcher: Searcher, cfg: PlannerCon
         plan, move, known_s = build()
         if plan is None or plan_problems(plan, costs.cluster, spec, costs.batch, cfg):
             continue
+        if cfg.document_shares and not plan.document_shares:
+            finer = document_shares(costs, plan)  # same groups and layers: the move is unchanged
+            if finer is not None:
+                plan, known_s = finer, None
         if cfg.uniform_tp_per_layer and not tp_uniform_per_layer(plan):
             continue
         it_s = evaluate_with(costs, plan).iteration_s if known_s is None else known_s

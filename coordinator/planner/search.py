@@ -40,6 +40,7 @@ from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.planner.arrange import arrange, swaps
 from resihp.coordinator.planner.cost import INF, PipeSig, PlannerConfig, StageKey, cluster_tables, evaluate_with
+from resihp.coordinator.planner.docshares import document_shares
 from resihp.coordinator.planner.groups import Pool, SearchResult, ShapeResult, _divisors, legal_tp_sizes
 from resihp.coordinator.planner.move import Move, replicas_move
 from resihp.coordinator.planner.placement import Placement
@@ -391,6 +392,8 @@ class Searcher(Placement):
         moved, _, _, (replicas, spares), move = chosen
         epoch = self.current.epoch + 1 if self.current is not None else 0
         plan = Plan(tuple(replicas), self.costs.schedule, self.v, epoch, spares, "")
+        if self.config.document_shares:
+            plan = document_shares(self.costs, plan) or plan
         ev = evaluate_with(self.costs, plan)
         it = ev.iteration_s
         tps = self.batch.microbatches * self.costs.tokens / it

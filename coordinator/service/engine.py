@@ -278,10 +278,10 @@ class RuleEngine:
         if not keep:
             return EngineDecision(False, current, "no data-parallel replica is left without a dead or excluded "
                                   "rank; the rule planner cannot rebuild TP/PP groups", fatal=True)
-        total = current.global_microbatches
+        total = current.batch_microbatches(self.header.tokens_per_microbatch)  # whole micro-batches again
         rep_speed = [min(speed.get(r, 1.0) for r in rep.ranks()) or 1e-3 for rep in keep]
         shares = _proportional(total, rep_speed)
-        replicas = tuple(replace(rep, microbatches=s) for rep, s in zip(keep, shares))
+        replicas = tuple(replace(rep, microbatches=s, tokens=0) for rep, s in zip(keep, shares))
         spares = tuple(sorted(freed))
         if replicas == current.replicas and spares == current.spares:
             return EngineDecision(False, current, "the current plan is already the best the rule planner finds")

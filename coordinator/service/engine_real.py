@@ -75,6 +75,8 @@ class RealEngine:
         self.name = "detector+planner" if self._planner is not None else "detector+rule-planner"
         self._raw: dict[tuple[str, tuple[int, ...], int], Finding] = {}
         self._last: IterationRecord | None = None
+        self._plan = header.plan  # the plan the records come from
+        self._tpm = header.tokens_per_microbatch  # the batch's tokens per micro-batch, else learned
         self.detection = True
         # links=off: no communication findings and no link factors for the planner (a CPU job
         # over loopback, where a P2P receive also waits for a slow sender)
@@ -98,6 +100,8 @@ class RealEngine:
         self._rules = RuleEngine(header)
         self.fitter = self._fitter(header)
         self._last = None
+        self._plan = header.plan
+        self._tpm = header.tokens_per_microbatch
 
     # --- detection -------------------------------------------------------------------------
     def _convert(self, found: list[Finding]) -> list[FindingInfo]:
@@ -115,9 +119,12 @@ class RealEngine:
     def observe(self, record: Record, now: float) -> list[FindingInfo]:
         if isinstance(record, IterationRecord):
             self._last = record
+            if not self._tpm:
+                self._learn_tokens_per_microbatch(record)
             if not self.detection:
                 return []
         if isinstance(record, PlanChange):
+            self._plan = record.plan
             self._rules.set_plan(record.plan, record.iteration)
             self.fitter.set_plan(record.plan)
         out = self._convert(self.detector.observe(record, now))
@@ -125,6 +132,16 @@ class RealEngine:
         if isinstance(record, IterationRecord) and self.detector.all_healthy():
             self.fitter.add(record)
         return out
+
+    def _learn_tokens_per_microbatch(self, record: IterationRecord) -> None:
+        """Under whole shares every micro-batch holds the batch's tokens per micro-batch (the
+        packing fills each): learned once, it sizes the global batch of a later token-share
+        plan, whose micro-batches hold any number (a coordinator not told it by its config)."""
+        if self._plan.document_shares:
+            return
+        sums = {sum(mb) for rep in record.seqlens for mb in rep}
+        if len(sums) == 1:
+            self._tpm = sums.pop()
 
     def profile(self) -> Profile:
         """The measured profile (whether or not the policy lets it price plans)."""
@@ -179,6 +196,7 @@ class RealEngine:
         return self.detector.readmit(rank)
 
     def set_plan(self, plan: Plan, iteration: int) -> None:
+        self._plan = plan
         self.detector.set_plan(plan, iteration)  # its first iteration: the detector re-warms from there
         self._rules.set_plan(plan, iteration)
         self.fitter.set_plan(plan)
@@ -213,10 +231,16 @@ class RealEngine:
         fields, priced = self._profile_fields()
         cluster = Cluster(devices=devices, **fields)
         rec = self._last
-        mbs = max(1, current.global_microbatches)
+        # a token-share plan's replicas run other micro-batch counts than the batch has
+        mbs = max(1, current.batch_microbatches(self._tpm))
         if rec is not None and rec.seqlens and rec.seqlens[0]:
-            sample = rec.seqlens[0][0]
+            sample = list(rec.seqlens[0][0])
             tokens = max(self.header.tokens_per_microbatch, sum(sample))
+            if current.document_shares and self._tpm:
+                # a re-packed micro-batch may hold more than the batch's: the documents that fit
+                tokens = self._tpm
+                while sum(sample) > tokens:
+                    sample.pop()
             batch = GlobalBatch(mbs, tokens, tuple(sample))
         else:
             batch = GlobalBatch(mbs, self.header.tokens_per_microbatch or 2048)

@@ -93,7 +93,9 @@ class ResiHP(Policy):
             from resihp.coordinator.planner.cost import PlannerConfig
 
             cfg_cls = PlannerConfig
-        return cfg_cls()
+        # the simulated runtime draws documents for its token shares (trainer_hooks' data path):
+        # shares follow replica speed to within one document (docs/simulate.md)
+        return cfg_cls(document_shares=True)
 
     # --- resihp's view of the cluster ---------------------------------------------------------
     def _view(self) -> tuple[dict[int, float], dict[int, float]]:

@@ -187,9 +187,10 @@ class AsyncCheckpointer:
         elif mine:
             raise CheckpointError(f"checkpoint: rank {self.rank} is a writer under the plan but has no runtime")
         rec.wait_s, rec.snapshot_s = t1 - t0, self.clock() - t1
+        batch_mbs = plan.batch_microbatches(self.config.budget)  # token shares: the batch, not their counts
         data = {
-            "next_step": step + 1, "global_microbatches": plan.global_microbatches,
-            "next_sample_id": (step + 1) * plan.global_microbatches,
+            "next_step": step + 1, "global_microbatches": batch_mbs,
+            "next_sample_id": (step + 1) * batch_mbs,
             "seed": self.config.seed if self.config.data_seed < 0 else self.config.data_seed,
             "tokens_per_microbatch": self.config.budget, "root": self.config.data_root,
         }
@@ -361,7 +362,7 @@ def load_into(runtime: Runtime | None, plan: Plan, rank: int, path: Path | str, 
     meta = read_meta(path)
     check_model(meta, spec, config.max_seq_len, str(path))
     if strict_data:
-        _check_data(meta, config, plan.global_microbatches, str(path))
+        _check_data(meta, config, plan.batch_microbatches(config.budget), str(path))
     if runtime is None:
         return int(meta["resume_step"])
     recipe = runtime.recipe

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 SPARE_STEP = 1 << 62  # the "last completed step" a spare reports in the agreement
 
 
-def survivor_plan(old: Plan, alive: Sequence[int], spec: ModelSpec, epoch: int) -> Plan:
+def survivor_plan(old: Plan, alive: Sequence[int], spec: ModelSpec, epoch: int, tokens_per_microbatch: int = 0) -> Plan:
     """The layout the survivors switch to (a deterministic rule, not a search).
 
     - TP size: the old plan's (halved until at least one group can be formed);
@@ -73,7 +73,7 @@ def survivor_plan(old: Plan, alive: Sequence[int], spec: ModelSpec, epoch: int) 
     pp = max(candidates, key=lambda p: (p * (n // p), -abs(p - old_pp), -p))
     dp = n // pp
     layers = tuple(even_split(spec.num_layers, pp))
-    shares = even_split(old.global_microbatches, dp)
+    shares = even_split(old.batch_microbatches(tokens_per_microbatch), dp)  # whole micro-batches again
     replicas = tuple(PipelinePlan(tuple(groups[d * pp:(d + 1) * pp]), layers, shares[d]) for d in range(dp))
     members = {r for rep in replicas for r in rep.ranks()}
     plan = Plan(replicas=replicas, epoch=epoch, spares=tuple(sorted(alive_set - members)),
@@ -192,7 +192,7 @@ def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGu
     agreed = new_world.agreed_step
     shards, adam_steps = guard.state_after(rc, agreed, last_step)
     plan = (choose_plan(new_world) if choose_plan is not None
-            else survivor_plan(rc.plan, new_world.ranks, rc.spec, new_world.epoch))
+            else survivor_plan(rc.plan, new_world.ranks, rc.spec, new_world.epoch, rc.config.budget))
     log.warning("rank %d: lost %s; resuming at step %d on %s", rc.rank, list(new_world.failed), agreed + 1,
                 plan.to_dict())
     report = rc.apply(plan, plan.epoch, old_shards=shards, alive=new_world.ranks, members=new_world.ranks,

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
@@ -63,7 +63,7 @@ def renumber(plan: Plan, mapping: Mapping[int, int]) -> Plan:
     if missing:
         raise SpecError(f"reconfigure: ranks {missing} of the plan are not in the current world {sorted(mapping)}")
     reps = tuple(
-        PipelinePlan(tuple(tuple(mapping[r] for r in g) for g in rep.stages), rep.layers, rep.microbatches)
+        replace(rep, stages=tuple(tuple(mapping[r] for r in g) for g in rep.stages))  # shares (tokens too) kept
         for rep in plan.replicas
     )
     return replace(plan, replicas=reps, spares=tuple(mapping[r] for r in plan.spares))

@@ -13,6 +13,15 @@ Order is a pure function of the seed: micro-batch ``k`` of the stream has sample
 and global batch ``s`` is ids ``[s·G, (s+1)·G)`` (G = global micro-batches), handed to
 the data-parallel replicas in order by their shares. Any layout therefore trains on the
 same samples in the same order, and later issues can prove that none is lost or repeated.
+
+A plan whose replicas carry token shares (``PipelinePlan.tokens``) splits the same global
+batch by the *document* instead: each replica takes a contiguous run of the batch's packed
+documents that meets its share to within one document, and re-packs them into its plan's
+micro-batch count (docsplit.py). Attention is masked per document and positions restart in
+each, so a document's token losses do not depend on its neighbours: the step's loss and,
+under the token-weighted mean, its gradient are those of any other split, up to the order
+of floating-point sums. A model without document masks (``packed=False``) keeps each
+stream micro-batch whole: its rows are the documents it keeps apart.
 """
 from __future__ import annotations
 
@@ -28,6 +37,8 @@ import torch
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
+from resihp.trainer_hooks.runtime.docsplit import pack, split_runs
+from resihp.trainer_hooks.runtime.model import IGNORE
 
 VOCAB = 256
 
@@ -38,6 +49,7 @@ class Microbatch:
     tokens: torch.Tensor  # [T] int64 inputs
     targets: torch.Tensor  # [T] int64 next bytes
     seqlens: tuple[int, ...]  # document lengths, summing to T
+    padding: bool = False  # a stand-in that trains nothing (every target IGNORE): see GlobalBatches
 
     @property
     def num_tokens(self) -> int:
@@ -132,29 +144,64 @@ class PackedStream:
 
 
 @dataclass(frozen=True)
+class DocRef:
+    """A packed document of a global batch: ``length`` tokens from offset ``start`` of stream
+    micro-batch ``sample``."""
+
+    sample: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class ReplicaBatch:
     step: int
     replica: int
     microbatches: tuple[Microbatch, ...]
     global_tokens: int  # tokens of the whole global batch (the loss normaliser)
+    documents: tuple[DocRef, ...] = ()  # a token share's documents (empty: whole micro-batches)
 
     @property
     def sample_ids(self) -> tuple[int, ...]:
+        """The stream micro-batches this replica trains (for a token share: those its
+        documents come from; a stream micro-batch may then be split between two replicas)."""
+        if self.documents:
+            return tuple(sorted({d.sample for d in self.documents}))
         return tuple(mb.sample_id for mb in self.microbatches)
 
     @property
     def seqlens(self) -> tuple[tuple[int, ...], ...]:
         return tuple(mb.seqlens for mb in self.microbatches)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens this replica trains (padding micro-batches train none)."""
+        return sum(mb.num_tokens for mb in self.microbatches if not mb.padding)
+
 
 class GlobalBatches:
-    """Splits global batch ``step`` among the replicas of a plan by their shares."""
+    """Splits global batch ``step`` among the replicas of a plan by their shares.
 
-    def __init__(self, stream: PackedStream, global_microbatches: int) -> None:
+    ``max_microbatch_tokens``: the largest micro-batch a token share may pack (the model's
+    position table; 0 = the stream's micro-batch). ``packed``: the model masks attention per
+    document (False: a stream micro-batch is one sequence and is never re-packed).
+
+    A replica whose documents are fewer than its plan's micro-batch count (a step of long
+    documents: a batch holds as few as one per stream micro-batch, and a token plan may run
+    more micro-batches in all than the batch has) fills the count with one-token padding
+    micro-batches whose target is IGNORE: they add exactly zero to the loss and to every
+    gradient, and the replica runs the count its plan says, which the coordinator reads from
+    its reports (another count is a layout mismatch there, and ends the job's judging).
+    """
+
+    def __init__(self, stream: PackedStream, global_microbatches: int, max_microbatch_tokens: int = 0,
+                 packed: bool = True) -> None:
         if global_microbatches < 1:
             raise SpecError(f"data: global_microbatches must be >= 1, got {global_microbatches}")
         self.stream = stream
         self.global_microbatches = global_microbatches
+        self.cap = max(max_microbatch_tokens, stream.tokens_per_microbatch)  # a stream micro-batch always fits
+        self.packed = packed
 
     def sample_ids(self, step: int) -> range:
         g = self.global_microbatches
@@ -163,7 +210,22 @@ class GlobalBatches:
     def global_tokens(self, step: int) -> int:
         return sum(self.stream.get(i).num_tokens for i in self.sample_ids(step))
 
+    def documents(self, step: int) -> tuple[DocRef, ...]:
+        """The documents of global batch ``step`` in stream order (the plan plays no part);
+        a model without document masks has one per stream micro-batch."""
+        out: list[DocRef] = []
+        for sid in self.sample_ids(step):
+            mb = self.stream.get(sid)
+            lens = mb.seqlens if self.packed else (mb.num_tokens,)
+            start = 0
+            for n in lens:
+                out.append(DocRef(sid, start, n))
+                start += n
+        return tuple(out)
+
     def for_replica(self, step: int, plan: Plan, replica: int) -> ReplicaBatch:
+        if plan.document_shares:
+            return self._by_documents(step, plan, replica)
         if plan.global_microbatches != self.global_microbatches:
             raise SpecError(
                 f"data: the plan's shares sum to {plan.global_microbatches} micro-batches but the global batch has "
@@ -172,6 +234,42 @@ class GlobalBatches:
         offset = sum(rep.microbatches for rep in plan.replicas[:replica])
         ids = self.sample_ids(step)[offset : offset + plan.replicas[replica].microbatches]
         return ReplicaBatch(step, replica, tuple(self.stream.get(i) for i in ids), self.global_tokens(step))
+
+    def _by_documents(self, step: int, plan: Plan, replica: int) -> ReplicaBatch:
+        b = self.stream.tokens_per_microbatch
+        want = self.global_microbatches * b
+        shares = [rep.share_tokens(b) for rep in plan.replicas]
+        if sum(shares) != want:
+            raise SpecError(f"data: the plan's token shares sum to {sum(shares)} but the global batch has {want} "
+                            f"tokens ({self.global_microbatches} micro-batches of {b}); shares must add up to it")
+        docs = self.documents(step)
+        mine = [docs[i] for i in split_runs([d.length for d in docs], shares)[replica]]
+        count = plan.replicas[replica].microbatches
+        if self.packed:
+            groups = pack([d.length for d in mine], count, self.cap)
+            mbs = tuple(self._microbatch([mine[i] for i in g]) for g in groups)
+        else:  # whole rows: the split is by the stream micro-batch
+            mbs = tuple(self.stream.get(d.sample) for d in mine)
+        pad = self._padding(docs[0]) if len(mbs) < count else None
+        mbs += tuple(pad for _ in range(count - len(mbs)) if pad is not None)
+        return ReplicaBatch(step, replica, mbs, self.global_tokens(step), tuple(mine))
+
+    def _padding(self, doc: DocRef) -> Microbatch:
+        """One token of the step's first document with an IGNORE target: it trains nothing."""
+        src = self.stream.get(doc.sample)
+        return Microbatch(sample_id=doc.sample, tokens=src.tokens[doc.start : doc.start + 1].clone(),
+                          targets=torch.full((1,), IGNORE, dtype=torch.int64), seqlens=(1,), padding=True)
+
+    def _microbatch(self, docs: Sequence[DocRef]) -> Microbatch:
+        """One micro-batch of whole documents, cut out of their stream micro-batches (its
+        sample id is its first document's)."""
+        parts = [(self.stream.get(d.sample), d) for d in docs]
+        return Microbatch(
+            sample_id=docs[0].sample,
+            tokens=torch.cat([mb.tokens[d.start : d.start + d.length] for mb, d in parts]),
+            targets=torch.cat([mb.targets[d.start : d.start + d.length] for mb, d in parts]),
+            seqlens=tuple(d.length for d in docs),
+        )
 
     def all_seqlens(self, step: int, plan: Plan) -> tuple[tuple[tuple[int, ...], ...], ...]:
         return tuple(self.for_replica(step, plan, r).seqlens for r in range(plan.dp))

@@ -186,6 +186,9 @@ class GPTStage(nn.Module):
         return x
 
 
+IGNORE = -100  # a target that adds no loss and exactly zero gradient (a padding micro-batch's, data.py)
+
+
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy; the runtime divides by the global batch's token count."""
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+    return F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=IGNORE)

@@ -44,13 +44,15 @@ def is_failure(exc: BaseException) -> bool:
     return is_peer_failure(exc) or (exc.__cause__ is not None and is_peer_failure(exc.__cause__))
 
 
-def batch_change(old: Plan, new: Plan) -> str:
+def batch_change(old: Plan, new: Plan, tokens_per_microbatch: int) -> str:
     """Why ``new`` cannot replace ``old`` in a running job ("" if it can): a re-plan moves
     work between ranks, it never changes what one step trains — the same global batch, so
-    the loss curve stays the one the job would have had."""
-    if new.global_microbatches != old.global_microbatches:
-        return (f"the plan trains {new.global_microbatches} micro-batches per step and this job "
-                f"{old.global_microbatches}: a re-plan may not change the global batch (was the coordinator started "
+    the loss curve stays the one the job would have had. Token shares (``PipelinePlan.tokens``)
+    count in tokens: their micro-batch counts may differ from the batch's."""
+    b = tokens_per_microbatch
+    if new.global_tokens(b) != old.global_tokens(b):
+        return (f"the plan trains {new.batch_microbatches(b)} micro-batches per step and this job "
+                f"{old.batch_microbatches(b)}: a re-plan may not change the global batch (was the coordinator started "
                 f"with the training script's --microbatches?)")
     return ""
 
@@ -183,7 +185,7 @@ class FailStopRecovery:
                 payload = {"plan": cmd.plan.to_dict(), "epoch": cmd.epoch, "source": "coordinator", "seq": cmd.seq}
             else:
                 epoch = max(world.epoch, self.rc.epoch + 1)
-                rule = survivor_plan(self.rc.plan, world.ranks, self.rc.spec, epoch)
+                rule = survivor_plan(self.rc.plan, world.ranks, self.rc.spec, epoch, self.rc.config.budget)
                 payload = {"plan": rule.to_dict(), "epoch": epoch, "source": "survivor rule"}
         payload = world.comm.bcast(payload, root=0)
         assert payload is not None
@@ -206,7 +208,7 @@ class FailStopRecovery:
                     and c.epoch > self.rc.epoch and set(c.plan.ranks()) <= alive]
             if fits:
                 best = max(fits, key=lambda c: c.epoch)
-                refused = batch_change(self.rc.plan, best.plan)
+                refused = batch_change(self.rc.plan, best.plan, self.rc.config.budget)
                 if refused:  # a coordinator started with another layout: keep the job's batch
                     log.error("rank %d: the coordinator's recovery plan is refused: %s; using the survivor rule",
                               self.rc.rank, refused)

@@ -183,7 +183,7 @@ class Resilience(FailStopRecovery):
             self._notice = cmd
             self._deferred.append(cmd)
             return False
-        refused = batch_change(self.rc.plan, cmd.plan)
+        refused = batch_change(self.rc.plan, cmd.plan, self.rc.config.budget)
         if refused:
             raise ValueError(refused)  # every rank refuses alike: the acknowledgement says why
         was_member = self.rc.runtime is not None

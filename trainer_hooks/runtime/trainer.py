@@ -193,14 +193,18 @@ class Runtime:
         self.rank = rank
         self.device = device or _default_device()
         self.throttle = throttle or Throttle()
-        if data is not None and data.global_microbatches == plan.global_microbatches:
+        batch_mbs = plan.batch_microbatches(config.budget)  # a token-share plan's replicas run other counts
+        if data is not None and data.global_microbatches == batch_mbs:
             self.data = data
         else:
             stream = PackedStream(
                 config.budget, seed=config.seed if config.data_seed < 0 else config.data_seed,
                 root=Path(config.data_root) if config.data_root else None,
             )
-            self.data = GlobalBatches(stream, plan.global_microbatches)
+            # a token share re-packs documents into micro-batches of up to max_seq_len tokens
+            # (the position table); a model without document masks keeps its rows whole
+            self.data = GlobalBatches(stream, batch_mbs, config.max_seq_len,
+                                      packed=recipe is None or recipe.packed)
         self.plan = plan
         self.groups: EpochGroups = build_groups(plan, rank, epoch, spec, cohabitants, made=made_groups,
                                                 layout=recipe.layout() if recipe is not None else None)
@@ -280,7 +284,7 @@ class Runtime:
         time_s = log.finish()
         return StepResult(
             iteration=step, replica=place.replica, loss=loss,
-            tokens=sum(mb.num_tokens for mb in batch.microbatches), global_tokens=batch.global_tokens,
+            tokens=batch.tokens, global_tokens=batch.global_tokens,
             seqlens=batch.seqlens if self.recipe is None or self.recipe.packed else
             tuple((sum(lens),) for lens in batch.seqlens),  # a model without document masks: one sequence a row
             sample_ids=batch.sample_ids, wall_start_s=wall,

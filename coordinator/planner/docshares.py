@@ -1,0 +1,130 @@
+"""Data-parallel shares cut by the packed document, not the micro-batch.
+
+A global batch is a set of packed documents; under the token-weighted mean gradient any
+assignment of them to replicas trains the same step. So a replica running at 93 % speed can
+take 93 % of a share, to within one document, where whole micro-batches leave it a full
+share (or hand a healthy replica one more: +1/m per iteration).
+
+Given a plan (its groups and layer splits fixed: no state moves), ``document_shares`` gives
+every replica a number of documents d and packs them into m micro-batches, choosing per
+replica between the two forms the schedule prices differently:
+
+- *same count*: the micro-batch count a replica of an even split runs (⌈M / dp⌉), its
+  micro-batches smaller or larger by the share (the pipeline bubble shrinks with them);
+- *fewer*: as few micro-batches as the largest allowed micro-batch permits (fewer
+  per-micro-batch latencies, a bubble of full-size micro-batches);
+
+whichever ``Costs.pipeline_time`` prices lower. The largest micro-batch must fit: its
+activations are checked against each stage's device memory, and it never exceeds
+``PlannerConfig.max_microbatch_tokens``. Shares then minimise the makespan by the exact
+greedy of planner.shares over documents (a replica's time is made non-decreasing in d by a
+running maximum, an upper bound the chosen packing meets). Pure and deterministic.
+"""
+from __future__ import annotations
+
+import math
+
+from resihp.coordinator.model.plan import PipelinePlan, Plan
+from resihp.coordinator.planner.cost import INF, Costs, PipeSig, cluster_tables, device_layers, evaluate_with
+from resihp.coordinator.planner.shares import allocate_shares
+
+_GAIN = 1e-9  # relative: a document split that prices no better keeps the plan as it is
+
+
+class _ReplicaDocs:
+    """One class of identical replicas: time and packing as functions of its documents."""
+
+    def __init__(self, costs: Costs, sig: PipeSig, layers: tuple[int, ...], link: tuple[float, ...] | None,
+                 n: int, same: int, cap: float) -> None:
+        self.costs, self.sig, self.layers, self.link = costs, sig, layers, link
+        self.n, self.same, self.cap = n, same, cap
+        self._t: list[float] = [0.0]  # running maximum of the best time, by documents
+        self._m: list[int] = [0]  # the micro-batch count that prices the best time
+
+    def _price(self, d: int, m: int) -> float:
+        frac = d / (self.n * m)
+        peak = math.ceil(d / m) / self.n
+        if peak > self.cap + 1e-12:
+            return INF
+        t = self.costs.pipeline_time(self.sig, self.layers, m, frac, peak)
+        if self.link is not None:
+            t += self.costs.link_extra_s(self.link, m) * frac
+        return t
+
+    def _extend(self, d: int) -> None:
+        while len(self._t) <= d:
+            k = len(self._t)
+            fewer = max(1, math.ceil(k / (self.n * self.cap) - 1e-9))
+            options = sorted({fewer, max(self.same, 1)})
+            best_t, best_m = min((self._price(k, m), m) for m in options)
+            self._t.append(max(best_t, self._t[-1]))
+            self._m.append(best_m)
+
+    def time(self, m: int) -> float:  # planner.shares.TimeModel, in documents
+        self._extend(m)
+        return self._t[m]
+
+    def max_m(self, tau: float, limit: int) -> int:
+        lo, hi = 0, limit
+        if self.time(limit) <= tau:
+            return limit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.time(mid) <= tau:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def microbatches(self, d: int) -> int:
+        self._extend(d)
+        return self._m[d] if d else 0
+
+
+def document_shares(costs: Costs, plan: Plan) -> Plan | None:
+    """``plan`` with document-granular shares, or None when they price no better (or the
+    batch has one document per micro-batch, or the schedule is interleaved: its micro-batch
+    counts are tied to the pipeline depth)."""
+    batch = costs.batch
+    n = batch.documents_per_microbatch
+    if n < 2 or costs.v > 1 or not plan.replicas:
+        return None
+    b = batch.tokens_per_microbatch
+    cap_tokens = costs.config.max_microbatch_tokens or b
+    cap = math.floor(cap_tokens * n / b) / n  # whole documents per micro-batch, as a fraction of the batch's
+    if cap <= 0.0:
+        return None
+    tab = cluster_tables(costs.cluster)
+    same = math.ceil(batch.microbatches / plan.dp)
+    classes: dict[tuple[object, ...], _ReplicaDocs] = {}
+    order: list[tuple[object, ...]] = []
+    for rep in plan.replicas:
+        sig = costs.sig(rep.stages)
+        layers = tuple(device_layers(rep.layers, rep.pp))
+        link = None
+        if tab.slow_links and any(r in tab.slow_links for g in rep.stages for r in g):
+            link = tuple(max(tab.slow_links.get(r, 1.0) for r in g) for g in rep.stages)
+        key = (sig.stages, layers, link)
+        if key not in classes:
+            classes[key] = _ReplicaDocs(costs, sig, layers, link, n, same, cap)
+        order.append(key)
+    keys = list(classes)
+    counts = [order.count(k) for k in keys]
+    got = allocate_shares([classes[k] for k in keys], counts, batch.microbatches * n)
+    if got is None or got[0] == INF:
+        return None
+    pending = {k: list(row) for k, row in zip(keys, got[1])}
+    docs = [pending[k].pop(0) for k in order]  # members of a class are interchangeable
+    total = batch.microbatches * b
+    tokens = [d * b // n for d in docs]
+    tokens[max(range(len(docs)), key=lambda i: docs[i])] += total - sum(tokens)  # integer rounding
+    reps = tuple(
+        PipelinePlan(rep.stages, rep.layers, classes[k].microbatches(d), t if d else 0)
+        for rep, k, d, t in zip(plan.replicas, order, docs, tokens)
+    )
+    out = Plan(reps, plan.schedule, plan.virtual_chunks, plan.epoch, plan.spares, plan.reason)
+    before = evaluate_with(costs, plan).iteration_s
+    after = evaluate_with(costs, out).iteration_s
+    if not after < before * (1.0 - _GAIN):
+        return None
+    return out

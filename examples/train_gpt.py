@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", default="", help="micro-batches per DP replica, e.g. 3,5 (default: even)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--compute-clock", choices=("auto", "wall", "cpu"), default="auto",
-                   help="how compute ops are timed: auto = CPU time on a CPU, CUDA events on a GPU")
+    p.add_argument("--compute-clock", choices=("wall", "cpu", "auto"), default="wall",
+                   help="how compute ops are timed: wall (CUDA events on a GPU), cpu (the thread's CPU time), "
+                        "auto (cpu on a CPU, CUDA events on a GPU)")
     p.add_argument("--trace", default=None, help="write the run's trace here (default $RESIHP_TRACE)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--checkpoint-dir", default="", help="save checkpoints here (default: none)")

@@ -165,15 +165,15 @@ def test_throttle_stalls_factor_minus_one_times_the_chunk() -> None:
 
 def test_the_compute_clock_follows_the_device_and_a_throttled_op_counts_its_stall() -> None:
     """"auto" times a CPU rank's ops in its thread's CPU time (ranks sharing cores see the
-    scheduler in wall time only), a GPU's by CUDA events. A throttled CPU op lasts factor x
-    its CPU time, in wall time and in the recorded span, while the stall sleeps: the core is
-    left to co-located ranks, as a slow GPU leaves its host idle."""
+    scheduler in wall time only), a GPU's by CUDA events; "wall" is the default. A throttled
+    CPU-clock op lasts factor x its CPU time, in wall time and in the recorded span, while the
+    stall sleeps: the core is left to co-located ranks, as a slow GPU leaves its host idle."""
     from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
 
-    cpu = PipelineStep(None, None, torch.device("cpu"), Throttle(3.0), {})  # type: ignore[arg-type]
-    gpu = PipelineStep(None, None, torch.device("cuda", 0), Throttle(3.0), {})  # type: ignore[arg-type]
+    cpu = PipelineStep(None, None, torch.device("cpu"), Throttle(3.0), {}, "auto")  # type: ignore[arg-type]
+    gpu = PipelineStep(None, None, torch.device("cuda", 0), Throttle(3.0), {}, "auto")  # type: ignore[arg-type]
     assert (cpu.compute_clock, gpu.compute_clock) == ("cpu", "wall")
-    assert TrainConfig().compute_clock == "auto"
+    assert TrainConfig().compute_clock == "wall"
     with pytest.raises(SpecError, match="compute_clock must be 'auto', 'wall' or 'cpu'"):
         TrainConfig(compute_clock="gpu")
 

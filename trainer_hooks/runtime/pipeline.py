@@ -97,7 +97,7 @@ class PipelineStep:
     """Runs one iteration's micro-batches through this rank's stage."""
 
     def __init__(self, stage: GPTStage, place: StagePlace, device: torch.device, throttle: Throttle,
-                 peer_groups: Mapping[int, Any], compute_clock: str = "auto") -> None:
+                 peer_groups: Mapping[int, Any], compute_clock: str = "wall") -> None:
         """``peer_groups``: neighbour rank → the process group to reach it on
         (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it). ``compute_clock``
         "auto": CPU time on a CPU device, CUDA events on a GPU (TrainConfig.compute_clock)."""

@@ -56,12 +56,13 @@ class TrainConfig:
     eps: float = 1e-8
     data_seed: int = -1  # -1 = seed
     data_root: str = ""  # "" = the Python standard library
-    # how compute chunks (F, B, W) are timed: "auto" (default) = "cpu" on a CPU device, "wall"
-    # (CUDA events, the device's own time) on a GPU. "cpu": the thread's CPU time, the CPU's
-    # device time: ranks that share cores with each other or with other jobs see their ops
-    # stretched in wall time by the scheduler, not in CPU time, while a slower core (or the
-    # spinning throttle) shows in both. "wall": wall time; see pipeline.py
-    compute_clock: str = "auto"
+    # how compute chunks (F, B, W) are timed: "wall" (default; CUDA events on a GPU), "cpu" (the
+    # thread's CPU time: ranks sharing cores see the scheduler in wall time, not in CPU time;
+    # a GPU refuses it), "auto" (CPU time on a CPU, CUDA events on a GPU). Wall stays the
+    # default: on 2 shared cores CPU time found a 1.3x throttle in 3 iterations instead of 7,
+    # but raised false fail-slow findings in 2 of 5 healthy 4-rank runs (cache and
+    # scheduling effects inflate one rank's CPU time for a few iterations); see docs/runtime.md
+    compute_clock: str = "wall"
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:

@@ -11,7 +11,7 @@ from test_detector import MODEL, PLAN, _cfg, _replay
 from resihp.coordinator.detector.detector import Detector, DetectorConfig
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord
-from resihp.sim.workload import Fault, Hardware, Noise, WorkloadConfig, make_header, records_list
+from resihp.sim.workload import Fault, FaultKind, Hardware, Noise, WorkloadConfig, make_header, records_list
 
 
 def _flat_timings(det: Detector, it: int, time_s: float) -> Any:
@@ -75,7 +75,7 @@ def test_every_fail_slow_finding_says_what_it_costs_and_a_cheap_one_is_degraded(
 
 @pytest.mark.parametrize("pp,kind,rank,factor", [(8, "link", 2, 4.0), (8, "link", 3, 2.0), (4, "link", 2, 4.0),
                                                   (8, "compute", 2, 1.3)])
-def test_a_findings_cost_is_what_the_slowdown_really_costs(pp: int, kind: str, rank: int, factor: float) -> None:
+def test_a_findings_cost_is_what_the_slowdown_really_costs(pp: int, kind: FaultKind, rank: int, factor: float) -> None:
     """The cost a finding quotes against what the same run really lost: its iteration times
     with the fault against the same seed without it (the same batches). A slow NIC slows the
     transfers that cross its node only (two GPUs per node: rank 2's NIC carries 1 -> 2 and

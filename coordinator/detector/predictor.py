@@ -84,8 +84,8 @@ def trimmed_ratio(obs: FloatArray, pred: FloatArray, rows: IntArray | None = Non
     and the row max runs over the transpose: numpy's reductions along a short row axis
     are several times slower."""
     n = obs.shape[0]
+    idx: IntArray = np.arange(n) if rows is None else rows
     if rows is None:
-        rows = np.arange(n)
         pred = np.broadcast_to(pred, obs.shape)
     # (parts, rows, entries); single precision: ratios need 3 digits, and half the bytes is
     # half the time here. The groups' predictions are converted, then gathered (take: several
@@ -97,7 +97,7 @@ def trimmed_ratio(obs: FloatArray, pred: FloatArray, rows: IntArray | None = Non
     else:
         o = np.array(np.moveaxis(obs, parts, 0).reshape(obs.shape[parts], n, -1), dtype=np.float32, order="C")
         pg = np.asarray(np.moveaxis(pred, parts, 0).reshape(pred.shape[parts], len(pred), -1), dtype=np.float32)
-    p = np.take(pg, rows, axis=1)  # a new C-ordered array
+    p = np.take(pg, idx, axis=1)  # a new C-ordered array
     miss = np.isnan(o)
     miss |= np.isnan(p)
     if miss.any():

@@ -26,7 +26,7 @@ import math
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.planner.cost import INF, Costs, PipeSig, cluster_tables, device_layers, evaluate_with
-from resihp.coordinator.planner.shares import allocate_shares
+from resihp.coordinator.planner.shares import allocate_shares, max_m_search
 
 _GAIN = 1e-9  # relative: a document split that prices no better keeps the plan as it is
 
@@ -65,16 +65,7 @@ class _ReplicaDocs:
         return self._t[m]
 
     def max_m(self, tau: float, limit: int) -> int:
-        lo, hi = 0, limit
-        if self.time(limit) <= tau:
-            return limit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.time(mid) <= tau:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return max_m_search(self.time, tau, 0, limit)
 
     def microbatches(self, d: int) -> int:
         self._extend(d)

@@ -15,6 +15,7 @@ import bisect
 import math
 
 from resihp.coordinator.planner.cost import INF, Costs, PipeSig
+from resihp.coordinator.planner.shares import max_m_search
 
 Split = tuple[float, tuple[int, ...]]
 
@@ -230,17 +231,7 @@ class PipeProfile:
             while m < limit and self.time(m + 1) <= tau:
                 m += 1
             return m
-        hi = limit if aff is None else min(limit, aff[0])
-        lo = 0
-        if self.time(hi) <= tau:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.time(mid) <= tau:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return max_m_search(self.time, tau, 0, limit if aff is None else min(limit, aff[0]))
 
 
 def profile(costs: Costs, sig: PipeSig) -> PipeProfile:

@@ -14,13 +14,12 @@ run's losses, its final full state, and per switch what it moved.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, gather_full, set_threads
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, four_rank_start, gather_full
 from reconfig_planned import ScriptedTransport
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
@@ -109,15 +108,8 @@ def run_switching(comm: Any, boot: Bootstrap, epoch: int, steps: int) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    args = parser.parse_args()
-    set_threads()
-    boot = Bootstrap(timeout_s=120)
+    args, boot = four_rank_start(STEPS)
     comm = boot.comm
-    if boot.world_size != 4:
-        raise SystemExit(f"run with 4 ranks, got {boot.world_size}")
     results = {name: run_fixed(comm, boot, 10 * i, plan, args.steps) for i, (name, plan) in enumerate(RUNS.items())}
     results["switching"] = run_switching(comm, boot, 10 * len(RUNS), args.steps)
     if boot.rank == 0:

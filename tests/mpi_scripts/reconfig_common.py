@@ -1,6 +1,7 @@
 """Shared pieces of the reconfiguration MPI scripts: the tiny job, full-state gathering."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from resihp.coordinator.model.spec import ModelSpec
+from resihp.trainer_hooks.launch.bootstrap import Bootstrap
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, optimizer_steps, runtime_shards
 from resihp.trainer_hooks.runtime.layout import TensorSpec, tensors_of_rank
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
@@ -101,6 +103,18 @@ def set_threads() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
+
+def four_rank_start(default_steps: int) -> tuple[argparse.Namespace, Bootstrap]:
+    """The planned-switch scripts' start: --out DIR and --steps N, one thread, a world of 4."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=default_steps)
+    args = parser.parse_args()
+    set_threads()
+    boot = Bootstrap(timeout_s=120)
+    if boot.world_size != 4:
+        raise SystemExit(f"run with 4 ranks, got {boot.world_size}")
+    return args, boot
 
 
 def report_and_exit(out: str, rank: int, report: dict[str, Any]) -> NoReturn:

@@ -12,17 +12,15 @@ Around every switch the full state is gathered before and after. Rank 0 writes D
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, gather_full, set_threads, step_samples
+from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, four_rank_start, gather_full, step_samples
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.hooks import Job
-from resihp.trainer_hooks.launch.bootstrap import Bootstrap
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
 from resihp.trainer_hooks.runtime.groups import destroy_groups
 
@@ -75,15 +73,8 @@ class ScriptedTransport:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    args = parser.parse_args()
-    set_threads()
-    boot = Bootstrap(timeout_s=120)
+    args, boot = four_rank_start(STEPS)
     comm = boot.comm
-    if boot.world_size != 4:
-        raise SystemExit(f"run with 4 ranks, got {boot.world_size}")
     at = {s: (name, plan) for s, name, plan in SWITCHES if s < args.steps}
     store = boot.info().store_addr
 

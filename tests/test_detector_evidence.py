@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 from test_detector import MODEL, PLAN, _cfg, _replay
 
 from resihp.coordinator.detector.detector import Detector, DetectorConfig
-from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.detector.evidence import small_host_shift
+from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord
 from resihp.sim.workload import Fault, FaultKind, Hardware, Noise, WorkloadConfig, make_header, records_list
 
@@ -110,3 +112,25 @@ def test_a_slow_ring_seen_only_on_its_transfer_is_one_finding_naming_its_suspect
     _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
     slow = [(f.ranks, f.cause) for f in found if f.kind in ("fail-slow", "degraded")]
     assert slow == [((0,), "compute"), ((8, 16, 24), "communication")], slow
+
+
+def test_a_co_tenant_on_a_two_gpu_host_is_no_finding_while_a_slow_nic_elsewhere_is() -> None:
+    """Two ranks per host are too few for a host median, but a co-tenant slows both while a
+    slow device slows one: the smaller slowdown the host's ranks share is the host's. Under
+    noisy timings a co-tenant episode on one 2-GPU host read as a 1.04x `degraded` record on
+    one of its ranks (interleaved TP4 x PP8 x DP2, a slow NIC on rank 63 the only fault)."""
+    noisy = Noise(op_jitter=0.04, device_spread=0.02, drift=0.01, os_noise_prob=0.01, gc_prob=0.1,
+                  loader_prob=0.1, comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0, cotenant_prob=0.05)
+    plan = Plan.uniform(4, 8, 2, 32, 16, Schedule.INTERLEAVED, 2)
+    cfg = WorkloadConfig(MODEL, plan, budget=16384, packing="greedy", seed=1247, iterations=60, noise=noisy,
+                         heartbeats=False, hardware=Hardware(gpus_per_node=2), faults=(Fault("link", 63, 30, 2.0),))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
+    assert [(f.ranks, f.cause) for f in found if f.kind != "recovered"] == [((63,), "communication")], found
+
+
+def test_the_shift_two_ranks_of_a_host_share_is_their_smaller_slowdown() -> None:
+    hosts = np.array([[0, 1], [2, 3], [4, -1]])
+    rel = np.array([0.03, 0.05, 0.40, -0.01, 0.02])
+    shift = small_host_shift(rel, hosts)
+    assert shift[:2].tolist() == [0.03, 0.03]  # both slower: the host's share
+    assert np.isnan(shift[2:]).all()  # one slow, one not: no shared slowdown; a lone rank: none

@@ -347,6 +347,25 @@ def batch_features(seqlens: tuple[tuple[tuple[int, ...], ...], ...], M: int) -> 
     return tok, ssq
 
 
+def small_host_shift(values: FloatArray, hosts: npt.NDArray[np.int64], max_members: int = 3) -> FloatArray:
+    """Per rank of a host with two or three ranks that have a value: the host's smallest
+    value where it is positive (a slowdown every rank of the host shares), else NaN. Too few
+    for a median, but a co-tenant slows all of a host's ranks while a slow device slows one:
+    the least slowed rank bounds what the host itself does (a 2-GPU host under a co-tenant
+    episode otherwise read 1.04-1.06x `degraded` on one of its ranks)."""
+    out = np.full(len(values), np.nan)
+    if hosts.shape[1] > max_members or hosts.shape[1] < 2:
+        return out
+    pad = hosts < 0
+    v = np.where(pad, np.nan, values[np.where(pad, 0, hosts)])
+    count = np.isfinite(v).sum(axis=1)
+    low = np.where(count >= 2, np.nanmin(np.where(np.isfinite(v), v, np.inf), axis=1), np.nan)
+    shared = np.where(np.isfinite(low) & (low > 0.0), low, np.nan)
+    member = ~pad
+    out[hosts[member]] = np.broadcast_to(shared[:, None], v.shape)[member]
+    return out
+
+
 def host_stats(values: FloatArray, hosts: npt.NDArray[np.int64], min_members: int = 4
                ) -> tuple[FloatArray, FloatArray]:
     """Per rank: the median and the robust spread (1.4826 x MAD) of ``values`` over the ranks

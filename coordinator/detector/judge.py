@@ -23,6 +23,7 @@ from resihp.coordinator.detector.evidence import (
     PlanIndex,
     group_all,
     host_stats,
+    small_host_shift,
     tp_wait_share,
 )
 from resihp.coordinator.detector.noise import NoiseModel
@@ -194,13 +195,16 @@ class IterationJudge:
 
     def _host_noise(self, comp: FloatArray) -> tuple[FloatArray, FloatArray]:
         """What a loaded host does to its ranks' compute ratios this iteration, from the ranks
-        of each host (four or more): (the ratios with a common shift of the host below the
+        of each host (the median of four or more; of two or three, the smallest slowdown they
+        share): (the ratios with a common shift of the host below the
         effect floor taken off, (n, 2) relative spread among the host's ranks — compute
         column, NaN elsewhere). A co-tenant slows and jitters a whole host by a few per cent,
         which no re-plan around one device would help; a larger common shift stays (a
         throttled host is a fault), as does any one device's own slowdown."""
         m = self.noise.m[:, 0]
-        center, spread = host_stats((comp - m) / m, self.index.host_rows)
+        rel = (comp - m) / m
+        center, spread = host_stats(rel, self.index.host_rows)
+        center = np.where(np.isfinite(center), center, small_host_shift(rel, self.index.host_rows))
         small = np.isfinite(center) & (np.abs(center) < self.config.effect_floor)
         out = np.full((len(comp), 2), np.nan)
         out[:, 0] = spread

@@ -22,12 +22,16 @@ import resihp.trainer_hooks as hooks
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
 from resihp.trainer_hooks.checkpoint.saver import AsyncCheckpointer, latest_checkpoint, load_into
+from resihp.trainer_hooks.runtime.autolayout import AutoLayout
 from resihp.trainer_hooks.runtime.progress_log import loss_rank
 from resihp.trainer_hooks.runtime.recovery import JobStopped
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
+from resihp.trainer_hooks.usermodel.example_cli import layout_option
 
 
-def build_plan(args: argparse.Namespace, spec: ModelSpec) -> Plan:
+def build_plan(args: argparse.Namespace, spec: ModelSpec) -> Plan | AutoLayout:
+    if args.layout == "auto":
+        return AutoLayout(microbatches=args.microbatches)  # timed on this job's ranks at init
     if not args.shares:
         return Plan.uniform(args.tp, args.pp, args.dp, spec.num_layers, args.microbatches)
     shares = [int(s) for s in args.shares.split(",")]
@@ -43,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
+    layout_option(p)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="gpt-tiny", help="a ModelSpec preset (default gpt-tiny)")

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what tools and editors resolve; at run time the names load on first use
     from resihp.trainer_hooks.hooks import Job, StepOutcome, init, step
+    from resihp.trainer_hooks.runtime.autolayout import AutoLayout
     from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
-__all__ = ["init", "step", "Job", "StepOutcome", "TrainConfig"]
+__all__ = ["init", "step", "Job", "StepOutcome", "TrainConfig", "AutoLayout"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from resihp.trainer_hooks import hooks
 
         return getattr(hooks, name)
+    if name == "AutoLayout":
+        from resihp.trainer_hooks.runtime.autolayout import AutoLayout
+
+        return AutoLayout
     if name == "TrainConfig":
         from resihp.trainer_hooks.runtime.trainer import TrainConfig
 

@@ -53,7 +53,17 @@ from resihp.trainer_hooks.reconfig.live import group_timeout
 from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.reporter import Transport, connect
 from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
+from resihp.trainer_hooks.runtime.autolayout import (
+    LAYOUT_PROFILE_ENV,
+    AutoLayout,
+    choice_line,
+    planned_by_launcher,
+    write_choice,
+)
+from resihp.trainer_hooks.runtime.autolayout import requested as requested_layout
+from resihp.trainer_hooks.runtime.autolayout import table as layout_table
 from resihp.trainer_hooks.runtime.groups import wait_retired
+from resihp.trainer_hooks.runtime.layout_timing import profile as profile_layouts
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
 from resihp.trainer_hooks.runtime.progress_log import PROGRESS_ENV, ProgressLog, loss_rank
 from resihp.trainer_hooks.runtime.resilient import Resilience, fenced_exit
@@ -353,7 +363,7 @@ class Job:
 
 
 def init(
-    model: Any, plan: Plan | None = None, *, layout: Any = None, config: TrainConfig | None = None,
+    model: Any, plan: Plan | AutoLayout | None = None, *, layout: Any = None, config: TrainConfig | None = None,
     agent: str | None = None, transport: Transport | None = None, trace: str | None = None, trace_every: int = 20,
     job: str = "", backend: str | None = None, microbatches_per_rank: int | None = None, timeout_s: float = 120.0,
     comm: Any = None, resilient: bool | None = None, failure_timeout_s: float = 6.0, progress: str | None = None,
@@ -376,6 +386,10 @@ def init(
     often a resilient job's idle spare times and reports a compute probe (default
     $RESIHP_PROBE_EVERY_S, else 30 s); every rank of a resilient job probes once here.
 
+    ``plan=AutoLayout(microbatches=M)`` (or no plan under ``resihp launch --layout auto``): the
+    layout is chosen by timing the healthy candidates on this job's ranks before training
+    (trainer_hooks/runtime/autolayout.py); under the launcher its profile already chose it.
+
     With a plan, ``model`` may be the user's own model (an ``nn.Module``, or a function that builds
     one) with ``layout`` a ``LayoutSpec`` saying how it is laid out (a Hugging Face model needs
     none: it declares its plans); resihp then cuts, shards and reshards that model
@@ -385,22 +399,28 @@ def init(
     """
     cfg = config or TrainConfig()
     DEATHS.clear()  # deaths heard by an earlier job of this process are not this job's
+    auto = requested_layout(plan)
     recipe = None
-    if plan is not None:
+    if plan is not None or auto is not None:
         from resihp.trainer_hooks.usermodel.recipe import recipe_for
 
-        recipe = recipe_for(model, layout, plan, cfg)
+        # an auto layout's TP sizes are checked per candidate (autolayout.candidates)
+        recipe = recipe_for(model, layout, plan if isinstance(plan, Plan) else Plan.uniform(1, 1, 1, 1, 1), cfg)
     spec = recipe.spec if recipe is not None else resolve_model(model)
     check_launch_model(spec)
     probe_every = probe_interval(probe_every_s)
     external_store = bool(os.environ.get(STORE_ENV, "").strip())
-    resilient = (plan is not None and external_store) if resilient is None else resilient
-    if resilient and (plan is None or not external_store):
+    planned = plan is not None or auto is not None
+    resilient = (planned and external_store) if resilient is None else resilient
+    if resilient and (not planned or not external_store):
         raise SpecError(f"init: a resilient job needs a plan and a store outside the trainers (set {STORE_ENV}=host:port, "
                         "as `resihp launch` does)")
-    plan_given = plan
     boot = Bootstrap(comm=comm, backend=backend, timeout_s=failure_timeout_s if resilient else timeout_s)
-    info = boot.init_epoch(plan.epoch if plan is not None else 0)
+    info = boot.init_epoch(plan.epoch if isinstance(plan, Plan) else 0)
+    if auto is not None:
+        plan = _auto_plan(boot, spec, cfg, auto.for_world(boot.world_size), info.device, recipe, optimizer)
+    assert plan is None or isinstance(plan, Plan)
+    plan_given = plan
     throttle = Throttle()
     env_throttle = parse_throttle_env(os.environ.get(THROTTLE_ENV, ""), boot.rank)
     runtime = None
@@ -477,6 +497,37 @@ def init(
         tx.probe(job_obj.resilience.probe.run())
     arm_from_env(boot.rank, lambda: job_obj._iteration + 1)  # $RESIHP_FAULT (trainer_hooks/faults.py)
     return job_obj
+
+
+def _auto_plan(boot: Bootstrap, spec: ModelSpec, cfg: TrainConfig, auto: AutoLayout, device: Any,
+               recipe: Any, optimizer: Any) -> Plan:
+    """The plan an auto layout trains on: the launcher's choice, or this job's own profile.
+    In a profile-only start (``resihp launch --layout auto``) rank 0 prints the choice and
+    every rank leaves here."""
+    only = os.environ.get(LAYOUT_PROFILE_ENV, "").strip() == "1"
+    chosen = None if only else planned_by_launcher(spec, boot.world_size, auto.microbatches)
+    if chosen is not None:
+        chosen.validate_for(spec.num_layers, spec.num_heads)
+        return chosen
+    if os.environ.get("RESIHP_COORDINATOR") and not only:
+        raise SpecError("init: an automatic layout under `resihp launch` is chosen by the launcher; start the job "
+                        "with resihp launch --layout auto (its coordinator must know the plan the ranks train on)")
+
+    def build(candidate: Plan) -> Runtime:
+        return Runtime(spec, candidate, boot.rank, cfg, device=device, recipe=recipe, optimizer=optimizer)
+
+    fits = recipe.check_plan if recipe is not None else None
+    chosen, record = profile_layouts(boot.rank, boot.world_size, boot.nodes, spec, cfg, auto, device, build, fits)
+    if boot.rank == 0:
+        print(layout_table(record), flush=True)
+        if only:
+            print(choice_line(record), flush=True)
+        elif os.environ.get("RESIHP_RUN_DIR"):
+            write_choice(record, Path(os.environ["RESIHP_RUN_DIR"]) / "layout.json")
+    if only:
+        boot.close()
+        raise SystemExit(0)
+    return chosen
 
 
 def probe_interval(value: float | None) -> float:

@@ -38,6 +38,7 @@ from resihp.trainer_hooks.launch.watch import JobFinishedWatch as _JobFinishedWa
 from resihp.trainer_hooks.launch.watch import ProgressWatch as _ProgressWatch
 from resihp.trainer_hooks.model_source import MODEL_ENV, resolve_model, spec_json
 from resihp.trainer_hooks.reconfig.ulfm import FT_MPIRUN_ARGS, StoreProcess
+from resihp.trainer_hooks.runtime.autolayout import LAYOUT_ENV, LAYOUT_PLAN_ENV, MICROBATCHES_ENV
 
 # One definition of the fault-tolerant mpirun flags (ULFM, detector thread, a detector
 # timeout long enough for a loaded machine): see trainer_hooks/reconfig/ulfm.py.
@@ -226,6 +227,35 @@ def _rank_processes(mpirun_pid: int) -> list[int]:
     return out
 
 
+def auto_layout(args: argparse.Namespace, n: int, cmd: Sequence[str], run: Path, job: str, hosts: bool,
+                model_json: str) -> tuple[int, int, int, str]:
+    """``--layout auto``: the profile-only start (launch/layout_profile.py); (tp, pp, dp, layout)."""
+    from resihp.coordinator.planner.autolayout import Layout
+    from resihp.trainer_hooks.launch import layout_profile as lp
+
+    extra = {"PMIX_MCA_gds": "hash"} | ({MODEL_ENV: model_json} if model_json else {})
+    if not hosts:
+        extra["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_ifname()
+    env, names = lp.profile_env(os.environ, n, lp.ranks_per_node_of(n, args.nodes, hosts), args.microbatches, extra)
+    shm = None if hosts else lp.scratch_dir(Path("/dev/shm" if Path("/dev/shm").is_dir() else run), job)
+    mca = {"btl_sm_backing_directory": str(shm), "btl": "self,sm"} if shm is not None else {}
+    print(f"resihp launch: --layout auto: timing the healthy layouts of {n} ranks (a profile-only start of the "
+          f"script; output in {run / 'layout-profile.log'})", flush=True)
+    try:
+        record = lp.run_profile(lambda names_: mpirun_command(
+            find_mpirun(), n, names_, cmd, mca=mca, hostfile=args.hostfile, extra=args.mpirun_arg), env, names, run)
+    finally:
+        if shm is not None:
+            lp.drop(shm)
+    from resihp.trainer_hooks.runtime.autolayout import table
+
+    print(table(record), flush=True)
+    lay = Layout.parse(lp.chosen_layout(record))
+    if lay.tp * lay.pp * lay.dp != n:
+        raise SpecError(f"--layout auto: the profile chose {lay.describe()}, which is not {n} ranks")
+    return lay.tp, lay.pp, lay.dp, lay.describe()
+
+
 def main(argv: list[str]) -> int:
     if "--" in argv:
         split = argv.index("--")
@@ -235,9 +265,13 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="resihp launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=0, help="default n / (tp × pp)")
+    p.add_argument("--tp", type=int, default=None, help="default 1")
+    p.add_argument("--pp", type=int, default=None, help="default 1")
+    p.add_argument("--dp", type=int, default=None, help="default n / (tp × pp)")
+    p.add_argument("--layout", choices=("fixed", "auto"), default="fixed",
+                   help="fixed: --tp/--pp/--dp; auto: before the job starts, time the healthy layouts of its ranks "
+                        "in a profile-only start of the script and start at the fastest ($RESIHP_LAYOUT=auto tells "
+                        "the script; see <run-dir>/layout.json)")
     p.add_argument("--nodes", type=int, default=1, help="agents to start (ranks are split evenly among them)")
     p.add_argument("--job", default="")
     p.add_argument("--run-dir", default="", help="default ./resihp-runs/JOB")
@@ -277,7 +311,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(mine)
     if not cmd:
         p.error("give the training command after '--', e.g. resihp launch -n 4 -- python train.py")
-    n, tp, pp = args.n, args.tp, args.pp
+    if args.layout == "auto" and (args.tp, args.pp, args.dp) != (None, None, None):
+        p.error("--layout auto chooses TP, PP and DP itself: drop --tp/--pp/--dp (or use --layout fixed)")
+    n, tp, pp = args.n, args.tp or 1, args.pp or 1
     dp = args.dp or n // (tp * pp)
     if tp * pp * dp != n:
         p.error(f"tp × pp × dp = {tp}×{pp}×{dp} = {tp * pp * dp} must equal -n {n}")
@@ -313,6 +349,12 @@ def main(argv: list[str]) -> int:
             model_json = spec_json(resolve_model(args.model))
         except SpecError as exc:
             p.error(f"--model: {exc}")
+    if args.layout == "auto":
+        try:
+            tp, pp, dp, layout = auto_layout(args, n, cmd, run, job, bool(hosts), model_json)
+        except SpecError as exc:
+            print(f"resihp launch: {exc}", file=sys.stderr, flush=True)
+            return 2
     token = generate_token()
     write_token(run / "token", token)
     restart = restart_command(argv)
@@ -404,6 +446,12 @@ def main(argv: list[str]) -> int:
         # PMIx's shared-memory datastore has crashed ranks inside MPI_Init on oversubscribed
         # machines (open-mpi/ompi#6761); the hash datastore avoids it
         rank_env.setdefault("PMIX_MCA_gds", "hash")
+        if args.layout == "auto":  # the ranks train on the profile's choice (autolayout.planned_by_launcher)
+            rank_env.update({LAYOUT_ENV: "auto", LAYOUT_PLAN_ENV: layout})
+            where = where + [LAYOUT_ENV, LAYOUT_PLAN_ENV]
+            if args.microbatches:
+                rank_env[MICROBATCHES_ENV] = str(args.microbatches)
+                where.append(MICROBATCHES_ENV)
         names = where + [RANK_TOKEN_ENV, "RESIHP_JOB", "RESIHP_COORDINATOR", "RESIHP_RUN_DIR", "RESIHP_WORLD_SIZE", "RESIHP_STORE",
                          "RESIHP_STORE_ADDR", "RESIHP_PROBE_EVERY_S", RESTART_ENV] + ([MODEL_ENV] if model_json else [])
         if args.torchrun_compat:

@@ -13,6 +13,7 @@ import torch
 
 from resihp.coordinator.model.plan import Plan
 from resihp.trainer_hooks.checkpoint.saver import AsyncCheckpointer
+from resihp.trainer_hooks.runtime.autolayout import LAYOUT_ENV, AutoLayout
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 
@@ -21,6 +22,7 @@ def parse(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
+    layout_option(p)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq", type=int, default=64, help="tokens per micro-batch (one row)")
@@ -42,8 +44,17 @@ def parse(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def plan_and_config(args: argparse.Namespace) -> tuple[Plan, TrainConfig]:
-    plan = Plan.uniform(args.tp, args.pp, args.dp, args.layers, args.microbatches)
+def layout_option(p: argparse.ArgumentParser) -> None:
+    """``--layout fixed|auto``; its default is auto under ``resihp launch --layout auto``."""
+    p.add_argument("--layout", choices=("fixed", "auto"),
+                   default="auto" if os.environ.get(LAYOUT_ENV, "").strip() == "auto" else "fixed",
+                   help="fixed: --tp/--pp/--dp; auto: time the healthy layouts of the job's ranks and train on the "
+                        "fastest (the default under resihp launch --layout auto)")
+
+
+def plan_and_config(args: argparse.Namespace) -> tuple[Plan | AutoLayout, TrainConfig]:
+    plan: Plan | AutoLayout = (AutoLayout(microbatches=args.microbatches) if args.layout == "auto"
+                               else Plan.uniform(args.tp, args.pp, args.dp, args.layers, args.microbatches))
     return plan, TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr)
 
 

@@ -80,6 +80,7 @@ class RestartConfig:
     startup_s: float = 300.0  # no first step for this long after the launch: a start-up failure
     timeout_s: float = 1500.0  # the whole policy run
     max_segments: int = 6
+    layout: str = "TP2xPP2xDP2"  # the start (and every relaunch's) layout
 
 
 @dataclass
@@ -124,11 +125,15 @@ def launch_command(run: Path, ckpt: Path, cfg: RestartConfig, resume: bool) -> l
     profile.write_text(json.dumps(CPU_CLUSTER))
     coord = [f"--coordinator-arg=--cluster={profile}", "--coordinator-arg=--no-auto-reconfigure"]
     coord += [f"--coordinator-arg=--policy={p}" for p in CPU_POLICY]
-    train = [sys.executable, str(EXAMPLE), "--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(cfg.steps),
+    from resihp.coordinator.planner.autolayout import Layout
+
+    lay = Layout.parse(cfg.layout)
+    shape = ["--tp", str(lay.tp), "--pp", str(lay.pp), "--dp", str(lay.dp)]
+    train = [sys.executable, str(EXAMPLE), *shape, "--steps", str(cfg.steps),
              "--seq", str(cfg.seq), "--microbatches", str(cfg.microbatches), "--seed", str(cfg.seed),
              "--log-every", "1000000", "--no-resilience", "--checkpoint-dir", str(ckpt),
              "--checkpoint-every", str(cfg.checkpoint_every)] + (["--resume"] if resume else [])
-    return _resihp("launch", "-n", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches",
+    return _resihp("launch", "-n", str(lay.tp * lay.pp * lay.dp), *shape, "--microbatches",
                    str(cfg.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", *coord, "--", *train)
 
 

@@ -143,3 +143,41 @@ def test_restart_gaps_skip_segments_that_never_started() -> None:
             {"first_step_end": 90.0, "last_step_end": 120.0, "last_step": 69, "resumed_at": 40,
              "end_reason": "finished"}]
     assert e2e.restart_gaps(segs) == [{"after_step": 43, "reason": "fail-stop", "lost_s": 40.0, "redone": 4}]
+
+
+def test_the_restart_driver_starts_and_relaunches_at_the_given_layout(tmp_path: Path) -> None:
+    cfg = e2e_restart.RestartConfig(steps=10, layout="TP1xPP2xDP4")
+    cmd = e2e_restart.launch_command(tmp_path / "seg-00", tmp_path / "ckpt", cfg, resume=False)
+    split = cmd.index("--")
+    launch, train = cmd[:split], cmd[split + 1:]
+    for part in (launch, train):
+        joined = " ".join(part)
+        assert "--tp 1 --pp 2 --dp 4" in joined
+    assert launch[launch.index("-n") + 1] == "8"
+    with pytest.raises(Exception, match="expected TPaxPPbxDPc"):
+        e2e_restart.launch_command(tmp_path / "s", tmp_path / "c", e2e_restart.RestartConfig(layout="DP8"), False)
+
+
+def test_a_window_rates_noise_is_its_per_step_spread_over_root_n() -> None:
+    even = [_step(s, float(s)) for s in range(10)]  # 100 tokens every second: no spread
+    assert e2e.rate_relative_se(even, -1.0, 20.0) == pytest.approx(0.0)
+    jitter = [_step(0, 0.0), _step(1, 1.0), _step(2, 3.0), _step(3, 4.0), _step(4, 6.0)]  # rates 100, 50, 100, 50
+    assert e2e.rate_relative_se(jitter, -1.0, 20.0) == pytest.approx((28.8675 / 75.0) / 2.0, rel=1e-3)
+    assert e2e.rate_relative_se(even[:3], -1.0, 20.0) is None  # two rates: no spread to speak of
+
+
+def test_the_predictors_error_after_a_replan_is_read_from_the_third_iteration_on() -> None:
+    its = list(range(40))
+    observed = [1.0] * 40
+    # healthy start 10 % off; after the change at 20: 50 % off for 3 iterations, 8 % until 30, 2 % after
+    predicted = [1.1] * 20 + [1.5] * 3 + [1.08] * 7 + [1.02] * 10
+    got = e2e.itp_errors(its, predicted, observed, [20], healthy_until=14)
+    assert got["itp_error_healthy"] == pytest.approx(0.1)
+    assert got["post_replan_itp_error_3"] == pytest.approx(0.08)
+    assert got["post_replan_itp_error_10"] == pytest.approx(0.02)
+    assert got["post_replan_unpriced_3"] == 0
+    # iterations the predictor did not price after the change are counted, not hidden
+    gap = [i for i in its if not 23 <= i < 26]
+    got = e2e.itp_errors(gap, [predicted[i] for i in gap], [1.0] * len(gap), [20], healthy_until=14)
+    assert got["post_replan_unpriced_3"] == 3 and got["post_replan_itp_error_3"] == pytest.approx(0.08)
+    assert e2e.itp_errors(its, predicted, observed, [], 14)["post_replan_itp_error_3"] is None

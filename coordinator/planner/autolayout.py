@@ -3,11 +3,13 @@ prediction, and the choice among them once each has been timed on the job's own 
 
 ``resihp launch --layout auto`` (and ``hooks.init`` given ``AutoLayout``) times a few
 iterations of each candidate before training starts (trainer_hooks/runtime/autolayout.py)
-and picks with ``choose``. Why measure rather than trust the prediction: the planner's cost
-model gives every rank a device of its own; where ranks share hardware (8 ranks on 2 CPU
-cores) or a TP shard is too narrow to keep a device busy, it priced TP4 at 0.81× of DP's
-time when it ran 3.7× of it (docs/control-plane.md). On a cluster the prediction orders the
-candidates and bounds how many are timed; the measurement decides.
+and picks with ``choose``. Why measure rather than trust the prediction: before the job has
+run, the planner's profile (device FLOP/s, link speeds) is a configuration, not a measurement
+(coordinator/planner/profile.py learns it from healthy iterations later), and its cost model
+gives every rank a device of its own. With the CPU demo's profile it priced a TP4 layout at
+0.81× of a DP layout's time on 8 ranks sharing 2 cores, where it ran 3.7× of it. On a
+cluster the prediction orders the candidates and bounds how many are timed; the measurement
+decides.
 
 Pure: no torch, grpc or MPI.
 """

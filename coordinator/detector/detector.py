@@ -57,6 +57,7 @@ from resihp.coordinator.detector.judge import IterationJudge, JobTrack
 from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.probe import ProbeBook
+from resihp.coordinator.detector.seeds import KeyShapes, PauseShare
 from resihp.coordinator.detector.verdicts import TRANSITIONS as TRANSITIONS  # re-exported: callers import them here
 from resihp.coordinator.detector.verdicts import Finding as Finding
 from resihp.coordinator.detector.verdicts import FindingKind as FindingKind
@@ -139,6 +140,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         c = self.config
         self.predictor = Predictor(self.index, window=c.calib_window, refit_every=c.refit_every,
                                    samples_per_key=c.calib_samples_per_key)
+        self._shapes = KeyShapes(header.model)
+        self._pauses = PauseShare()
         self._state: dict[int, RankState] = {}
         self._factor: dict[int, float] = {}
         self._cause: dict[int, str] = {}
@@ -214,6 +217,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
             self._rw_from = max(self._rw_from, first + 1) if not changed else first + 1
         if changed:
             self.predictor.start_rewarm(self.config.rewarm_iters)
+            self.predictor.seed_rewarm(self._shapes)  # priced from the earlier fits meanwhile
         self._alloc()
         self._job = JobTrack()
 

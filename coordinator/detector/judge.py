@@ -28,6 +28,7 @@ from resihp.coordinator.detector.evidence import (
 )
 from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor, fill_nan, median, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.seeds import PauseShare
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ class IterationJudge:
     # the last judged iterations' predictions (per TP group) and observed iteration seconds
     _recent: deque[tuple[FloatArray, FloatArray, float]]
     _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
+    _pauses: PauseShare  # what the schedule leaves out of an iteration (predicted_iteration_s)
+    _pauses_epoch: int = 0  # the predictor's pricing epoch the gap was learnt under
+    _pending_pricing: tuple[int, bool] = (0, False)  # (pricing epoch, seeds pending) of _pending
     _level: str  # the evidence level being judged (chunks, rank_step, iteration)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
@@ -116,6 +120,7 @@ class IterationJudge:
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
         self._pending = (p_comp, p_p2p)
+        self._pending_pricing = (self.predictor.pricing_epoch, self.predictor.seeds_pending)
         self._recent.append((p_comp, p_p2p, t.time_s))  # what a finding's cost is averaged over
         self.last = {"observed_iteration_s": t.time_s}
         comm_thr = np.where(self._dp_only, c.dp_threshold, c.comm_threshold)
@@ -526,8 +531,21 @@ class IterationJudge:
         return f"{float(np.max(self.score[members])):.2f}x"
 
     def predicted_iteration_s(self) -> float | None:
-        """Predicted time of the latest judged iteration with every device healthy (the
-        compiled schedule over predicted op and transfer times, then DP and optimizer)."""
+        """Predicted time of the latest judged iteration with every device healthy: the
+        compiled schedule over predicted op and transfer times, then DP and optimizer, plus
+        the share of an iteration the schedule leaves out (``seeds.PauseShare``, learned from
+        the healthy iterations priced here before this one)."""
         if "predicted_iteration_s" not in self.last and self._pending is not None:
-            self.last["predicted_iteration_s"] = self.predictor.iteration(*self._pending)[0]
+            simulated = self.predictor.iteration(*self._pending)[0]
+            epoch, seeded = self._pending_pricing
+            if epoch != self._pauses_epoch:  # the gap was learnt against other pricing
+                self._pauses.reseed()
+                self._pauses_epoch = epoch
+            self.last["predicted_iteration_s"] = self._pauses.predict(simulated)
+            observed = self.last.get("observed_iteration_s")
+            # a seed-priced iteration would teach the gap the seed's error, not the pauses
+            calm = not seeded and bool(np.all(self.state == RankState.HEALTHY)) and not np.any(
+                np.maximum(self.run, self.run_m) > 0)
+            if observed is not None and calm:
+                self._pauses.learn(observed, simulated)
         return self.last.get("predicted_iteration_s")

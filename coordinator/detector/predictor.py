@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, PlanIndex, group_all
 from resihp.coordinator.detector.program import ScheduleProgram
+from resihp.coordinator.detector.seeds import Key, KeyShapes, seed_compute, seed_level, seed_p2p
 from resihp.coordinator.model.costmodel import Calibrator
 
 FloatArray = npt.NDArray[np.float64]
@@ -146,6 +147,11 @@ class Predictor:
         # key -> (learning iterations with samples still to come, learning iterations in a row without)
         self._rewarm: dict[Hashable, tuple[int, int]] = {}
         self._rw_iters = 1
+        self._seeded: set[int] = set()  # keys priced by a seed (seeds.py), not yet by their own fit
+        # bumped whenever the re-warming keys' pricing changes (a plan change, a seed checked
+        # or replaced, a window's fit): an iteration priced before is priced another way
+        self.pricing_epoch = 0
+        self._interim: set[Hashable] = set()  # re-warming keys given an early fit for pricing
         self.iter_key: tuple[object, ...] = ("iter",)  # the job-level key (iteration-time evidence)
         self._fitted = 0  # bumped whenever A, B or G change (``_coefficients`` caches on it)
         self.reindex(index)
@@ -159,6 +165,9 @@ class Predictor:
         self.G = np.full(k, np.nan)
         self.level: FloatArray = np.full(k, np.nan)  # DP / OPT: median of recent healthy samples
         self._fitted += 1  # A, B, G replaced: cached coefficient gathers are stale
+        self._seeded = set()
+        self._cross_tp: set[int] = set()
+        self.pricing_epoch += 1
         self._coef: dict[str, tuple[int, FloatArray, FloatArray, FloatArray]] = {}  # op -> (version, α, β, γ)
         ix = index
         # TP-group member matrix [groups, max tp] (padded with the leader)
@@ -216,7 +225,31 @@ class Predictor:
     def _fit(self, kid: int) -> None:
         model = self.cal.model(self.index.keys[kid])
         self.A[kid], self.B[kid], self.G[kid] = model.alpha, model.beta, model.gamma
+        self._seeded.discard(kid)
         self._fitted += 1
+
+    def _rescale_seed(self, kid: int, tolerance: float = 1.5) -> None:
+        """A seeded key's first samples on the new layout: the seed scaled by the median of
+        observed / seeded time when that is off by more than ``tolerance`` (one parameter
+        from a few cold iterations, not three: a full fit of them read 30–45 % high), else the
+        seed stands; either way it now counts as fitted for pricing."""
+        samples = self.cal.samples_of(self.index.keys[kid])
+        if samples:
+            arr = np.asarray(samples, dtype=np.float64)
+            seeded = self.A[kid] * arr[:, 0] + self.B[kid] * arr[:, 1] + self.G[kid]
+            ok = seeded > 0
+            if ok.any():
+                r = float(np.median(arr[ok, 2] / seeded[ok]))
+                if np.isfinite(r) and r > 0 and not 1.0 / tolerance <= r <= tolerance:
+                    self.A[kid], self.B[kid], self.G[kid] = self.A[kid] * r, self.B[kid] * r, self.G[kid] * r
+                    self._fitted += 1
+        self._seeded.discard(kid)
+
+    @property
+    def seeds_pending(self) -> bool:
+        """Whether some key is still priced by a seed across TP sizes (the predicted iteration
+        is provisional until it is checked against the key's first samples)."""
+        return bool(self._seeded)
 
     def _add(self, keys: IntArray, tok: FloatArray, ssq: FloatArray, dur: FloatArray, per_key: int,
              only: BoolArray | None, got: BoolArray) -> None:
@@ -326,6 +359,41 @@ class Predictor:
         self._ready_chunks = False
         return len(self._rewarm)
 
+    def seed_rewarm(self, shapes: KeyShapes) -> int:
+        """Price the re-warming keys that have no fit from the fitted keys (seeds.py) until
+        their own window ends; returns how many were seeded. A seed is never judged: the
+        evidence of a re-warming key is not."""
+        keys = self.index.keys
+        # every fitted key this detector has learned, the plans before this one's included
+        fitted: dict[Key, tuple[float, float, float]] = {}
+        for key in self.cal.keys():
+            if isinstance(key, tuple) and key[:1] in (("compute",), ("p2p",)) and key not in self._rewarm \
+                    and self.cal.ready(key):
+                m = self.cal.model(key)
+                fitted[key] = (m.alpha, m.beta, m.gamma)
+        levels = {key: float(np.median(np.asarray(h))) for key, h in self._hist.items()
+                  if isinstance(key, tuple) and key[:1] in (("dp",), ("opt",)) and key not in self._rewarm and h}
+        seeded = 0
+        for kid in np.nonzero(self.rw_left > 0)[0].tolist():
+            key = keys[kid]
+            if key[0] in ("dp", "opt"):
+                if np.isnan(self.level[kid]) and (lvl := seed_level(key, levels, shapes)) is not None:
+                    self.level[kid] = lvl
+                    seeded += 1
+                continue
+            if not np.isnan(self.A[kid]):
+                continue
+            got = seed_compute(key, fitted, shapes) if key[0] == "compute" else (seed_p2p(key, fitted), False)
+            if got is not None and got[0] is not None:
+                self.A[kid], self.B[kid], self.G[kid] = got[0]
+                if got[1]:  # only a seed across TP sizes is provisional (seeds.py)
+                    self._seeded.add(kid)
+                    self._cross_tp.add(kid)
+                seeded += 1
+        if seeded:
+            self._fitted += 1
+        return seeded
+
     @property
     def rewarming(self) -> bool:
         return bool(self._rewarm)
@@ -382,13 +450,38 @@ class Predictor:
         self.rw_left = np.where(hit, self.rw_left - 1, self.rw_left)
         idle = rw & (self.rw_idle >= self._rw_iters)
         keys = self.index.keys
-        for kid in np.nonzero(hit & (self.rw_left <= 0))[0].tolist():
+        # a key still in its window prices with its own first fit as soon as it has enough
+        # samples (once): the seed gives way within a few iterations, the judging still waits
+        for kid in np.nonzero(hit & (self.rw_left > 0))[0].tolist():
+            key = keys[kid]
+            # three learning iterations first: the first ones after a switch run cold
+            if key in self._interim or not self._calibrated(kid) or self._rw_iters - self.rw_left[kid] < 3:
+                continue
+            self._interim.add(key)
+            if key[0] in ("dp", "opt"):
+                hist = self._hist.get(key)
+                if hist and len(hist) >= 3 and float(np.median(np.asarray(hist))) > 0:
+                    self.level[kid] = float(np.median(np.asarray(hist)))
+                    self._seeded.discard(kid)
+            elif kid in self._cross_tp:
+                # a seed scaled across TP sizes is checked against the first samples; one of
+                # its own TP size, or a P2P hop's (the same hop's fit), stands
+                self._cross_tp.discard(kid)
+                self._rescale_seed(kid)
+                self.pricing_epoch += 1
+            else:
+                self._fit(kid)
+        ended = hit & (self.rw_left <= 0)
+        if ended.any():
+            self.pricing_epoch += 1
+        for kid in np.nonzero(ended)[0].tolist():
             if not self._calibrated(kid):
                 self.rw_left[kid] = 1  # too few samples to fit yet: stay in the window
             elif keys[kid][0] in ("dp", "opt"):
                 hist = self._hist.get(keys[kid])
                 if hist:
                     self.level[kid] = float(np.median(np.asarray(hist)))
+                    self._seeded.discard(kid)
             else:
                 self._fit(kid)  # on every sample of the window, not the first min_samples
         self.rw_left[idle] = 0

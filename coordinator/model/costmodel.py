@@ -280,6 +280,10 @@ class Calibrator:
     def ready(self, key: Hashable) -> bool:
         return self.samples(key) >= self.min_samples
 
+    def samples_of(self, key: Hashable) -> list[tuple[float, float, float]]:
+        """The window's (tokens, Σl², seconds) samples of ``key`` (empty if never seen)."""
+        return list(self._samples.get(key, ()))
+
     def model(self, key: Hashable) -> LinearCost:
         """The fitted cost of ``key``; KeyError if never seen, ValueError if too few samples."""
         cached = self._models.get(key)

@@ -247,8 +247,17 @@ def best_healthy_layout(out: Path, a: argparse.Namespace) -> dict[str, Any]:
                                 {"PMIX_MCA_gds": "hash", "GLOO_SOCKET_IFNAME": loopback_ifname()})
     cmd = [sys.executable, str(demo.script), "--layout", "auto", "--seq", str(demo.seq), "--microbatches",
            str(demo.microbatches), "--seed", str(demo.seed), "--threads", "1"]
-    return lp.run_profile(lambda n: mpirun_command(find_mpirun(), RANKS, n, cmd, mca={"btl": "self,sm"}), env, names,
-                          run)
+    if a.cpu_per_rank:  # the profile times the layouts on the same "devices" the policies run on
+        from resihp.trainer_hooks.launch.launcher import cpu_per_rank, cpu_share_command
+
+        cmd = cpu_share_command(cpu_per_rank(a.cpu_per_rank, RANKS, sys.exit), f"resihp-e2e-{os.getpid()}", cmd)
+    try:
+        return lp.run_profile(lambda n: mpirun_command(find_mpirun(), RANKS, n, cmd, mca={"btl": "self,sm"}), env,
+                              names, run)
+    finally:
+        from resihp.trainer_hooks.launch.cpu_share import release
+
+        release(f"resihp-e2e-{os.getpid()}")
 
 
 def run_resihp(root: Path, a: argparse.Namespace, layout: str, attempts: int = 3,
@@ -261,7 +270,8 @@ def run_resihp(root: Path, a: argparse.Namespace, layout: str, attempts: int = 3
     lay = Layout.parse(layout)
     args = demo_parser().parse_args(["--steps", str(a.steps), "--slow-at", str(a.slow_at), "--kill-at",
                                      str(a.kill_at), "--quiet", "--no-reference", "--run-dir", str(root),
-                                     "--tp", str(lay.tp), "--pp", str(lay.pp), "--dp", str(lay.dp)])
+                                     "--tp", str(lay.tp), "--pp", str(lay.pp), "--dp", str(lay.dp)]
+                                    + ([f"--cpu-per-rank={a.cpu_per_rank}"] if a.cpu_per_rank else []))
     failures = 0
     for _ in range(attempts):
         shutil.rmtree(root, ignore_errors=True)
@@ -408,16 +418,30 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--start", default="best,fixed",
                     help="which starts to run, comma-separated: best (the best healthy layout, profiled) and/or "
                          f"fixed ({START_FIXED})")
+    ap.add_argument("--devices", choices=("dedicated", "shared"), default="",
+                    help="dedicated: each rank a fixed CPU quota of this machine's CPUs / 8 (resihp launch "
+                         "--cpu-per-rank auto), so a rank is a device of its own, as a GPU is; shared: the ranks "
+                         "share the CPUs freely. Default: dedicated where a CPU cgroup is writable (root)")
     ap.add_argument("--recompute", default="", metavar="DIR",
                     help="run nothing: recompute the tables and JSON from the e2e.json of an earlier --out DIR")
     a = ap.parse_args(argv)
     if a.recompute:
         saved = json.loads((Path(a.recompute) / "e2e.json").read_text())
-        for k in ("steps", "slow_at", "kill_at", "checkpoint_every"):
-            setattr(a, k, saved["result"][k])
+        for k in ("steps", "slow_at", "kill_at", "checkpoint_every", "devices"):
+            setattr(a, k, saved["result"].get(k, ""))
         return report(Path(a.recompute).resolve(), a, saved["starts"], saved.get("profile"))
     if a.quick:
         a.steps, a.slow_at, a.kill_at = 36, 5, 28
+    if not a.devices:
+        from resihp.trainer_hooks.launch.cpu_share import CpuShareError, cpu_root
+
+        try:
+            cpu_root()
+            a.devices = "dedicated"
+        except CpuShareError as exc:
+            print(f"e2e: shared CPUs ({exc})", flush=True)
+            a.devices = "shared"
+    a.cpu_per_rank = "auto" if a.devices == "dedicated" else ""
     if not 0 < a.slow_at < a.kill_at < a.steps:
         ap.error(f"need 0 < --slow-at < --kill-at < --steps, got {a.slow_at}, {a.kill_at}, {a.steps}")
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
@@ -430,7 +454,7 @@ def main(argv: list[str]) -> int:
     out = Path(a.out).resolve() if a.out else Path(tempfile.mkdtemp(prefix="resihp-e2e-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"e2e: {a.steps} steps, rank 2 slow x2 at step {a.slow_at}, rank 5 killed at step {a.kill_at}, "
-          f"checkpoints every {a.checkpoint_every}; runs in {out}", flush=True)
+          f"checkpoints every {a.checkpoint_every}, {a.devices} devices; runs in {out}", flush=True)
     profile = None
     layouts = {"fixed": START_FIXED}
     if "best" in starts:
@@ -443,7 +467,8 @@ def main(argv: list[str]) -> int:
     infos: dict[str, dict[str, dict[str, Any]]] = {}
     for start in starts:
         layout = layouts[start]
-        cfg = RestartConfig(steps=a.steps, checkpoint_every=a.checkpoint_every, layout=layout)
+        cfg = RestartConfig(steps=a.steps, checkpoint_every=a.checkpoint_every, layout=layout,
+                            cpu_per_rank=a.cpu_per_rank)
         infos[start] = {"layout": {"layout": layout}}
         for policy in policies:
             root = out / start / policy
@@ -468,7 +493,7 @@ def main(argv: list[str]) -> int:
             shutil.copy(ref / "reference" / "progress.jsonl", dst / "progress.jsonl")
     # kept before the report, which --recompute can then redo from it
     (out / "e2e.json").write_text(json.dumps({"result": {k: getattr(a, k) for k in (
-        "steps", "slow_at", "kill_at", "checkpoint_every")}, "starts": infos, "profile": profile}, indent=1))
+        "steps", "slow_at", "kill_at", "checkpoint_every", "devices")}, "starts": infos, "profile": profile}, indent=1))
     return report(out, a, infos, profile)
 
 
@@ -531,7 +556,7 @@ def report(out: Path, a: argparse.Namespace, starts: dict[str, dict[str, dict[st
         results[start], finished = start_result(out / start, layout, infos, a.slow_at)
         ok = ok and finished
     head = results.get("best") or results[next(iter(results))]
-    result = {**head, "steps": a.steps, "slow_at": a.slow_at, "kill_at": a.kill_at,
+    result = {**head, "devices": getattr(a, "devices", ""), "steps": a.steps, "slow_at": a.slow_at, "kill_at": a.kill_at,
               "checkpoint_every": a.checkpoint_every, "out": str(out)}
     if "best" in results and "fixed" in results:
         result["fixed_start"] = {k: results["fixed"][k] for k in ("start_layout", *HEADLINE)}

@@ -81,6 +81,7 @@ class RestartConfig:
     timeout_s: float = 1500.0  # the whole policy run
     max_segments: int = 6
     layout: str = "TP2xPP2xDP2"  # the start (and every relaunch's) layout
+    cpu_per_rank: str = ""  # resihp launch --cpu-per-rank (one device per rank on a shared machine)
 
 
 @dataclass
@@ -133,8 +134,10 @@ def launch_command(run: Path, ckpt: Path, cfg: RestartConfig, resume: bool) -> l
              "--seq", str(cfg.seq), "--microbatches", str(cfg.microbatches), "--seed", str(cfg.seed),
              "--log-every", "1000000", "--no-resilience", "--checkpoint-dir", str(ckpt),
              "--checkpoint-every", str(cfg.checkpoint_every)] + (["--resume"] if resume else [])
+    quota = [f"--cpu-per-rank={cfg.cpu_per_rank}"] if cfg.cpu_per_rank else []
     return _resihp("launch", "-n", str(lay.tp * lay.pp * lay.dp), *shape, "--microbatches",
-                   str(cfg.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", *coord, "--", *train)
+                   str(cfg.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", *quota, *coord, "--",
+                   *train)
 
 
 def _descendants(pid: int) -> list[int]:

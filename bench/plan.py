@@ -13,6 +13,8 @@ Prints readable tables, then ONE final JSON line:
                             (failure-free throughput × healthy compute / total compute), micro-batches
                             packing --documents documents (default 4) so DP shares are cut by the document;
                             ..._whole_mb: the same with one document per micro-batch (whole shares)
+  retained_vs_bound_single_loss_256   the same for one device of 256 lost (fail-stop), at 3 places:
+                            the recovery plan's throughput / (failure-free × 255/256)
   ablation_{tp,pp,dp,joint} mean of the same ratio per policy; joint_ge_all: joint ≥ each on every scenario
 Every throughput is scored by the same function, planner.cost.evaluate (closed form).
 """
@@ -217,6 +219,27 @@ def scenarios_256(documents: int = 1) -> tuple[dict[str, float], bool, list[str]
     return means, joint_ok, rows, statistics.mean(single)
 
 
+def single_loss_256(documents: int = 1) -> tuple[float, list[str]]:
+    """One device of 256 lost (fail-stop), at three places: the planner's recovery plan's
+    throughput over the compute-proportional bound (the best healthy throughput × 255/256)."""
+    spec = preset("llama2-13b")
+    cfg = PlannerConfig(document_shares=documents > 1)
+    base = Cluster.uniform(32, 8)
+    current = Plan.uniform(4, 8, 8, 40, 128)
+    batch = GlobalBatch(128, 4096, (4096 // documents,) * documents if documents > 1 else ())
+    healthy_best = max(tput(current, base, spec, batch, cfg),
+                       tput(Searcher(base, spec, batch, current, cfg).search().plan, base, spec, batch, cfg))
+    kept, rows = [], []
+    for rank in (0, 37, 255):
+        cluster = base.with_failed([rank])
+        bound = healthy_best * cluster.total_compute() / base.total_compute()
+        d = decide(cluster, spec, batch, current, None, 0.0, cfg)
+        best = max((tput(c.plan, cluster, spec, batch, cfg) for c in d.candidates), default=0.0)
+        kept.append(best / bound)
+        rows.append(f"  rank {rank:3d} lost: {best / bound:6.3f} of the bound ({d.level})")
+    return statistics.mean(kept), rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--clusters", type=int, default=200)
@@ -251,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.documents > 1:  # the same cases when a document fills a micro-batch: shares stay whole
         whole = scenarios_256(1)[3]
         print(f"  one document per micro-batch (whole micro-batch shares): single slow mean {whole:.3f}")
+    print(f"== 256 GPUs, one device lost (fail-stop), {args.documents} documents per micro-batch ==")
+    lost, lost_rows = single_loss_256(args.documents)
+    print("\n".join(lost_rows) + f"\n  mean {lost:.3f}")
     print(f"== total wall time {time.perf_counter() - wall:.1f} s ==")
     out = {
         "optimality_gap_max": round(gap, 6),
@@ -264,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "decide_s_16384_warm": round(decide_s[16384][1], 4),
         "retained_vs_bound_single_slow_256": round(retained, 4),
         "retained_vs_bound_single_slow_256_whole_mb": round(whole, 4),
+        "retained_vs_bound_single_loss_256": round(lost, 4),
         "documents_per_microbatch": args.documents,
         "ablation_tp": round(means["tp"], 4),
         "ablation_pp": round(means["pp"], 4),

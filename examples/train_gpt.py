@@ -20,8 +20,9 @@ import torch
 
 import resihp.trainer_hooks as hooks
 from resihp.coordinator.model.plan import PipelinePlan, Plan
-from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
+from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.checkpoint.saver import AsyncCheckpointer, latest_checkpoint, load_into
+from resihp.trainer_hooks.model_source import resolve_model
 from resihp.trainer_hooks.runtime.autolayout import AutoLayout
 from resihp.trainer_hooks.runtime.progress_log import loss_rank
 from resihp.trainer_hooks.runtime.recovery import JobStopped
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     layout_option(p)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="gpt-tiny", help="a ModelSpec preset (default gpt-tiny)")
+    p.add_argument("--model", default="gpt-tiny", help="a ModelSpec preset or a JSON/YAML file of one (default gpt-tiny)")
     p.add_argument("--seq", type=int, default=128, help="tokens per packed micro-batch (and max positions)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per global batch")
     p.add_argument("--shares", default="", help="micro-batches per DP replica, e.g. 3,5 (default: even)")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    spec = preset(args.model)
+    spec = resolve_model(args.model)
     plan = build_plan(args, spec)
 
     job = hooks.init(spec, plan, config=TrainConfig(seed=args.seed, max_seq_len=args.seq, lr=args.lr,

@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"plain progress: a line every N steps (default {DEFAULT_EVERY_STEPS})")
     ap.add_argument("--quiet", action="store_true", help="no progress output: the same as --progress off")
     ap.add_argument("--timeout-s", type=float, default=900.0)
+    ap.add_argument("--cpu-per-rank", default="",
+                    help="resihp launch --cpu-per-rank: each rank a fixed CPU quota ('auto': the CPUs / the ranks), "
+                         "so the ranks behave as devices of their own on a shared machine (needs root)")
     return ap
 
 
@@ -186,6 +189,8 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
              "--log-every", "1000000", *args.script_arg]
     if args.checkpoint_every:
         train += ["--checkpoint-dir", str(run / "checkpoints"), "--checkpoint-every", str(args.checkpoint_every)]
+    if args.cpu_per_rank:
+        coord_args.append(f"--cpu-per-rank={args.cpu_per_rank}")
     cmd = _resihp("launch", "-n", str(args.tp * args.pp * args.dp), *layout, "--microbatches",
                   str(args.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", "--probe-every-s", str(args.probe_every_s),
                   *coord_args, "--", *train)

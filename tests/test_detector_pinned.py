@@ -5,7 +5,8 @@ such work must never change a verdict. This runs one seeded workload (LLaMA-2-7B
 PP 4 x DP 4, every noise class on; a compute slowdown that ends, a slow NIC, a small compute
 slowdown) through the adaptive detector (zero-bubble schedule) and the fixed-threshold one
 (1F1B) and compares every finding with the ones recorded before the optimisations (re-recorded
-once since, when a finding's cost came to be averaged over 32 batches). A change of
+since when a finding's cost came to be averaged over 32 batches, and when the predicted
+iteration its reason quotes came to include the pause gap: the verdicts did not change). A change of
 behaviour that is meant must re-record them (``python tests/test_detector_pinned.py``
 prints the current ones).
 """
@@ -23,32 +24,32 @@ Pinned = tuple[int, str, tuple[int, ...], "int | None", "int | None", str, float
 
 ADAPTIVE: tuple[Pinned, ...] = (
     (37, 'fail-slow', (9,), 0, 1, 'compute', 1.5096261313974562,
-     'rank 9 (replica 1, stage 0, TP group [8, 9]): compute (F/B/W ops) ran 1.51x the time the calibrated cost model predicts for the batches it ran, for 1 consecutive iterations; iteration 19.89 s vs 18.46 s predicted with every device healthy; it costs the job 3098.0 ms per iteration (17.0%)'),
+     'rank 9 (replica 1, stage 0, TP group [8, 9]): compute (F/B/W ops) ran 1.51x the time the calibrated cost model predicts for the batches it ran, for 1 consecutive iterations; iteration 19.89 s vs 18.65 s predicted with every device healthy; it costs the job 3098.0 ms per iteration (17.0%)'),
     (42, 'degraded', (5, 13, 21, 29), 2, None, 'communication', 2.743526325927419,
-     "the DP ring of stage 2 (ranks 5, 13, 21, 29; its P2P stays inside nodes, so the slow member cannot be told apart): its DP ring's all-reduce (the transfer after the last member arrived) ran 2.74x the time the calibrated cost model predicts for the batches it ran, for 1 consecutive iterations; iteration 23.62 s vs 18.53 s predicted with every device healthy; it costs the job 0.0 ms per iteration (0.0%), below the 1% floor: degraded, not worth a re-plan"),
+     "the DP ring of stage 2 (ranks 5, 13, 21, 29; its P2P stays inside nodes, so the slow member cannot be told apart): its DP ring's all-reduce (the transfer after the last member arrived) ran 2.74x the time the calibrated cost model predicts for the batches it ran, for 1 consecutive iterations; iteration 23.62 s vs 18.72 s predicted with every device healthy; it costs the job 0.0 ms per iteration (0.0%), below the 1% floor: degraded, not worth a re-plan"),
     (52, 'fail-slow', (22,), 3, 2, 'compute', 1.0846026261343864,
-     'rank 22 (replica 2, stage 3, TP group [22, 23]): compute (F/B/W ops) ran 1.08x the time the calibrated cost model predicts for the batches it ran, for 1 consecutive iterations; iteration 21.10 s vs 18.44 s predicted with every device healthy; it costs the job 297.0 ms per iteration (1.5%)'),
+     'rank 22 (replica 2, stage 3, TP group [22, 23]): compute (F/B/W ops) ran 1.08x the time the calibrated cost model predicts for the batches it ran, for 1 consecutive iterations; iteration 21.10 s vs 18.63 s predicted with every device healthy; it costs the job 297.0 ms per iteration (1.5%)'),
     (89, 'recovered', (9,), 0, 1, 'compute', 1.0,
      'rank 9 (replica 1, stage 0, TP group [8, 9]) back to the predicted speed for 3 consecutive iterations (was compute-slow 1.02x)'),
 )
 
 FIXED: tuple[Pinned, ...] = (
     (36, 'fail-slow', (9,), 0, 1, 'compute', 1.5075523853302002,
-     'rank 9 (replica 1, stage 0, TP group [8, 9]): compute (F/B/W ops) ran 1.51x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 23.30 s vs 19.31 s predicted with every device healthy; it costs the job 2374.8 ms per iteration (11.9%)'),
+     'rank 9 (replica 1, stage 0, TP group [8, 9]): compute (F/B/W ops) ran 1.51x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 23.30 s vs 19.51 s predicted with every device healthy; it costs the job 2374.8 ms per iteration (11.9%)'),
     (41, 'degraded', (5, 13, 21, 29), 2, None, 'communication', 3.017925925533491,
-     "the DP ring of stage 2 (ranks 5, 13, 21, 29; its P2P stays inside nodes, so the slow member cannot be told apart): its DP ring's all-reduce (the transfer after the last member arrived) ran 3.02x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 23.48 s vs 20.26 s predicted with every device healthy; it costs the job 0.0 ms per iteration (0.0%), below the 1% floor: degraded, not worth a re-plan"),
+     "the DP ring of stage 2 (ranks 5, 13, 21, 29; its P2P stays inside nodes, so the slow member cannot be told apart): its DP ring's all-reduce (the transfer after the last member arrived) ran 3.02x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 23.48 s vs 20.46 s predicted with every device healthy; it costs the job 0.0 ms per iteration (0.0%), below the 1% floor: degraded, not worth a re-plan"),
     (51, 'fail-slow', (22,), 3, 2, 'compute', 1.083107352256775,
-     'rank 22 (replica 2, stage 3, TP group [22, 23]): compute (F/B/W ops) ran 1.08x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 22.80 s vs 20.16 s predicted with every device healthy; it costs the job 331.7 ms per iteration (1.6%)'),
+     'rank 22 (replica 2, stage 3, TP group [22, 23]): compute (F/B/W ops) ran 1.08x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 22.80 s vs 20.36 s predicted with every device healthy; it costs the job 331.7 ms per iteration (1.6%)'),
     (82, 'recovered', (9,), 0, 1, 'compute', 1.0,
      'rank 9 (replica 1, stage 0, TP group [8, 9]) back to the predicted speed for 3 consecutive iterations (was compute-slow 1.51x)'),
     (93, 'degraded', (20,), 2, 2, 'compute', 1.089915156364441,
-     'rank 20 (replica 2, stage 2, TP group [20, 21]): compute (F/B/W ops) ran 1.09x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 20.43 s vs 20.26 s predicted with every device healthy; it costs the job 160.1 ms per iteration (0.8%), below the 1% floor: degraded, not worth a re-plan'),
+     'rank 20 (replica 2, stage 2, TP group [20, 21]): compute (F/B/W ops) ran 1.09x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 20.43 s vs 20.46 s predicted with every device healthy; it costs the job 160.1 ms per iteration (0.8%), below the 1% floor: degraded, not worth a re-plan'),
     (95, 'degraded', (16,), 0, 2, 'compute', 1.0614640712738037,
-     'rank 16 (replica 2, stage 0, TP group [16, 17]): compute (F/B/W ops) ran 1.06x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 22.01 s vs 20.33 s predicted with every device healthy; it costs the job 44.2 ms per iteration (0.2%), below the 1% floor: degraded, not worth a re-plan'),
+     'rank 16 (replica 2, stage 0, TP group [16, 17]): compute (F/B/W ops) ran 1.06x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 22.01 s vs 20.52 s predicted with every device healthy; it costs the job 44.2 ms per iteration (0.2%), below the 1% floor: degraded, not worth a re-plan'),
     (102, 'degraded', (19,), 1, 2, 'compute', 1.0598697662353516,
-     'rank 19 (replica 2, stage 1, TP group [18, 19]): compute (F/B/W ops) ran 1.06x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 21.05 s vs 20.19 s predicted with every device healthy; it costs the job 64.4 ms per iteration (0.3%), below the 1% floor: degraded, not worth a re-plan'),
+     'rank 19 (replica 2, stage 1, TP group [18, 19]): compute (F/B/W ops) ran 1.06x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 21.05 s vs 20.39 s predicted with every device healthy; it costs the job 64.4 ms per iteration (0.3%), below the 1% floor: degraded, not worth a re-plan'),
     (107, 'degraded', (17,), 0, 2, 'compute', 1.0610524415969849,
-     'rank 17 (replica 2, stage 0, TP group [16, 17]): compute (F/B/W ops) ran 1.06x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 20.32 s vs 20.20 s predicted with every device healthy; it costs the job 33.7 ms per iteration (0.2%), below the 1% floor: degraded, not worth a re-plan'),
+     'rank 17 (replica 2, stage 0, TP group [16, 17]): compute (F/B/W ops) ran 1.06x the time the calibrated cost model predicts for the batches it ran, for 2 consecutive iterations; iteration 20.32 s vs 20.40 s predicted with every device healthy; it costs the job 33.7 ms per iteration (0.2%), below the 1% floor: degraded, not worth a re-plan'),
 )
 
 

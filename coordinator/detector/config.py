@@ -27,6 +27,9 @@ class DetectorConfig:
     warmup_iters: int = 8  # healthy iterations the cost model sees before judging any
     refit_every: int = 100  # iterations between refit rounds of the cost model (one key per iteration)
     calib_every: int = 4  # after warm-up, learn from every calib_every-th iteration
+    # the predicted iteration's pause gap (seeds.PauseShare) learns from every n-th judged
+    # iteration (one schedule simulation each; 0 = only when a finding or a caller asks)
+    pause_every: int = 4
     calib_window: int = 192  # samples kept per cost key
     calib_samples_per_key: int = 4  # TP groups sampled per key from each calibrating post-warm-up iteration
     # learning iterations of a key whose work changed with a plan change. 8 as warmup_iters: even
@@ -98,6 +101,9 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DetectorConfig.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.pause_every, int) or isinstance(self.pause_every, bool) or self.pause_every < 0:
+            raise ValueError(f"DetectorConfig.pause_every must be an integer >= 0 (0: learn only when asked), got "
+                             f"{self.pause_every!r}")
         for name, lo, hi in (("impact_floor", 0.0, 1.0), ("hang_iters", 1.0, 1000.0), ("hang_floor_s", 0.0, 3600.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
                              ("prior_spread", 1e-4, 10.0), ("min_spread", 0.0, 10.0)):
             v = getattr(self, name)

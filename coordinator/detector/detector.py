@@ -383,7 +383,10 @@ class Detector(IterationJudge, IdleRankVerdicts):
                 pred.refit_all()  # the models so far saw only the first iterations
             return []
         if level == "chunks":
-            return self._judge_chunks(t, tok, ssq, now)
+            found = self._judge_chunks(t, tok, ssq, now)
+            if self.config.pause_every and t.iteration % self.config.pause_every == 0:
+                self.predicted_iteration_s()  # the gap the schedule leaves out keeps learning (judge.py)
+            return found
         if level == "rank_step":
             return self._judge_steps(t, tok, ssq, now)
         return self._judge_iteration(t, tok, ssq, now)

@@ -227,6 +227,25 @@ def _rank_processes(mpirun_pid: int) -> list[int]:
     return out
 
 
+def cpu_per_rank(text: str, n: int, error: Callable[[str], object]) -> float:
+    """``--cpu-per-rank``: 0 (off), a number of CPUs, or 'auto' (this machine's CPUs / n)."""
+    if not text:
+        return 0.0
+    try:
+        cores = (os.cpu_count() or 1) / n if text == "auto" else float(text)
+    except ValueError:
+        cores = math.nan
+    if not (math.isfinite(cores) and cores > 0):
+        error(f"--cpu-per-rank: expected a number of CPUs > 0 or 'auto', got {text!r}")
+    return cores
+
+
+def cpu_share_command(cores: float, group: str, cmd: Sequence[str]) -> list[str]:
+    """``cmd`` behind the shim that confines it to ``cores`` CPUs (launch/cpu_share.py)."""
+    return [sys.executable, "-m", "resihp.trainer_hooks.launch.cpu_share", "--cores", f"{cores:.4f}", "--group",
+            group, "--", *cmd]
+
+
 def auto_layout(args: argparse.Namespace, n: int, cmd: Sequence[str], run: Path, job: str, hosts: bool,
                 model_json: str) -> tuple[int, int, int, str]:
     """``--layout auto``: the profile-only start (launch/layout_profile.py); (tp, pp, dp, layout)."""
@@ -305,6 +324,10 @@ def main(argv: list[str]) -> int:
                    help="with --hostfile: the address the nodes reach this machine on (default: its name's address)")
     p.add_argument("--agent-port", type=int, default=50555,
                    help="with --hostfile: the port every node's agent serves its ranks on (127.0.0.1)")
+    p.add_argument("--cpu-per-rank", default="",
+                   help="on a shared CPU machine, emulate one device per rank: each rank gets a fixed CPU quota "
+                        "(a number of CPUs, or 'auto': this machine's CPUs / the ranks) in its own cgroup, so a "
+                        "sleeping or idle rank does not speed the others up (launch/cpu_share.py; needs root)")
     p.add_argument("--mpirun-arg", action="append", default=[],
                    help="extra argument for mpirun (ranks and, with --hostfile, agents), e.g. --mpirun-arg=--mca "
                         "--mpirun-arg=btl_tcp_if_include --mpirun-arg=10.0.0.0/24")
@@ -349,6 +372,9 @@ def main(argv: list[str]) -> int:
             model_json = spec_json(resolve_model(args.model))
         except SpecError as exc:
             p.error(f"--model: {exc}")
+    cores = cpu_per_rank(args.cpu_per_rank, n, p.error)
+    if cores:
+        cmd = cpu_share_command(cores, f"resihp-{job}", cmd)
     if args.layout == "auto":
         try:
             tp, pp, dp, layout = auto_layout(args, n, cmd, run, job, bool(hosts), model_json)
@@ -530,6 +556,10 @@ def main(argv: list[str]) -> int:
         if shm_dir is not None:
             shutil.rmtree(shm_dir, ignore_errors=True)
         remove_stale_mpi_segments()
+        if cores:
+            from resihp.trainer_hooks.launch.cpu_share import release
+
+            release(f"resihp-{job}")  # the ranks' cgroups, now empty
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -172,16 +172,25 @@ def pp_only(costs: Costs, current: Plan, searcher: Searcher) -> Plan | None:
     return Plan(tuple(reps), current.schedule, current.virtual_chunks, current.epoch + 1, current.spares, "pp-only")
 
 
-def scenarios_256(documents: int = 1) -> tuple[dict[str, float], bool, list[str], float]:
-    """``documents``: packed documents per micro-batch; above one the planner cuts DP shares
-    by the document (PlannerConfig.document_shares), the "dp" ablation keeps whole ones."""
+def setup_256(documents: int) -> SimpleNamespace:
+    """The 256-GPU cases' model, planner config, cluster, TP4 × PP8 × DP8 start, batch, and the
+    best healthy layout with its throughput (the bound's base)."""
     spec = preset("llama2-13b")
     cfg = PlannerConfig(document_shares=documents > 1)
     base = Cluster.uniform(32, 8)
     current = Plan.uniform(4, 8, 8, 40, 128)
     batch = GlobalBatch(128, 4096, (4096 // documents,) * documents if documents > 1 else ())
-    healthy_best = max(tput(current, base, spec, batch, cfg),
-                       tput(Searcher(base, spec, batch, current, cfg).search().plan, base, spec, batch, cfg))
+    best_plan = Searcher(base, spec, batch, current, cfg).search().plan
+    healthy_best = max(tput(current, base, spec, batch, cfg), tput(best_plan, base, spec, batch, cfg))
+    return SimpleNamespace(spec=spec, cfg=cfg, base=base, current=current, batch=batch, best_plan=best_plan,
+                           healthy_best=healthy_best)
+
+
+def scenarios_256(documents: int = 1) -> tuple[dict[str, float], bool, list[str], float]:
+    """``documents``: packed documents per micro-batch; above one the planner cuts DP shares
+    by the document (PlannerConfig.document_shares), the "dp" ablation keeps whole ones."""
+    s = setup_256(documents)
+    spec, cfg, base, current, batch, healthy_best = s.spec, s.cfg, s.base, s.current, s.batch, s.healthy_best
     total = base.total_compute()
     sums: dict[str, list[float]] = {"tp": [], "pp": [], "dp": [], "joint": []}
     single: list[float] = []
@@ -224,14 +233,9 @@ def single_loss_256(documents: int = 1) -> tuple[float, float, list[str]]:
     """One device of 256 lost (fail-stop), at three places: the planner's recovery plan's
     throughput over the compute-proportional bound (the best healthy throughput × 255/256),
     from the TP4 × PP8 × DP8 start and from the best healthy layout."""
-    spec = preset("llama2-13b")
-    cfg = PlannerConfig(document_shares=documents > 1)
-    base = Cluster.uniform(32, 8)
-    current = Plan.uniform(4, 8, 8, 40, 128)
-    batch = GlobalBatch(128, 4096, (4096 // documents,) * documents if documents > 1 else ())
-    healthy_best = max(tput(current, base, spec, batch, cfg),
-                       tput(Searcher(base, spec, batch, current, cfg).search().plan, base, spec, batch, cfg))
-    best_plan = Searcher(base, spec, batch, current, cfg).search().plan
+    s = setup_256(documents)
+    spec, cfg, base, current, batch, healthy_best = s.spec, s.cfg, s.base, s.current, s.batch, s.healthy_best
+    best_plan = s.best_plan
     kept: dict[str, list[float]] = {"start": [], "best": []}
     rows = []
     for rank in (0, 37, 255):

@@ -108,12 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CpuShareError as exc:
         print(f"resihp cpu_share: {exc}", file=sys.stderr)
         return 2
-    try:
-        os.execvp(cmd[0], cmd)
-    except OSError as exc:
-        print(f"resihp cpu_share: cannot run {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
-        return 127
-    return 0  # not reached
+    from resihp.trainer_hooks.launch.rank_env import exec_command
+
+    return exec_command(cmd, "cpu_share")
 
 
 if __name__ == "__main__":

@@ -93,10 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from resihp.trainer_hooks.launch.env_rendezvous import site_env
 
     os.environ.update(site_env(os.environ))  # the script's env:// joins the job's authenticated store
+    return exec_command(args, "rank_env")
+
+
+def exec_command(cmd: Sequence[str], shim: str) -> int:
+    """Replace this process with ``cmd`` (same pid: the node agent's pid watch sees the training
+    process itself); 127 with the reason when it cannot be run."""
     try:
-        os.execvp(args[0], args)
+        os.execvp(cmd[0], list(cmd))
     except OSError as exc:
-        print(f"resihp rank_env: cannot run {args[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"resihp {shim}: cannot run {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return 127
     return 0  # not reached
 

@@ -111,6 +111,15 @@ echo "8-rank backend: $BACKEND ($NGPU GPU(s); NCCL lets ranks share a GPU: $SHAR
 equivalence() { RESIHP_BACKEND=$BACKEND timeout 240 "$PY" -m pytest -q -p no:cacheprovider -k layout_matches tests/test_equivalence_mpi.py; }
 step equivalence_8_ranks equivalence
 
+# --layout auto in process on the 8-rank backend: every candidate layout builds (and tears
+# down) its process groups, NCCL communicators included, before the job trains on the choice
+auto_layout() {
+  RESIHP_BACKEND=$BACKEND timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs -k plain_mpirun \
+    tests/test_autolayout_mpi.py | tee "$OUT/auto_layout.txt"
+  grep -q "1 passed" "$OUT/auto_layout.txt"
+}
+step auto_layout auto_layout
+
 runtime_bench() { RESIHP_BACKEND=gloo timeout 240 "$PY" bench/runtime.py | tee "$OUT/runtime_bench.txt"; }
 step runtime_bench runtime_bench
 
@@ -130,7 +139,7 @@ step chaos_kill_and_hang chaos_kill_and_hang
 TOTAL=$((SECONDS - START))
 FAILED=0
 SUMMARY="{\"total_s\": $TOTAL, \"ngpu\": $NGPU, \"nccl_ranks_share_gpu\": $SHARE, \"equivalence_backend\": \"$BACKEND\", \"chaos_backend\": \"$BACKEND\""
-for name in share_probe one_rank_gpu_vs_cpu your_model_gpu_vs_cpu gpu_timing equivalence_8_ranks runtime_bench reconfigure_bench chaos_kill_and_hang; do
+for name in share_probe one_rank_gpu_vs_cpu your_model_gpu_vs_cpu gpu_timing equivalence_8_ranks auto_layout runtime_bench reconfigure_bench chaos_kill_and_hang; do
   SUMMARY+=", \"$name\": {\"exit\": ${STATUS[$name]}, \"s\": ${SECS[$name]}}"
   [ "${STATUS[$name]}" -eq 0 ] || FAILED=1
 done

@@ -91,4 +91,5 @@ def test_launch_layout_auto_errors_say_what_to_do(tmp_path: Path) -> None:
 def _clean_env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_")}
+    # the job's own variables go; the backend stays (bench/gpu_check.sh runs this on NCCL)
+    return {k: v for k, v in os.environ.items() if not k.startswith("RESIHP_") or k == "RESIHP_BACKEND"}

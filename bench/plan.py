@@ -5,6 +5,8 @@ around a slow device, and the TP / PP / DP / joint ablation.
 
 Prints readable tables, then ONE final JSON line:
   optimality_gap_max        1 − searched / exhaustive throughput, worst of ≥ 200 random small clusters
+                            (a third of them pack 2 or 4 documents per micro-batch: the reference then
+                            searches document shares too, planner.exhaustive)
   search_s_{64,256,4096,16384} CPU seconds (one core, process time) of one full, cold search
                             (shape cache cleared), best of 1/5/3/2 runs
   decide_s_256, decide_s_16384_{cold,warm}  CPU seconds of one decide on a compute fail-slow:
@@ -66,7 +68,10 @@ def random_case(rng: random.Random) -> tuple[Cluster, ModelSpec, GlobalBatch]:
     cluster = Cluster(tuple(devs))
     layers = rng.choice([4, 6, 8])
     spec = ModelSpec("bench-small", layers, 2048, 16, 5504, 32000, gated_mlp=True)
-    batch = GlobalBatch(rng.choice([4, 6, 8, 12]), rng.choice([2048, 4096]))
+    m, tokens = rng.choice([4, 6, 8, 12]), rng.choice([2048, 4096])
+    # a third of the cases pack 2 or 4 documents per micro-batch: shares cut by the document
+    docs = rng.choice([1, 1, 1, 1, 2, 4])
+    batch = GlobalBatch(m, tokens, (tokens // docs,) * docs if docs > 1 else ())
     return cluster, spec, batch
 
 

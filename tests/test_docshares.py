@@ -23,6 +23,7 @@ from resihp.coordinator.planner.cost import (
 from resihp.coordinator.planner.decision import decide
 from resihp.coordinator.planner.docshares import document_shares
 from resihp.coordinator.planner.levels import reshare
+from resihp.coordinator.planner.search import Searcher
 from resihp.coordinator.protocol.codec import plan_from_json, plan_to_json
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.world import World
@@ -171,3 +172,47 @@ def test_the_engine_sizes_a_token_plan_s_batch_by_the_tokens_per_microbatch_it_l
     engine.decide(tokens, None, frozenset(), 3.0, {})
     assert seen and seen[0].microbatches == 8 and seen[0].tokens_per_microbatch == 128
     assert sum(seen[0].seqlens) <= 128  # a re-packed micro-batch's sample, trimmed to the batch's
+
+
+def _searched_rate(cluster: Cluster, batch: GlobalBatch, config: PlannerConfig) -> tuple[float, Plan]:
+    plan = Searcher(cluster, SPEC, batch, None, config).search().plan
+    if not plan.document_shares:
+        plan = document_shares(Costs(cluster, SPEC, batch, PlannerConfig()), plan) or plan
+    return evaluate(plan, cluster, SPEC, batch, PlannerConfig()).tokens_per_s, plan
+
+
+@pytest.mark.parametrize("nodes", [8, 16])
+def test_search_ranks_shapes_by_their_document_shares(nodes: int) -> None:
+    # one device of a TP8 x PP1 job lost: whole micro-batches split unevenly over the replicas
+    # that are left (64 over 7 or 15), so a search that ranks shapes by whole shares prefers a
+    # deeper layout that wastes devices but splits evenly; ranked by document shares, the
+    # chosen layout keeps at least the devices of every whole node
+    batch = GlobalBatch(64, 4096, (1024,) * 4)
+    lost = Cluster.uniform(nodes, 8).with_failed([0])
+    finer, plan = _searched_rate(lost, batch, PlannerConfig(document_shares=True))
+    whole, _ = _searched_rate(lost, batch, PlannerConfig(document_shares=False))
+    assert finer > whole * 1.01
+    assert plan.document_shares and len(plan.ranks()) >= 8 * (nodes - 1)
+    healthy, _ = _searched_rate(Cluster.uniform(nodes, 8), batch, PlannerConfig())
+    assert finer / healthy > 0.92
+
+
+def test_the_document_bound_never_exceeds_a_shape_s_time() -> None:
+    # the search stops at the first shape whose lower bound exceeds the best time: a bound
+    # above a shape's document-share time would skip it
+    batch = GlobalBatch(64, 4096, (1024,) * 4)
+    cluster = Cluster.uniform(4, 8).with_failed([0]).with_speeds({9: 0.5})
+    searcher = Searcher(cluster, SPEC, batch, None, PlannerConfig())
+    checked = 0
+    for tp in (2, 4, 8):
+        pool = searcher.pool(tp, "keep", 0, 1)
+        for pp in (1, 2, 4, 5):
+            for dp in searcher.dp_candidates(pool, pp):
+                if not searcher.fits(pool, pp, dp):
+                    continue
+                res = searcher.evaluate_shape(pool, pp, dp, "concentrate", 0.0)
+                if res is None or not math.isfinite(res.time_s):
+                    continue
+                assert searcher.lower_bound(pool, pp, dp) <= res.time_s * (1 + 1e-9), (tp, pp, dp)
+                checked += 1
+    assert checked >= 10

@@ -72,18 +72,47 @@ class _ReplicaDocs:
         return self._m[d] if d else 0
 
 
+def document_cap(costs: Costs) -> float | None:
+    """The largest micro-batch a document share may pack, as a fraction of the batch's
+    (whole documents), or None when shares stay whole micro-batches (one document per
+    micro-batch, an interleaved schedule, or a cap below one document)."""
+    batch = costs.batch
+    n = batch.documents_per_microbatch
+    if n < 2 or costs.v > 1:
+        return None
+    cap_tokens = costs.config.max_microbatch_tokens or batch.tokens_per_microbatch
+    cap = math.floor(cap_tokens * n / batch.tokens_per_microbatch) / n
+    return cap if cap > 0.0 else None
+
+
+def document_makespan(costs: Costs, classes: list[tuple[PipeSig, tuple[int, ...]]], counts: list[int],
+                      dp: int) -> float | None:
+    """The makespan of replica classes (each a stage signature and its layers per device,
+    ``counts`` copies) under document-granular shares: what a shape search ranks a shape by
+    when ``document_shares`` will cut its batch by the document. None when shares stay whole
+    or nothing fits."""
+    cap = document_cap(costs)
+    if cap is None:
+        return None
+    batch = costs.batch
+    n = batch.documents_per_microbatch
+    same = math.ceil(batch.microbatches / dp)
+    models = [_ReplicaDocs(costs, sig, layers, None, n, same, cap) for sig, layers in classes]
+    got = allocate_shares(models, counts, batch.microbatches * n)
+    if got is None or got[0] == INF:
+        return None
+    return got[0]
+
+
 def document_shares(costs: Costs, plan: Plan) -> Plan | None:
     """``plan`` with document-granular shares, or None when they price no better (or the
     batch has one document per micro-batch, or the schedule is interleaved: its micro-batch
     counts are tied to the pipeline depth)."""
     batch = costs.batch
     n = batch.documents_per_microbatch
-    if n < 2 or costs.v > 1 or not plan.replicas:
-        return None
     b = batch.tokens_per_microbatch
-    cap_tokens = costs.config.max_microbatch_tokens or b
-    cap = math.floor(cap_tokens * n / b) / n  # whole documents per micro-batch, as a fraction of the batch's
-    if cap <= 0.0:
+    cap = document_cap(costs)
+    if cap is None or not plan.replicas:
         return None
     tab = cluster_tables(costs.cluster)
     same = math.ceil(batch.microbatches / plan.dp)

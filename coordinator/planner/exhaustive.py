@@ -3,7 +3,10 @@
 It enumerates every plan of the planner's space: per node every collection of disjoint
 node-local TP groups of legal sizes, their union over nodes, every (pp, dp) that uses all
 chosen groups, every partition of the groups into pipelines, every stage order, every
-layer split (all compositions) and the exact min-max shares (dynamic programming). Devices
+layer split (all compositions) and the exact min-max shares (dynamic programming) — whole
+micro-batches, or, where the planner cuts shares by the packed document, every document
+count per pipeline packed as the planner may pack it (the even split's micro-batch count, or
+as few as the activation budget allows: planner.docshares). Devices
 of equal speed and memory on one node are interchangeable, which keeps it finite. It is
 branch-and-bound — a (groups, pp, dp) is skipped only when a valid lower bound on its time
 exceeds the best found — so the answer is exact. Exponential: ≤ 16 devices only. Pure.
@@ -11,6 +14,7 @@ exceeds the best found — so the answer is exact. Exponential: ≤ 16 devices o
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -20,6 +24,7 @@ from resihp.coordinator.model.cluster import Cluster, GlobalBatch
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.planner.cost import INF, Costs, PlannerConfig, StageKey
+from resihp.coordinator.planner.docshares import document_cap
 from resihp.coordinator.planner.groups import legal_tp_sizes
 
 DevKey = tuple[float, float]  # (speed, memory)
@@ -94,6 +99,69 @@ class Exhaustive:
         self.cluster, self.spec, self.batch, self.config, self.costs = cluster, spec, batch, config, costs
         self._cap_memo: dict[tuple[StageKey, int, int], np.ndarray] = {}
         self._block: dict[tuple[StageKey, ...], list[tuple[float, tuple[StageKey, ...], tuple[int, ...]]]] = {}
+        # shares cut by the document: units are documents, and a block's time for d of them is
+        # its best over orders, splits and micro-batch counts (planner.docshares)
+        self.cap = document_cap(costs) if config.document_shares else None
+        self.docs = batch.documents_per_microbatch if self.cap is not None else 1
+        self._doc_block: dict[tuple[tuple[StageKey, ...], int], list[tuple[float, tuple[StageKey, ...], tuple[int, ...], int]]] = {}
+        self.dp = 1  # of the shape being priced: sets the even split's micro-batch count
+
+    def unit_time(self, block: tuple[StageKey, ...], units: int) -> tuple[float, tuple[StageKey, ...], tuple[int, ...], int]:
+        """(time, order, layers, micro-batches) of one pipeline given ``units`` of the batch:
+        micro-batches, or documents when shares are cut by the document."""
+        if self.cap is None:
+            t, order, comp = self.block_time(block, units)
+            return t, order, comp, units
+        key = (block, self.dp)
+        table = self._doc_block.get(key)
+        if table is None:
+            table = self._doc_table(block)
+            self._doc_block[key] = table
+        return table[units]
+
+    def _doc_table(self, block: tuple[StageKey, ...]) -> list[tuple[float, tuple[StageKey, ...], tuple[int, ...], int]]:
+        costs = self.costs
+        assert self.cap is not None
+        n, cap = self.docs, self.cap
+        p = len(block)
+        d_max = self.batch.microbatches * n
+        same = max(1, math.ceil(self.batch.microbatches / self.dp))
+        comps = list(_compositions(self.spec.num_layers, p, 1))
+        comp_arr = np.array(comps, dtype=np.float64)  # [C, p]
+        orders = sorted(set(itertools.permutations(block)))
+        out: list[tuple[float, tuple[StageKey, ...], tuple[int, ...], int]] = [(0.0, block, (), 0)]
+        for d in range(1, d_max + 1):
+            best: tuple[float, float, tuple[StageKey, ...], tuple[int, ...], int] = (INF, INF, block, (), 0)
+            for m in sorted({max(1, math.ceil(d / (n * cap) - 1e-9)), same}):
+                frac = d / (n * m)
+                peak = max(frac, math.ceil(d / m - 1e-9) / n)
+                if peak > cap + 1e-12:
+                    continue
+                for order in orders:
+                    if frac == 1.0:  # Costs.pipeline_time's whole-micro-batch form
+                        e = np.array([costs.extra_s(k, sp, s == 0, s == p - 1) for s, (k, sp, _) in enumerate(order)])
+                        a = np.array([costs.per_layer_s(k, sp) for k, sp, _ in order])
+                    else:
+                        e = np.array([costs.stage_s(k, sp, 0, s == 0, s == p - 1, frac) for s, (k, sp, _) in enumerate(order)])
+                        a = np.array([costs.stage_s(k, sp, 1, s == 0, s == p - 1, frac) for s, (k, sp, _) in enumerate(order)]) - e
+                    caps = np.array([costs.layer_cap(key, s == 0, s == p - 1, costs.inflight(p, s, m) * peak)
+                                     for s, key in enumerate(order)])
+                    times = e[None, :] + comp_arr * a[None, :]
+                    t = np.where((comp_arr <= caps[None, :]).all(axis=1),
+                                 (m - 1) * times.max(axis=1) + costs.beta * times.sum(axis=1), np.inf)
+                    ci = int(np.argmin(t))
+                    if t[ci] == INF:
+                        continue
+                    shard = self._largest_shard(order, comps[ci])
+                    if t[ci] < best[0] * (1 - 1e-12) or (t[ci] <= best[0] * (1 + 1e-12) and shard < best[1]):
+                        best = (float(t[ci]), shard, order, comps[ci], m)
+            out.append((best[0], best[2], best[3], best[4]))
+        return out
+
+    def _largest_shard(self, order: tuple[StageKey, ...], comp: tuple[int, ...]) -> float:
+        c, p = self.costs, len(order)
+        return max((comp[s] * c.layer_params + (c.emb_params if s == 0 else 0) + (c.emb_params if s == p - 1 else 0))
+                   / (k * sp) for s, (k, sp, _) in enumerate(order))
 
     def block_time(self, block: tuple[StageKey, ...], m: int) -> tuple[float, tuple[StageKey, ...], tuple[int, ...]]:
         """Best (time, stage order, layers) of one pipeline over every order and split; ties
@@ -178,7 +246,7 @@ class Exhaustive:
             raise SpecError("exhaustive: no healthy device")
         m_total = self.batch.microbatches
         n_layers = self.spec.num_layers
-        best: tuple[float, list[tuple[tuple[StageKey, ...], tuple[int, ...], int]], tuple[tuple[StageKey, ...], ...]] | None = None
+        best: tuple[float, list[tuple[tuple[StageKey, ...], tuple[int, ...], int, int]], tuple[tuple[StageKey, ...], ...]] | None = None
         # combine nodes one at a time, merging node-wise choices that give the same multiset
         # of group types (node identity does not change a plan's time)
         combos: dict[tuple[StageKey, ...], tuple[tuple[StageKey, ...], ...]] = {(): ()}
@@ -203,35 +271,40 @@ class Exhaustive:
                 rate = sorted((1.0 / self.costs.per_layer_s(k[0], k[1]) for k in items), reverse=True)
                 # every stage of a pipeline sends at least once per micro-batch
                 send = self.costs.hop_s() if pp > 1 else 0.0
-                busiest = (-(-m_total // dp) - 1) * (-(-n_layers // pp) / rate[0] + send)
+                # as Searcher.lower_bound: document shares leave no whole micro-batch to round up
+                beyond, first = float(-(-m_total // dp) - 1), 1.0
+                if self.cap is not None:
+                    beyond, first = max(m_total / dp - 1.0, 0.0), min(1.0, m_total / dp)
+                busiest = beyond * (-(-n_layers // pp) / rate[0] + send)
                 lb = (max(max(m_total - dp, 0) * n_layers / sum(rate), busiest)
-                      + self.costs.beta * (n_layers / rate[0] + self.costs.hops_s(pp)))
+                      + first * self.costs.beta * (n_layers / rate[0] + self.costs.hops_s(pp)))
                 work.append((lb, choice, pp, dp, items))
         work.sort(key=lambda w: (w[0], w[2], w[3]))
         for lb, choice, pp, dp, items in work:
             if best is not None and lb >= best[0]:
                 break
+            self.dp = dp
             for blocks in _multiset_blocks(items, pp, dp):
                 res = self._shares(blocks)
                 if res is None:
                     continue
                 makespan, alloc = res
                 shards: list[tuple[int, int, bool, bool, float]] = []
-                for block, m in zip(blocks, alloc):
-                    _, order, comp = self.block_time(block, max(m, 1))
+                chosen = []
+                for block, u in zip(blocks, alloc):
+                    _, order, comp, m = self.unit_time(block, max(u, 1))
                     for s, (k, comp_s) in enumerate(zip(order, comp)):
                         shards.append((k[0], comp_s, s == 0, s == pp - 1, k[1]))
+                    chosen.append((order, comp, m if u else 0, u))
                 total = makespan + self.costs.sync_s(dp, shards)
                 if best is None or total < best[0] - 1e-15:
-                    chosen = [(self.block_time(b, max(m, 1))[1], self.block_time(b, max(m, 1))[2], m)
-                              for b, m in zip(blocks, alloc)]
                     best = (total, chosen, choice)
         if best is None:
             return None
         return best[0], self._materialise(best[1], best[2], node_ranks)
 
     def _shares(self, blocks: list[tuple[StageKey, ...]]) -> tuple[float, list[int]] | None:
-        m_total = self.batch.microbatches
+        m_total = self.batch.microbatches * self.docs
         unit = len(blocks[0]) if self.costs.v > 1 else 1
         if m_total % unit:
             return None
@@ -246,7 +319,7 @@ class Exhaustive:
                 if f[used] == INF:
                     continue
                 for x in range(units - used + 1):
-                    t = max(f[used], self.block_time(block, x * unit)[0])
+                    t = max(f[used], self.unit_time(block, x * unit)[0])
                     if t < g[used + x] - 1e-15:
                         g[used + x] = t
                         a[used + x] = x
@@ -262,7 +335,7 @@ class Exhaustive:
         alloc.reverse()
         return f[units], alloc
 
-    def _materialise(self, chosen: list[tuple[tuple[StageKey, ...], tuple[int, ...], int]],
+    def _materialise(self, chosen: list[tuple[tuple[StageKey, ...], tuple[int, ...], int, int]],
                      choice: tuple[tuple[StageKey, ...], ...], node_ranks: list[dict[DevKey, list[int]]]) -> Plan:
         # concrete groups per type: take devices of the right kinds from the node
         pools: dict[StageKey, list[tuple[int, ...]]] = {}
@@ -278,7 +351,11 @@ class Exhaustive:
                 pools.setdefault((k, speed, mem), []).append(tuple(sorted(members)))
         replicas = []
         used: set[int] = set()
-        for order, comp, m in chosen:
+        b = self.batch.tokens_per_microbatch
+        tokens = [u * b // self.docs if self.cap is not None else 0 for *_, u in chosen]
+        if self.cap is not None:  # integer rounding, as planner.docshares
+            tokens[max(range(len(chosen)), key=lambda i: chosen[i][3])] += self.batch.microbatches * b - sum(tokens)
+        for (order, comp, m, _), tok in zip(chosen, tokens):
             stages = []
             for key in order:
                 g = pools[key].pop(0)
@@ -289,6 +366,6 @@ class Exhaustive:
             if v > 1:
                 per = [[c // v + (1 if i < c % v else 0) for i in range(v)] for c in comp]
                 layers = tuple(per[j % len(comp)][j // len(comp)] for j in range(len(comp) * v))
-            replicas.append(PipelinePlan(tuple(stages), layers, m))
+            replicas.append(PipelinePlan(tuple(stages), layers, m, tok))
         spares = tuple(sorted(d.rank for d in self.cluster.healthy() if d.rank not in used))
         return Plan(tuple(replicas), self.costs.schedule, self.costs.v, 0, spares, "exhaustive")

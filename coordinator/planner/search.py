@@ -40,7 +40,7 @@ from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.planner.arrange import arrange, swaps
 from resihp.coordinator.planner.cost import INF, PipeSig, PlannerConfig, StageKey, cluster_tables, evaluate_with
-from resihp.coordinator.planner.docshares import document_shares
+from resihp.coordinator.planner.docshares import document_cap, document_makespan, document_shares
 from resihp.coordinator.planner.groups import Pool, SearchResult, ShapeResult, _divisors, legal_tp_sizes
 from resihp.coordinator.planner.move import Move, replicas_move
 from resihp.coordinator.planner.placement import Placement
@@ -75,6 +75,8 @@ class Searcher(Placement):
         # and one pipeline's p2p cross it (a slow NIC makes DP-heavy layouts pay more)
         self.link = max((f for r, f in tab.slow_links.items() if r not in tab.failed), default=1.0)
         self.link = max(self.link, 1.0)
+        # shares cut by the packed document (docshares): shapes are bounded and ranked so
+        self._documents = config.document_shares and document_cap(self.costs) is not None
 
     # --- shapes -------------------------------------------------------------------------
     def _selected(self, pool: Pool, n: int) -> list[tuple[StageKey, int]]:
@@ -128,11 +130,17 @@ class Searcher(Placement):
         # its bottleneck stage, no stage being faster than the fastest group
         # (every stage of a pipeline also sends at least once per micro-batch: Costs.extra_s)
         send = c.hop_s() if pp > 1 else 0.0
-        busiest = (math.ceil(m / dp) - 1) * (math.ceil(n_layers / pp) / best_rate + send)
+        # whole shares: some replica runs ⌈M/dp⌉ full micro-batches; document shares: some
+        # replica holds ≥ M/dp micro-batches' tokens, in micro-batches of at most one's, so at
+        # least (M/dp − 1) of them beyond its first, and that first is ≥ min(1, M/dp) of one
+        beyond, first = float(math.ceil(m / dp) - 1), 1.0
+        if self._documents:
+            beyond, first = max(m / dp - 1.0, 0.0), min(1.0, m / dp)
+        busiest = beyond * (math.ceil(n_layers / pp) / best_rate + send)
         head = head_alone if pp == 1 else head_last  # the LM head runs somewhere (head_last: + its send)
         sends = c.hops_s(pp) - send  # all the pipeline's sends but the one already in head_last
-        busiest = max(busiest, (math.ceil(m / dp) - 1) * (n_layers / best_rate + head + sends) / pp)
-        bound = max(spread, busiest) + c.beta * (n_layers / best_rate + head + sends)
+        busiest = max(busiest, beyond * (n_layers / best_rate + head + sends) / pp)
+        bound = max(spread, busiest) + first * c.beta * (n_layers / best_rate + head + sends)
         shard = n_layers * c.layer_params / (pp * max_k)
         bound += shard * self.config.memory.state_bytes_per_param * 2.0 / self.config.hbm_bw_Bps / max_speed
         if dp > 1:
@@ -254,6 +262,15 @@ class Searcher(Placement):
         if alloc is None:
             return None
         makespan, shares = alloc
+        if self._documents:
+            # the chosen plan's batch is cut by the document (_choose): rank the shape by that
+            # makespan, or a shape whose replicas split the batch unevenly (255 devices in
+            # 31 replicas) loses to one that wastes devices but splits it evenly
+            split = [(sig, tuple(got[1])) for sig in sigs if (got := profile(costs, sig).best(typical)) is not None]
+            if len(split) == len(sigs):
+                finer = document_makespan(costs, split, [c for _, c in groups], dp)
+                if finer is not None:
+                    makespan = min(makespan, finer)
         shards: list[tuple[int, int, bool, bool, float]] = []
         for sig, row in zip(sigs, shares):
             for m in sorted(set(row)):

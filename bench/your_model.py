@@ -105,10 +105,14 @@ def measure_bounds(plans: dict[str, Any], work: Path) -> dict[str, Any]:
     (work / "plans.json").write_text(json.dumps(plans))
     from resihp.trainer_hooks.launch.launcher import ULFM_FLAGS
 
-    res = _mpirun(8, [str(Path(__file__).resolve()), "--bound-worker", str(work / "plans.json"), str(work / "bound.json")],
-                  mpi_flags=ULFM_FLAGS)
+    try:
+        res = _mpirun(8, [str(Path(__file__).resolve()), "--bound-worker", str(work / "plans.json"),
+                          str(work / "bound.json")], mpi_flags=ULFM_FLAGS, timeout=180.0)
+        err = res.stderr
+    except subprocess.TimeoutExpired as exc:  # the survivors of the killed rank wrote it, then mpirun hung
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
     if not (work / "bound.json").exists():  # the worker ends with a killed rank: judge by its output file
-        raise RuntimeError(f"the bound measurement failed: {res.stderr[-2000:]}")
+        raise RuntimeError(f"the bound measurement failed: {err[-2000:]}")
     return dict(json.loads((work / "bound.json").read_text()))
 
 

@@ -356,3 +356,26 @@ def test_a_re_plan_wins_back_at_most_what_the_finding_says_the_fault_costs(healt
     dear = slow(factor=3.0)
     dear.extra = {"evidence": {"cost_share": 2.0}}
     assert decide(cluster, SPEC, BATCH, current, dear, 0.0).act
+
+
+def test_a_replan_keeps_a_replica_where_two_fit_and_gives_it_up_only_where_none_do() -> None:
+    # a 2.4x slow rank of TP1 x PP4 x DP2 (gpt-tiny, 8 devices): the fastest plan runs one
+    # pipeline on four healthy devices, and the next fail-stop there would have no replica to
+    # recover from (bench/your_model.py hit exactly that: the job stopped, 25 steps lost)
+    spec = preset("gpt-tiny")
+    current = Plan.uniform(1, 4, 2, spec.num_layers, 8)
+    cluster = Cluster.uniform(1, 8)
+    finding = slow(ranks=(2,), factor=2.4)
+    fastest = decide(cluster, spec, GlobalBatch(8, 512), current, finding, 0.0, PlannerConfig(keep_replicas=False))
+    assert fastest.act and fastest.plan.dp == 1
+    kept = decide(cluster, spec, GlobalBatch(8, 512), current, finding, 0.0, PlannerConfig())
+    assert kept.act and kept.plan.dp >= 2
+    assert kept.predicted_iteration_s_after < kept.predicted_iteration_s_before
+    assert all(c.plan.dp >= 2 for c in kept.candidates)
+    # llama2-7b needs 5 of these 24 GiB devices per replica: with 9 left, one replica it is
+    big = preset("llama2-7b")
+    two = search_plan(Cluster.uniform(2, 8, 24 * 2**30), big, BATCH)
+    assert two.dp == 2
+    lost = Cluster.uniform(2, 8, 24 * 2**30).with_failed(list(range(9, 16)))
+    after = decide(lost, big, BATCH, two, slow("fail-stop", tuple(range(9, 16))), 0.0, PlannerConfig())
+    assert after.act and after.plan.dp == 1

@@ -1,18 +1,19 @@
-"""A switch stops waiting for a peer the coordinator declared dead (trainer_hooks/reporting/
-deaths.py, reconfig/live.await_arrivals), on a real torch store with the notice arriving on
-another thread while the waiter blocks."""
+"""A switch, a step and a poll loop stop waiting for a peer the coordinator declared dead
+(trainer_hooks/reporting/deaths.py, reconfig/live.await_arrivals, the pipeline's DeathWatch),
+on a real torch store and a real runtime, the notice arriving on another thread."""
 from __future__ import annotations
 
 import threading
 
 import pytest
+import torch
 from torch.distributed import HashStore  # pyright: ignore[reportPrivateImportUsage]  # public, not re-exported in its stub
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reconfig.live import await_arrivals
 from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
-from resihp.trainer_hooks.reporting.deaths import DeathNotices, PeerDeclaredDead
+from resihp.trainer_hooks.reporting.deaths import DeathNotices, DeathWatch, PeerDeclaredDead
 
 
 def _cmd(epoch: int, plan: Plan, reason: str) -> m.ReconfigCommand:
@@ -73,3 +74,59 @@ def test_a_rank_hears_of_its_own_death_whatever_its_main_thread_does() -> None:
     assert heard == []
     d.note(_cmd(5, Plan.uniform(1, 3, 1, 6, 4), "fail-stop of ranks [2, 3]; full-replan"))
     assert heard == [5]
+
+
+def test_a_step_watch_raises_only_for_a_member_of_its_epoch_declared_dead() -> None:
+    d = DeathNotices()
+    watch = DeathWatch(0, [0, 1, 2, 3], 4, deaths=d)
+    watch()  # nothing heard
+    d.note(_cmd(5, Plan.uniform(1, 3, 1, 6, 4), "operator excluded rank 3"))  # alive
+    d.note(_cmd(4, Plan.uniform(1, 3, 1, 6, 4), "fail-stop of ranks [3]; full-replan"))  # the epoch it runs: old news
+    d.note(_cmd(6, Plan.uniform(1, 3, 1, 6, 4), "fail-stop of ranks [7]; full-replan"))  # not a member
+    watch()
+    d.note(_cmd(7, Plan.uniform(1, 2, 1, 6, 4), "fail-stop of ranks [2, 3]; full-replan"))
+    with pytest.raises(PeerDeclaredDead, match=r"rank 0: the coordinator declared ranks \[2, 3\] of epoch 4 dead") as exc:
+        watch()
+    assert is_peer_failure(exc.value)
+
+
+def test_a_poll_loop_wakes_on_a_death_not_at_its_timeout() -> None:
+    d = DeathNotices()
+    seen = d.version
+    assert d.wait(0.01, seen) == seen  # nothing: sleeps its timeout
+    woke: list[int] = []
+    t = threading.Thread(target=lambda: woke.append(d.wait(60.0, seen)))
+    t.start()
+    d.note(_cmd(2, Plan.uniform(1, 2, 1, 6, 4), "fail-stop of ranks [2]; full-replan"))
+    t.join(30)
+    assert not t.is_alive() and woke == [seen + 1]
+    assert d.wait(60.0, seen) == seen + 1  # news since ``seen`` returns at once
+
+
+def test_a_runtime_step_ends_between_ops_when_a_peer_is_declared_dead_and_loses_nothing(world1: None) -> None:
+    from resihp.coordinator.model.spec import ModelSpec
+    from resihp.trainer_hooks.runtime.trainer import Runtime, TrainConfig
+
+    spec = ModelSpec("gpt-watch", num_layers=2, hidden=16, num_heads=4, ffn_hidden=32, vocab=256)
+    plan = Plan.uniform(1, 1, 1, spec.num_layers, 4)
+    config = TrainConfig(seed=3, max_seq_len=16)
+    reference = Runtime(spec, plan, 0, config).train_step(0).loss
+    rt = Runtime(spec, plan, 0, config)
+    before = {n: p.detach().clone() for n, p in rt.shards().items()}
+    d = DeathNotices()
+    watch = DeathWatch(0, [0, 5], 0, deaths=d)  # rank 5: a member of another stage, say
+    ops: list[int] = []
+
+    def command_thread_meanwhile() -> None:
+        ops.append(len(ops))
+        if len(ops) == 3:  # the coordinator's fail-stop plan arrives during the third op
+            d.note(_cmd(1, Plan.uniform(1, 1, 1, 2, 4), "fail-stop of ranks [5]; full-replan"))
+        watch()
+
+    rt.pipeline.watch = command_thread_meanwhile
+    with pytest.raises(PeerDeclaredDead, match=r"ranks \[5\]"):
+        rt.train_step(0)
+    assert len(ops) == 3  # 4 micro-batches, forward and backward each: 8 ops; it stopped at the third
+    assert all(torch.equal(p, before[n]) for n, p in rt.shards().items())  # no optimizer step
+    rt.pipeline.watch = lambda: None
+    assert rt.train_step(0).loss == reference  # the step, run again, is the step

@@ -69,6 +69,10 @@ class PlannerConfig:
     # the largest micro-batch a document share may pack, in tokens (the activation budget:
     # stage memory is checked at it too); 0 = the batch's tokens_per_microbatch
     max_microbatch_tokens: int = 0
+    # a re-plan of a job whose layers all have a replica (dp >= 2) keeps at least two: a
+    # replica is what a fail-stop recovers from without a checkpoint, so a faster plan with
+    # one is taken only where no plan with two fits (docs/plan-inputs.md)
+    keep_replicas: bool = True
 
     def __post_init__(self) -> None:
         for name in (

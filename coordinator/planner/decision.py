@@ -311,6 +311,10 @@ def decide(
     tokens = batch.microbatches * batch.tokens_per_microbatch
     tps_before = 0.0 if before == INF else tokens / before
     cands = _candidates(costs, current, searcher, cfg)
+    if cfg.keep_replicas and current.dp >= 2 and any(c.plan.dp >= 2 for c in cands):
+        # a faster plan without a replica would turn the next fail-stop into a checkpoint
+        # restore (or the end of a job with none): PlannerConfig.keep_replicas
+        cands = [c for c in cands if c.plan.dp >= 2]
     # noting the onset time is the caller's business; `now` keeps the signature pure and
     # lets callers discount a fault already in progress via the finding's time_s
     remaining = expected_remaining_s(finding, cfg, now)

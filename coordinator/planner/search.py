@@ -77,6 +77,8 @@ class Searcher(Placement):
         self.link = max(self.link, 1.0)
         # shares cut by the packed document (docshares): shapes are bounded and ranked so
         self._documents = config.document_shares and document_cap(self.costs) is not None
+        # PlannerConfig.keep_replicas: a running job with replicas keeps two, where two fit
+        self.min_dp = 2 if config.keep_replicas and current is not None and current.dp >= 2 else 1
 
     # --- shapes -------------------------------------------------------------------------
     def _selected(self, pool: Pool, n: int) -> list[tuple[StageKey, int]]:
@@ -159,16 +161,16 @@ class Searcher(Placement):
     def dp_candidates(self, pool: Pool, pp: int) -> list[int]:
         n = sum(c for _, c in pool.types)
         top = min(n // pp, self.batch.microbatches)
-        if top < 1:
+        if top < self.min_dp:
             return []
         if top <= 16:
-            return list(range(1, top + 1))
+            return list(range(self.min_dp, top + 1))
         best_rate = pool.rate[pool.types[0][0]]
         clean = sum(c for key, c in pool.types if pool.rate[key] >= best_rate * (1 - 1e-12)) // pp
         cands = {top, top - 1, top - 2, clean, clean - 1}
         divs = _divisors(self.batch.microbatches)
         cands.add(divs[bisect.bisect_right(divs, top) - 1])  # the largest divisor of the batch <= top
-        return sorted(d for d in cands if 1 <= d <= top)
+        return sorted(d for d in cands if self.min_dp <= d <= top)
 
     def arrange(self, pool: Pool, pp: int, dp: int, arrangement: str) -> list[tuple[list[StageKey], int]]:
         return arrange(self._selected(pool, pp * dp), pp, dp, arrangement)
@@ -293,6 +295,7 @@ class Searcher(Placement):
         counts = {sig: n for sig, (_, n) in self._sig_count.items()}
         c = self.cluster
         return (tuple(sorted(counts.items())), self.spec, self.batch, self.config, self.costs.schedule, self.v, keep,
+                self.min_dp,
                 c.intra_node_bw_Bps, c.inter_node_bw_Bps, c.intra_node_latency_s, c.inter_node_latency_s,
                 c.device_flops, self.link)
 
@@ -300,7 +303,13 @@ class Searcher(Placement):
         key = self._shape_key(keep)
         hit = _SHAPES.get(key)
         if hit is None:
-            hit = self._search_shapes(keep)
+            try:
+                hit = self._search_shapes(keep)
+            except SpecError:
+                if self.min_dp == 1:
+                    raise
+                self.min_dp = 1  # no layout with two replicas fits: one it is
+                return self.search(keep)
             if len(_SHAPES) >= 64:
                 _SHAPES.pop(next(iter(_SHAPES)))
             _SHAPES[key] = hit

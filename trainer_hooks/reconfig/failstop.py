@@ -36,7 +36,7 @@ from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport, optimizer_steps, runtime_shards
 from resihp.trainer_hooks.reconfig.transfer import Shards
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, shrink
-from resihp.trainer_hooks.runtime.groups import retire
+from resihp.trainer_hooks.runtime.groups import retire_each
 
 log = logging.getLogger(__name__)
 SPARE_STEP = 1 << 62  # the "last completed step" a spare reports in the agreement
@@ -143,7 +143,7 @@ def abandon_groups(rc: LiveReconfigurer, cause: BaseException | None = None) -> 
     """After a peer failure: tear down this rank's groups and let go of every reference to
     them (``Runtime.let_go_of_groups``, the default group, the failed call's frames in
     ``cause``); the old runtime stays, for its tensors. The groups' destructors then close
-    their connections on the retire thread, so peers blocked on this rank (TP, DP, loss, the
+    their connections at once, each on a thread of its own, so peers blocked on this rank (TP, DP, loss, the
     pipeline's neighbour pairs) fail now instead of at their timeout, and do the same: gloo's
     ``abort`` does not wake them. The default group keeps ≈ 10 references nobody here holds,
     which is why nothing that must wake a peer runs on it."""
@@ -157,8 +157,7 @@ def abandon_groups(rc: LiveReconfigurer, cause: BaseException | None = None) -> 
             dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - tearing down a broken group may itself fail
         log.info("rank %d: tearing down the broken groups: %s", rc.rank, exc)
-    retire(held)
-    del held
+    retire_each(held)  # every connection closes at once: each blocked peer fails now
 
 
 @dataclass

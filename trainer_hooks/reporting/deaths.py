@@ -21,9 +21,13 @@ class PeerDeclaredDead(RuntimeError):
 class DeathNotices:
     def __init__(self, keep: int = 64) -> None:
         self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)  # notified on every fail-stop plan noted
         self._dead: list[tuple[int, frozenset[int]]] = []  # (epoch, ranks named dead) of fail-stop plans
         self._keep = keep
         self._own: tuple[int, Callable[[m.ReconfigCommand], None]] | None = None
+        # bumped on every fail-stop plan noted: a step reads it between its ops (one attribute
+        # read) and takes the lock only when it moved
+        self.version = 0
 
     def on_own_death(self, rank: int, callback: Callable[[m.ReconfigCommand], None]) -> None:
         """Call ``callback`` (on the command thread) when a fail-stop plan names ``rank`` dead: this
@@ -41,6 +45,8 @@ class DeathNotices:
             self._dead.append((cmd.epoch, dead))
             del self._dead[:-self._keep]
             own = self._own
+            self.version += 1
+            self._news.notify_all()
         if own is not None and own[0] in dead:
             own[1](cmd)
 
@@ -51,6 +57,15 @@ class DeathNotices:
             gone = {r for e, dead in self._dead if e > epoch for r in ranks & dead}
         return sorted(gone)
 
+    def wait(self, timeout_s: float, since: int) -> int:
+        """Sleep up to ``timeout_s`` unless a fail-stop plan is (or was, after version ``since``)
+        noted; returns the version. A poll loop (an idle spare, the survivor awaiting the
+        coordinator's plan) wakes on the news instead of at its next tick."""
+        with self._news:
+            if self.version == since:
+                self._news.wait(timeout_s)
+            return self.version
+
     def clear(self) -> None:
         with self._lock:
             self._dead.clear()
@@ -58,3 +73,27 @@ class DeathNotices:
 
 
 DEATHS = DeathNotices()  # one per process: the hook client notes, the switch reads
+
+
+class DeathWatch:
+    """A training step's look at the notices between its ops: a member of its plan that a
+    newer fail-stop plan names dead ends the step with ``PeerDeclaredDead``, so a rank busy
+    computing enters the recovery when the coordinator's word arrives, not when its next
+    collective with the dead (or with a peer that already gave up) fails — on NCCL a
+    collective with a dead peer may never fail at all. Costs one attribute read per op."""
+
+    def __init__(self, rank: int, members: Iterable[int], epoch: int, deaths: DeathNotices = DEATHS) -> None:
+        self.rank = rank
+        self.members = frozenset(members)
+        self.epoch = epoch
+        self.deaths = deaths
+        self._seen = deaths.version
+
+    def __call__(self) -> None:
+        if self.deaths.version == self._seen:
+            return
+        self._seen = self.deaths.version
+        dead = self.deaths.dead_among(self.members, self.epoch)
+        if dead:
+            raise PeerDeclaredDead(f"rank {self.rank}: the coordinator declared ranks {dead} of epoch {self.epoch} "
+                                   "dead during this step")

@@ -285,6 +285,30 @@ def retire(obj: Any) -> None:
     _graveyard.put(obj)
 
 
+def retire_each(objs: list[Any]) -> None:
+    """Let go of every object of ``objs`` at once, each on a thread of its own, and empty the
+    list. After a peer failure (``failstop.abandon_groups``) each gloo group's destructor closes
+    its connections and then waits for its peers; one after another on the retire thread, a
+    rank's second group stayed open while the first waited, and the peers blocked on the
+    second learnt of the failure one such wait later. Together, every peer blocked on this
+    rank wakes at once."""
+    global _graves_open
+    while objs:
+        box = [objs.pop()]
+        with _graveyard_lock:
+            _graves_open += 1
+        threading.Thread(target=_bury_box, args=(box,), name="resihp-retire-each", daemon=True).start()
+        del box
+
+
+def _bury_box(box: list[Any]) -> None:
+    global _graves_open
+    box.clear()  # the destructor runs here, on this thread
+    with _graves_done:
+        _graves_open -= 1
+        _graves_done.notify_all()
+
+
 def wait_retired(timeout_s: float) -> bool:
     """Wait until everything handed to ``retire`` so far has been let go of; False on timeout.
     For measurements that must not overlap the teardown of earlier groups."""

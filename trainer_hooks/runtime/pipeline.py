@@ -97,10 +97,12 @@ class PipelineStep:
     """Runs one iteration's micro-batches through this rank's stage."""
 
     def __init__(self, stage: GPTStage, place: StagePlace, device: torch.device, throttle: Throttle,
-                 peer_groups: Mapping[int, Any], compute_clock: str = "wall") -> None:
+                 peer_groups: Mapping[int, Any], compute_clock: str = "wall",
+                 watch: Callable[[], None] | None = None) -> None:
         """``peer_groups``: neighbour rank → the process group to reach it on
         (``EpochGroups.peer_groups``, held, not copied: ``sever`` empties it). ``compute_clock``
-        "auto": CPU time on a CPU device, CUDA events on a GPU (TrainConfig.compute_clock)."""
+        "auto": CPU time on a CPU device, CUDA events on a GPU (TrainConfig.compute_clock).
+        ``watch``: called before every op; raises to end the step (reporting.deaths.DeathWatch)."""
         if compute_clock not in ("auto", "wall", "cpu"):
             raise ValueError(f"compute_clock must be 'auto', 'wall' or 'cpu', got {compute_clock!r}")
         if compute_clock == "cpu" and device.type == "cuda":
@@ -114,6 +116,7 @@ class PipelineStep:
         self.throttle = throttle
         self.compute_clock = compute_clock
         self.peer_groups = peer_groups
+        self.watch = watch or (lambda: None)
         self._pending: list[Any] = []  # outstanding isend works (and the tensors they read)
 
     def _group(self, peer: int) -> Any:
@@ -219,6 +222,7 @@ class PipelineStep:
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device) if place.last else None
         for kind, i in schedule_1f1b(place.num_stages, place.stage, len(mbs)):
+            self.watch()
             mb = mbs[i]
             if kind == "F":
                 meta = PackedMeta.from_seqlens(mb.seqlens, self.device)

@@ -26,6 +26,7 @@ from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfig.reshard import ReshardError
 from resihp.trainer_hooks.reconfig.transfer import Shards
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
+from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.runtime.groups import retire
 from resihp.trainer_hooks.runtime.progress_log import ProgressLog, loss_rank
 
@@ -202,6 +203,7 @@ class FailStopRecovery:
         learns of a death from the node agent, usually before the survivors do)."""
         alive = set(world.ranks)
         deadline = time.monotonic() + self.plan_wait_s
+        heard = DEATHS.version
         while True:
             self.job._pending.extend(self.job.transport.poll_commands())
             fits = [c for c in [*self._deferred, *self.job._pending] if isinstance(c, m.ReconfigCommand)
@@ -225,7 +227,7 @@ class FailStopRecovery:
                 log.warning("rank %d: no plan from the coordinator within %.0f s; using the survivor rule",
                             self.rc.rank, self.plan_wait_s)
                 return None
-            time.sleep(0.05)
+            heard = DEATHS.wait(0.05, heard)  # the coordinator's fail-stop plan wakes this at once
 
     def _stop(self, why: str) -> NoReturn:
         log.error("rank %d: the job stops: %s", self.rc.rank, why)

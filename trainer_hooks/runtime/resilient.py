@@ -46,6 +46,7 @@ from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, 
 from resihp.trainer_hooks.reconfig.failstop import StepGuard
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, connect_store
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld
+from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.groups import retire
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
@@ -240,6 +241,7 @@ class Resilience(FailStopRecovery):
         collectively), or a failure (the communicator is revoked)."""
         req = self.world.comm.irecv(source=_any_source(), tag=END_TAG)
         next_probe = time.monotonic() + self.probe_every_s
+        heard = DEATHS.version
         while True:
             try:
                 done, value = req.test()
@@ -271,7 +273,7 @@ class Resilience(FailStopRecovery):
                 # nothing else tells the detector whether this device is slow or healthy
                 self.job.transport.probe(self.probe.run())
                 next_probe = time.monotonic() + self.probe_every_s
-            time.sleep(0.05)  # an idle spare polls; it holds up nobody
+            heard = DEATHS.wait(0.05, heard)  # an idle spare polls (it holds up nobody); a death wakes it
 
     def _unapplied_at_end(self, end: int) -> None:
         """Say why the plans still waiting for the members' switch were never applied."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.reporting.deaths import DeathWatch
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.chunk_clock import clock_for
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
@@ -230,7 +231,7 @@ class Runtime:
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
         self.optimizer = ahead.optimizer if ahead is not None else new_optimizer(params, config, optimizer)
         self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, self.groups.peer_groups,
-                                     config.compute_clock)
+                                     config.compute_clock, DeathWatch(rank, plan.ranks(), epoch))
         self._params = params
 
     @property

@@ -10,7 +10,11 @@ members finished the job and the idle spare waited in the shrink until the launc
 
 The operator pins ``policy profile=configured`` at step 2: priced with the speeds it measures,
 the planner may rightly answer the fail-stop with a new layout (a CI run moved DP4 to
-PP2 x DP3 for a predicted 8 %), and then the keep-the-layout path under test is not taken.
+PP2 x DP3 for a predicted 8 %). Even so, once the coordinator knows the batch's documents it
+may cut DP shares by them, and with every trainer shrinking anyway it may take the moment to
+put the idle spares to work (a run moved DP4 with three spares to DP6): both answers are
+checked. The keep-the-layout answer alone is pinned by
+``tests/test_coordinator.py::test_core_a_dead_spare_still_makes_every_trainer_shrink_with_the_same_layout``.
 """
 from __future__ import annotations
 
@@ -33,19 +37,23 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "--kill-rank", str(RANK), "--kill-at", str(KILL_AT), timeout_s=300)
 
 
-def test_the_members_shrink_past_the_dead_idle_rank_and_keep_their_layout(run: Path) -> None:
+def test_the_members_shrink_past_the_dead_idle_rank(run: Path) -> None:
     recs = [r for r in jsonl(run / "progress.jsonl") if r["type"] == "reconfig"]
     assert [(r["kind"], r["epoch"]) for r in recs] == [("planned", 1), ("fail-stop", 2)], recs
     planned, failstop = recs
-    assert failstop["plan"] == planned["plan"]
-    assert failstop["bytes_moved"] == 0 and f"lost ranks [{RANK}]" in failstop["reason"]
-    assert "every trainer shrinks MPI past them and goes on with the same layout" in failstop["reason"]
+    assert f"lost ranks [{RANK}]" in failstop["reason"]
     decisions = [e for e in jsonl(run / "events.jsonl") if e["event"] == "decision"]
     assert "[profile configured]" in decisions[-1]["reason"], decisions  # the pinned policy held
     cmds = [e for e in jsonl(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]
     assert len(cmds) == 2 and cmds[1]["reason"].startswith(f"fail-stop of ranks [{RANK}]"), cmds
     ranks = [set(Plan.from_dict(c["plan"]).ranks()) for c in cmds]
-    assert RANK not in ranks[0] and ranks[1] == ranks[0] and cmds[1]["plan"]["replicas"] == cmds[0]["plan"]["replicas"]
+    assert RANK not in ranks[0] and RANK not in ranks[1]
+    if failstop["plan"] == planned["plan"]:  # nothing better for the survivors: the same layout
+        assert failstop["bytes_moved"] == 0 and ranks[1] == ranks[0]
+        assert cmds[1]["plan"]["replicas"] == cmds[0]["plan"]["replicas"]
+        assert "every trainer shrinks MPI past them and goes on with the same layout" in failstop["reason"]
+    else:  # the survivors shrink anyway: the planner may take the moment for a better layout
+        assert "gives a plan without them" in cmds[1]["reason"] or "→" in cmds[1]["reason"], cmds[1]["reason"]
 
 
 def test_every_step_is_trained_and_the_loss_is_the_references(run: Path) -> None:

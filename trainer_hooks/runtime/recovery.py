@@ -99,16 +99,29 @@ class FailStopRecovery:
         lost: set[int] = set()  # over every attempt of this recovery
         for attempt in range(1, self.max_recoveries + 1):
             shrunk = False
+            # this rank's seconds per phase of the attempt that succeeds (the progress log's
+            # ``phases_s``): where a recovery's time goes, rank by rank
+            phases: dict[str, float] = {"detect": t0 - min(t0, self._last_step_end)}
+            mark = time.perf_counter()
+
+            def lap(name: str) -> None:
+                nonlocal mark
+                now = time.perf_counter()
+                phases[name] = phases.get(name, 0.0) + now - mark
+                mark = now
+
             try:
                 world = shrink(replace(world, epoch=max(self.rc.epoch, self._tried_epoch)), last)
                 lost |= set(world.failed)
                 shrunk = True
+                lap("shrink")
                 if shards is None:
                     shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)
                     agreed = world.agreed_step
                 plan = self._agree_plan(world)
                 plan = replace(plan, epoch=max(plan.epoch, world.epoch))  # past every epoch tried
                 self._tried_epoch = max(self._tried_epoch, plan.epoch)
+                lap("plan")
                 restored_from: int | None = None
                 try:
                     self.rc.prepare(plan, alive=world.ranks)  # the same verdict on every survivor
@@ -117,8 +130,10 @@ class FailStopRecovery:
                 else:
                     report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
                                            members=world.ranks, adam_steps=adam)
+                lap("reshard")
                 if not self._commit(world.comm, True):
                     raise RecoveryError("a survivor lost a peer while resharding; every survivor starts over")
+                lap("commit")
             except SpecError as exc:  # e.g. the coordinator's plan does not fit the survivors
                 self._stop(f"recovery impossible: {exc}")
             except Exception as exc:  # noqa: BLE001 - another failure while recovering: go again
@@ -155,9 +170,10 @@ class FailStopRecovery:
             # the job's downtime: from this rank's last completed step (the failed step, the
             # detection wait and the recovery) to ready on the new plan
             self._adopt(report, "fail-stop" if restored_from is None else "fail-stop-checkpoint", why,
-                        time.perf_counter() - min(t0, self._last_step_end), attempts=attempt)
-            log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s", self.rc.rank,
-                        time.perf_counter() - t0, sorted(lost), self.next_step, plan.describe())
+                        time.perf_counter() - min(t0, self._last_step_end), attempts=attempt, phases=phases)
+            log.warning("rank %d: recovered in %.2f s: lost %s, resuming at step %d on %s (%s)", self.rc.rank,
+                        time.perf_counter() - t0, sorted(lost), self.next_step, plan.describe(),
+                        ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()))
             retire(before)
             del before
             return
@@ -258,13 +274,17 @@ class FailStopRecovery:
             return False
 
 
-    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float, attempts: int = 1) -> None:
+    def _adopt(self, report: ReconfigReport, kind: str, reason: str, downtime_s: float, attempts: int = 1,
+               phases: dict[str, float] | None = None) -> None:
         """The switched plan is the job's: its runtime, an entry in ``history``, a progress-log line."""
         self.job.plan = self.rc.plan
         self.job.runtime = self.rc.runtime
-        entry = {"kind": kind, "epoch": self.rc.epoch, "step": self.next_step, "downtime_s": round(downtime_s, 4),
-                 "bytes_moved": report.bytes_moved, "plan": self.rc.plan.describe(), "reason": reason,
-                 "role": report.role, "attempts": attempts}
+        entry: dict[str, Any] = {
+            "kind": kind, "epoch": self.rc.epoch, "step": self.next_step, "downtime_s": round(downtime_s, 4),
+            "bytes_moved": report.bytes_moved, "plan": self.rc.plan.describe(), "reason": reason,
+            "role": report.role, "attempts": attempts}
+        if phases:
+            entry["phases_s"] = {k: round(v, 4) for k, v in phases.items()}
         self.history.append(entry)
         if self.progress is not None and self.rc.runtime is not None and self.rc.rank == loss_rank(self.rc.plan):
             self.progress.write("reconfig", **entry)

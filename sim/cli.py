@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write a throughput-over-time PNG here")
     p.add_argument("--policies", default=None, help=f"comma-separated subset of {', '.join(policy_registry.names())}")
     p.add_argument("--save-trace", default=None, help="write the faults that were simulated as a failure trace")
+    p.add_argument("--layout", default="tuned", choices=("tuned", "paper"),
+                   help="the job's initial layout: the fastest uniform one (tuned) or the paper's shapes")
+    p.add_argument("--documents", type=int, default=1,
+                   help="packed documents per micro-batch (1: one fills it); more let resihp cut DP shares "
+                        "by the document (bench/simulate.py uses 4)")
     return p
 
 
@@ -49,7 +54,7 @@ def main(argv: list[str]) -> int:
         hours = args.hours if args.hours is not None else sc.default_hours
         if gpus <= 0 or not hours > 0:
             raise SpecError(f"--gpus must be > 0 and --hours > 0, got {gpus} and {hours}")
-        job = scenarios.job_for(args.model, gpus)
+        job = scenarios.job_for(args.model, gpus, layout=args.layout, documents=args.documents)
         names = None
         if args.policies:
             names = [n.strip() for n in args.policies.split(",") if n.strip()]

@@ -47,3 +47,12 @@ def test_unknown_scenario_and_model_exit_2(capsys: pytest.CaptureFixture[str]) -
     assert "unknown model preset" in capsys.readouterr().err
     assert main(["--scenario", "paper-failstop", "--gpus", "12", "--model", "llama2-70b"]) == 2
     assert "no uniform layout" in capsys.readouterr().err
+
+
+def test_simulate_takes_the_layout_and_documents_and_refuses_bad_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--scenario", "paper-failstop", "--gpus", "64", "--model", "llama2-7b", "--hours", "0.5",
+               "--layout", "paper", "--documents", "4", "--policies", "static,resihp"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "llama2-7b on 64 GPUs" in out and "resihp" in out
+    assert main(["--scenario", "paper-failstop", "--gpus", "64", "--model", "llama2-7b", "--documents", "0"]) == 2
+    assert "documents must be in 1..8192, got 0" in capsys.readouterr().err

@@ -219,6 +219,19 @@ def test_the_measured_profile_prices_plans_and_the_policy_can_turn_it_off() -> N
     assert math.isfinite(TRUE["bw"])
 
 
+def test_the_shares_policy_switches_the_planner_between_document_and_whole_shares() -> None:
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    eng = _engine(plan)
+    assert eng.policy()["shares"] == "documents" and eng.document_shares
+    eng.set_policy({"shares": "whole"})
+    assert eng.policy()["shares"] == "whole" and not eng.document_shares
+    with pytest.raises(ValueError, match="policy shares must be 'documents' .* or 'whole'"):
+        eng.set_policy({"shares": "halves"})
+    assert eng.policy()["shares"] == "whole"  # a refused update changes nothing
+    d = eng.decide(plan, None, frozenset({3}), 0.0, {r: f"n{r}" for r in range(4)})
+    assert d.act and not d.plan.document_shares
+
+
 # --- a restarted coordinator relearns the profile from the trace ------------------------------------
 def _lines(header: TraceHeader, records: list[Record]) -> list[str]:
     buf = io.StringIO()

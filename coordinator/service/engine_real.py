@@ -82,6 +82,8 @@ class RealEngine:
         # over loopback, where a P2P receive also waits for a slow sender)
         self.link_detection = True
         self.measured_profile = True
+        # shares=whole: the planner keeps DP shares whole micro-batches (PlannerConfig.document_shares)
+        self.document_shares = True
         self.fitter = self._fitter(header)
 
     def _fitter(self, header: TraceHeader) -> ProfileFitter:
@@ -251,7 +253,8 @@ class RealEngine:
                 raw = Finding(finding.iteration, finding.kind, tuple(finding.ranks), finding.stage,  # type: ignore[arg-type]
                               finding.replica, None, finding.factor, finding.cause, finding.reason, {}, finding.time_s)
         # the real runtime needs every replica to split a layer over the same TP size
-        config = pl.PlannerConfig(uniform_tp_per_layer=True) if hasattr(pl, "PlannerConfig") else None
+        config = pl.PlannerConfig(uniform_tp_per_layer=True, document_shares=self.document_shares) \
+            if hasattr(pl, "PlannerConfig") else None
         if config is not None and priced is not None and priced.hbm_bw_Bps:
             config = replace(config, hbm_bw_Bps=priced.hbm_bw_Bps)
         # unavailable = excluded by the operator or dead; the detector is told of every
@@ -284,6 +287,7 @@ class RealEngine:
         out["detection"] = "on" if self.detection else "off"
         out["links"] = "on" if self.link_detection else "off"
         out["profile"] = "measured" if self.measured_profile else "configured"
+        out["shares"] = "documents" if self.document_shares else "whole"
         return out
 
     def set_policy(self, updates: Mapping[str, str]) -> dict[str, str]:
@@ -291,7 +295,14 @@ class RealEngine:
         known = {f.name: f for f in fields(c)}
         changes: dict[str, Any] = {}
         detection, links, measured = self.detection, self.link_detection, self.measured_profile
+        documents = self.document_shares
         for key, value in updates.items():
+            if key == "shares":
+                if value not in ("documents", "whole"):
+                    raise ValueError(f"policy shares must be 'documents' (DP shares cut by the packed document) or "
+                                     f"'whole' (whole micro-batches), got {value!r}")
+                documents = value == "documents"
+                continue
             if key == "profile":
                 if value not in ("measured", "configured"):
                     raise ValueError(f"policy profile must be 'measured' (device and link speeds from the job's "
@@ -300,7 +311,7 @@ class RealEngine:
                 continue
             if key not in known and key not in ("detection", "links"):
                 raise ValueError(f"unknown policy key {key!r}; known: "
-                                 f"{sorted(list(known) + ['detection', 'links', 'profile'])}")
+                                 f"{sorted(list(known) + ['detection', 'links', 'profile', 'shares'])}")
             if key in ("detection", "links") or isinstance(getattr(c, key), bool):
                 if value not in ("on", "off"):
                     raise ValueError(f"policy {key} must be 'on' or 'off', got {value!r}")
@@ -319,6 +330,7 @@ class RealEngine:
         new = replace(c, **changes)  # DetectorConfig validates itself (ValueError with its message)
         self.detector.config = new
         self.detection, self.link_detection, self.measured_profile = detection, links, measured
+        self.document_shares = documents
         return self.policy()
 
 

@@ -298,16 +298,12 @@ class RealEngine:
         documents = self.document_shares
         for key, value in updates.items():
             if key == "shares":
-                if value not in ("documents", "whole"):
-                    raise ValueError(f"policy shares must be 'documents' (DP shares cut by the packed document) or "
-                                     f"'whole' (whole micro-batches), got {value!r}")
-                documents = value == "documents"
+                documents = _either(key, value, ("documents", "DP shares cut by the packed document"),
+                                    ("whole", "whole micro-batches"))
                 continue
             if key == "profile":
-                if value not in ("measured", "configured"):
-                    raise ValueError(f"policy profile must be 'measured' (device and link speeds from the job's "
-                                     f"healthy iterations) or 'configured' (--cluster), got {value!r}")
-                measured = value == "measured"
+                measured = _either(key, value, ("measured", "device and link speeds from the job's healthy iterations"),
+                                   ("configured", "--cluster"))
                 continue
             if key not in known and key not in ("detection", "links"):
                 raise ValueError(f"unknown policy key {key!r}; known: "
@@ -332,6 +328,15 @@ class RealEngine:
         self.detection, self.link_detection, self.measured_profile = detection, links, measured
         self.document_shares = documents
         return self.policy()
+
+
+def _either(key: str, value: str, first: tuple[str, str], second: tuple[str, str]) -> bool:
+    """A two-valued policy key: True for ``first``'s name, False for ``second``'s, else a
+    ValueError naming both with what they mean."""
+    if value not in (first[0], second[0]):
+        raise ValueError(f"policy {key} must be '{first[0]}' ({first[1]}) or '{second[0]}' ({second[1]}), "
+                         f"got {value!r}")
+    return value == first[0]
 
 
 def _policy_text(value: Any) -> str:

@@ -413,6 +413,18 @@ def failed_text(ranks: Sequence[int], excluded: Collection[int], verb: str = "we
     return " and ".join(parts)
 
 
+def largest_shard(costs: Costs, stages: Sequence[StageKey], layers: Sequence[int]) -> float:
+    """The largest per-device parameter shard, scaled by its speed, of a pipeline with these
+    stage types and layers per stage (ties between splits go to the smaller: the DP
+    all-reduce waits for it)."""
+    p = len(stages)
+    return max(
+        (layers[s] * costs.layer_params + (costs.emb_params if s == 0 else 0) + (costs.emb_params if s == p - 1 else 0))
+        / (key[0] * key[1])
+        for s, key in enumerate(stages)
+    )
+
+
 def device_layers(virtual_layers: Sequence[int], pp: int) -> list[int]:
     """Layers per device from layers per virtual stage (virtual j runs on device j % pp)."""
     out = [0] * pp

@@ -85,6 +85,17 @@ def document_cap(costs: Costs) -> float | None:
     return cap if cap > 0.0 else None
 
 
+def busiest_microbatches(microbatches: int, dp: int, documents: bool) -> tuple[float, float]:
+    """For a makespan's lower bound: (micro-batches the busiest of ``dp`` replicas runs beyond
+    its first, the size of that first as a fraction of a micro-batch). Whole shares: some
+    replica runs ⌈M/dp⌉ full micro-batches. Document shares: some replica holds ≥ M/dp
+    micro-batches' tokens in micro-batches of at most one's, so at least M/dp − 1 of them
+    beyond its first, and that first is ≥ min(1, M/dp) of one."""
+    if documents:
+        return max(microbatches / dp - 1.0, 0.0), min(1.0, microbatches / dp)
+    return float(math.ceil(microbatches / dp) - 1), 1.0
+
+
 def document_makespan(costs: Costs, classes: list[tuple[PipeSig, tuple[int, ...]]], counts: list[int],
                       dp: int) -> float | None:
     """The makespan of replica classes (each a stage signature and its layers per device,

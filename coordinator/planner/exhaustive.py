@@ -23,8 +23,8 @@ import numpy as np
 from resihp.coordinator.model.cluster import Cluster, GlobalBatch
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
-from resihp.coordinator.planner.cost import INF, Costs, PlannerConfig, StageKey
-from resihp.coordinator.planner.docshares import document_cap
+from resihp.coordinator.planner.cost import INF, Costs, PlannerConfig, StageKey, largest_shard
+from resihp.coordinator.planner.docshares import busiest_microbatches, document_cap
 from resihp.coordinator.planner.groups import legal_tp_sizes
 
 DevKey = tuple[float, float]  # (speed, memory)
@@ -152,16 +152,11 @@ class Exhaustive:
                     ci = int(np.argmin(t))
                     if t[ci] == INF:
                         continue
-                    shard = self._largest_shard(order, comps[ci])
+                    shard = largest_shard(costs, order, comps[ci])
                     if t[ci] < best[0] * (1 - 1e-12) or (t[ci] <= best[0] * (1 + 1e-12) and shard < best[1]):
                         best = (float(t[ci]), shard, order, comps[ci], m)
             out.append((best[0], best[2], best[3], best[4]))
         return out
-
-    def _largest_shard(self, order: tuple[StageKey, ...], comp: tuple[int, ...]) -> float:
-        c, p = self.costs, len(order)
-        return max((comp[s] * c.layer_params + (c.emb_params if s == 0 else 0) + (c.emb_params if s == p - 1 else 0))
-                   / (k * sp) for s, (k, sp, _) in enumerate(order))
 
     def block_time(self, block: tuple[StageKey, ...], m: int) -> tuple[float, tuple[StageKey, ...], tuple[int, ...]]:
         """Best (time, stage order, layers) of one pipeline over every order and split; ties
@@ -271,10 +266,7 @@ class Exhaustive:
                 rate = sorted((1.0 / self.costs.per_layer_s(k[0], k[1]) for k in items), reverse=True)
                 # every stage of a pipeline sends at least once per micro-batch
                 send = self.costs.hop_s() if pp > 1 else 0.0
-                # as Searcher.lower_bound: document shares leave no whole micro-batch to round up
-                beyond, first = float(-(-m_total // dp) - 1), 1.0
-                if self.cap is not None:
-                    beyond, first = max(m_total / dp - 1.0, 0.0), min(1.0, m_total / dp)
+                beyond, first = busiest_microbatches(m_total, dp, self.cap is not None)  # as Searcher.lower_bound
                 busiest = beyond * (-(-n_layers // pp) / rate[0] + send)
                 lb = (max(max(m_total - dp, 0) * n_layers / sum(rate), busiest)
                       + first * self.costs.beta * (n_layers / rate[0] + self.costs.hops_s(pp)))

@@ -39,8 +39,21 @@ from resihp.coordinator.model.cluster import Cluster, GlobalBatch
 from resihp.coordinator.model.plan import PipelinePlan, Plan, Schedule
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.planner.arrange import arrange, swaps
-from resihp.coordinator.planner.cost import INF, PipeSig, PlannerConfig, StageKey, cluster_tables, evaluate_with
-from resihp.coordinator.planner.docshares import document_cap, document_makespan, document_shares
+from resihp.coordinator.planner.cost import (
+    INF,
+    PipeSig,
+    PlannerConfig,
+    StageKey,
+    cluster_tables,
+    evaluate_with,
+    largest_shard,
+)
+from resihp.coordinator.planner.docshares import (
+    busiest_microbatches,
+    document_cap,
+    document_makespan,
+    document_shares,
+)
 from resihp.coordinator.planner.groups import Pool, SearchResult, ShapeResult, _divisors, legal_tp_sizes
 from resihp.coordinator.planner.move import Move, replicas_move
 from resihp.coordinator.planner.placement import Placement
@@ -132,12 +145,7 @@ class Searcher(Placement):
         # its bottleneck stage, no stage being faster than the fastest group
         # (every stage of a pipeline also sends at least once per micro-batch: Costs.extra_s)
         send = c.hop_s() if pp > 1 else 0.0
-        # whole shares: some replica runs ⌈M/dp⌉ full micro-batches; document shares: some
-        # replica holds ≥ M/dp micro-batches' tokens, in micro-batches of at most one's, so at
-        # least (M/dp − 1) of them beyond its first, and that first is ≥ min(1, M/dp) of one
-        beyond, first = float(math.ceil(m / dp) - 1), 1.0
-        if self._documents:
-            beyond, first = max(m / dp - 1.0, 0.0), min(1.0, m / dp)
+        beyond, first = busiest_microbatches(m, dp, self._documents)
         busiest = beyond * (math.ceil(n_layers / pp) / best_rate + send)
         head = head_alone if pp == 1 else head_last  # the LM head runs somewhere (head_last: + its send)
         sends = c.hops_s(pp) - send  # all the pipeline's sends but the one already in head_last
@@ -200,13 +208,7 @@ class Searcher(Placement):
         return out
 
     def _shard(self, sig: PipeSig, layers: Sequence[int]) -> float:
-        c = self.costs
-        p = len(sig.stages)
-        return max(
-            (layers[s] * c.layer_params + (c.emb_params if s == 0 else 0) + (c.emb_params if s == p - 1 else 0))
-            / (key[0] * key[1])
-            for s, key in enumerate(sig.stages)
-        )
+        return largest_shard(self.costs, sig.stages, layers)
 
     def evaluate_shape(self, pool: Pool, pp: int, dp: int, arrangement: str, bound: float) -> ShapeResult | None:
         return self.evaluate_groups(pool, pp, dp, arrangement, self.arrange(pool, pp, dp, arrangement), bound)

@@ -1,12 +1,12 @@
 """A re-plan that the model mispriced is measured, found slower, and undone — on a real slow link.
 
 Four nodes (network namespaces), one rank each, TP1 × PP2 × DP2 (tests/netns_cluster.py).
-At iteration ≥ 20 the fourth node's link is shaped to 50 Mbit/s with ``tc tbf`` (as in
+At iteration ≥ 20 the fourth node's link is shaped to 100 Mbit/s with ``tc tbf`` (as in
 tests/test_link_fault_netns.py), and re-planning is turned on (``resihp admin policy``). The
 planner is made to price links from the demo's configured CPU profile (``profile=configured``:
 2 GB/s, 0.8 ms), while a DP ring across this bridge takes several times that: for the
 link-slow rank 3 it picks a layout whose DP ring still holds rank 3's link (measured: predicted
-0.556 → 0.449 s, in fact 0.32 → 0.66 s per iteration). With the profile measured from the
+0.56 → 0.45 s, in fact 0.15 → 0.35 s per iteration). With the profile measured from the
 job's own iterations (the default) it does not: tests/test_planner_profile_netns.py.
 The coordinator's plan audit (coordinator/planner/audit.py) compares the new plan's measured
 iterations with the old plan's since the finding, finds it slower by more than
@@ -27,6 +27,11 @@ from cp_helpers import read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 
 THROTTLE_AT = 20
+# 100 Mbit/s, not less: the planner answers a finding of ~45x on rank 3's link (seen at 50
+# Mbit/s on a CI machine) by leaving rank 3 out, a right answer with nothing to undo; at 100
+# Mbit/s the finding reads 13-16x, it keeps rank 3 in a DP ring, and that ring measures
+# 2.2-2.4x slower than the old layout (5 runs here)
+THROTTLE_MBIT = 100
 # re-planning starts off and is turned on just before the throttle: a noise finding on the
 # shared cores before it would re-plan the healthy job and leave nothing to test
 # shares=whole: with DP shares cut by the document the planner leaves rank 3 out altogether
@@ -39,6 +44,10 @@ pytestmark = pytest.mark.flaky(reruns=1)
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(run / "events.jsonl") if e["event"] == kind]
+
+
+def _steps(run: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(run / "progress.jsonl") if r["type"] == "step"]
 
 
 def _undone(run: Path) -> list[dict[str, Any]] | None:
@@ -59,8 +68,10 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             on = subprocess.run([sys.executable, "-m", "resihp.cli", "admin", "--run-dir", str(run), "policy",
                                  "auto_reconfigure=on"], capture_output=True, text=True, timeout=60)
             assert on.returncode == 0, on.stdout + on.stderr
-            cluster.throttle_link(cluster.nodes[3], mbit=50)
+            cluster.throttle_link(cluster.nodes[3], mbit=THROTTLE_MBIT)
             commands = wait_until(lambda: _undone(run), 150, "the audited switch undone and acknowledged")
+            # an acknowledgement comes before the switch's step: train a step on the old layout again
+            wait_until(lambda: _steps(run)[-1:] >= [commands[1]["apply_at"]] or None, 60, "a step after the undo")
             status = admin_status(run)
         finally:
             stop(launch)
@@ -92,7 +103,7 @@ def test_the_mispriced_replan_is_measured_slower_and_undone(audited: dict[str, A
 
 
 def test_every_step_is_trained_once_through_both_switches(audited: dict[str, Any]) -> None:
-    steps = [r["step"] for r in read_jsonl(audited["run"] / "progress.jsonl") if r["type"] == "step"]
+    steps = _steps(audited["run"])
     assert steps == list(range(len(steps))) and len(steps) > audited["commands"][1]["apply_at"], steps[-5:]
     switches = [(r["epoch"], r["kind"]) for r in read_jsonl(audited["run"] / "progress.jsonl") if r["type"] == "reconfig"]
     assert switches == [(1, "planned"), (2, "planned")], switches

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resihp.agent.fence_pid import is_job_process, sigkill
 from resihp.agent.pidwatch import PidWatch
 from resihp.agent.sampler import ProcessSampler, Sampler, make_sampler
 from resihp.agent.server import CommandRelay, HookServer
@@ -275,13 +276,7 @@ class AgentDaemon:
             result = m.InjectResult("fence", order.rank, True,
                                     f"rank {order.rank} has no live process of job {self.job} on {self.node}")
         else:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                result = m.InjectResult("fence", order.rank, True, f"SIGKILL sent to pid {pid} on {self.node}")
-            except ProcessLookupError:
-                result = m.InjectResult("fence", order.rank, True, f"pid {pid} had already exited")
-            except OSError as exc:
-                result = m.InjectResult("fence", order.rank, False, f"SIGKILL of pid {pid} failed: {exc}")
+            result = m.InjectResult("fence", order.rank, *sigkill(pid, self.node))
         log.warning("fence rank %d (%s): %s", order.rank, order.reason, result.detail)
         self.uplink.send(m.AgentBatch(injections=(result,)), urgent=True)
 
@@ -308,17 +303,6 @@ class AgentDaemon:
                 self.uplink.send(batch)
             except Exception:  # sampling must never take the agent down
                 log.exception("agent tick failed")
-
-
-def is_job_process(pid: int, job: str) -> bool:
-    """Whether ``pid`` runs in job ``job`` (its environment says RESIHP_JOB=job): a fence by pid
-    must never hit a process that merely reuses a dead rank's pid."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read().split(b"\0")
-    except OSError:
-        return False
-    return f"RESIHP_JOB={job}".encode() in env
 
 
 def _to_next_tick(every: float) -> float:

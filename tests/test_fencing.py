@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 from test_coordinator import _clocked_core
 
-from resihp.agent.daemon import is_job_process
+from resihp.agent.fence_pid import is_job_process
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.coordinator.service.core import CoordinatorCore

@@ -286,3 +286,53 @@ def test_a_killed_agent_and_coordinator_are_restarted_and_no_rank_or_step_is_los
     assert restarted == ["agent node0", "coordinator"], restarted
     assert not [e for e in events if e["event"] == "finding" and e.get("kind") == "fail-stop"]
     assert steps() == set(range(400))
+
+
+def _rank_pid(run: Path, rank: int) -> int | None:
+    """The pid of the job's rank ``rank`` (its environment names the run directory and MPI rank)."""
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("RESIHP_RUN_DIR") == str(run) and env.get("OMPI_COMM_WORLD_RANK") == str(rank):
+            return int(proc.pid)
+    return None
+
+
+def test_a_rank_declared_dead_while_its_agent_is_gone_for_good_is_fenced_by_the_launcher(tmp_path: Path) -> None:
+    """The agent of node1 is killed and its restart budget is 0: nothing will restart it. Then a
+    rank of node1 stops (SIGSTOP: alive, silent, its peers blocked on it). The coordinator's
+    fence order has no agent to go to; the launcher, which gave that agent up, carries it out
+    itself (before, the survivors waited in MPI's shrink for good), and the job trains every step."""
+    run = tmp_path / "run"
+    script = Path(__file__).with_name("mpi_scripts") / "rank_raises.py"
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--nodes", "2", "--pp", "2", "--dp", "2",
+         "--microbatches", "8", "--gpu-sampler", "off", "--run-dir", str(run), "--restart-budget", "0",
+         "--coordinator-arg=--agent-grace-s=1", "--", sys.executable, str(script), "150", "-1", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def steps() -> set[int]:
+            return {e["step"] for e in read_jsonl(run / "progress.jsonl") if e.get("type") == "step"}
+
+        wait_until(lambda: len(steps()) >= 10, 120, "10 steps")
+        os.kill(json.loads((run / "agent-node1.json").read_text())["pid"], signal.SIGKILL)
+        wait_until(lambda: any(e["event"] == "daemon-gave-up" for e in read_jsonl(run / "events.jsonl")), 60,
+                   "the launcher giving the agent up")
+        stopped = wait_until(lambda: _rank_pid(run, 3), 30, "rank 3's process")
+        os.kill(stopped, signal.SIGSTOP)
+        out, _ = launch.communicate(timeout=240)
+    finally:
+        if launch.poll() is None:
+            launch.send_signal(signal.SIGINT)
+            launch.wait(30)
+    assert launch.returncode == 0, out[-3000:]
+    events = read_jsonl(run / "events.jsonl")
+    assert [e["daemon"] for e in events if e["event"] == "daemon-gave-up"] == ["agent node1"]
+    waiting = [e for e in events if e["event"] == "fence" and e["rank"] == 3]
+    assert waiting and waiting[0]["sent"] is False and waiting[0]["pid"] == stopped, waiting
+    fenced = [e for e in events if e["event"] == "fence-result" and e["rank"] == 3]
+    assert fenced and fenced[0]["ok"] and fenced[0]["source"] == "the launcher", fenced
+    assert f"SIGKILL sent to pid {stopped}" in fenced[0]["reason"]
+    assert steps() == set(range(150))

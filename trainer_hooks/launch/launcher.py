@@ -31,6 +31,7 @@ from pathlib import Path
 
 from resihp.coordinator.model.spec import SpecError
 from resihp.trainer_hooks.launch.hostfile import Host, HostfileError, rank_nodes, read_hostfile, used_hosts
+from resihp.trainer_hooks.launch.orphan_fences import OrphanFences
 from resihp.trainer_hooks.launch.rank_env import loopback_ifname
 from resihp.trainer_hooks.launch.supervise import Supervisor, pin_option
 from resihp.trainer_hooks.launch.watch import RESTART_ENV, summarise
@@ -428,8 +429,11 @@ def main(argv: list[str]) -> int:
             hostfile.write_text("".join(f"{h.name} slots={h.slots}\n" for h in hosts))
             env["RESIHP_NODE_NAMES"] = ",".join(h.name for h in hosts)
             env.setdefault("PYTHONUNBUFFERED", "1")
+            # each machine's agent runs under a supervisor of its own, which restarts it there
             line = agents_command(find_mpirun(), str(hostfile), len(hosts),
-                                  [sys.executable, "-m", "resihp.cli", *agent_args, "--hook-address",
+                                  [sys.executable, "-m", "resihp.trainer_hooks.launch.node_supervisor", "--job", job,
+                                   "--run-dir", str(run), "--restart-budget", str(args.restart_budget), "--",
+                                   sys.executable, "-m", "resihp.cli", *agent_args, "--hook-address",
                                    f"127.0.0.1:{args.agent_port}"], args.mpirun_arg)
             agents = subprocess.Popen(line, env=env, stdout=open(run / "agents.log", "ab"), stderr=subprocess.STDOUT,
                                       start_new_session=True)
@@ -511,11 +515,15 @@ def main(argv: list[str]) -> int:
         seen_ranks = False
         idle_since: float | None = None
         finished = _JobFinishedWatch(run / "events.jsonl")
+        orphans = OrphanFences(run / "events.jsonl", job, "the launcher")  # for agents that will not come back
         progress = _ProgressWatch(run, args.stall_timeout_s, ask=coordinator_iteration(coordinator, token))
         stalled: float | None = None
         while mpi.poll() is None and not interrupted:
             time.sleep(0.2)
             for line in supervisor.poll():
+                print(f"resihp launch: {line}", file=sys.stderr, flush=True)
+            for line in orphans.poll({d.name.removeprefix("agent ") for d in supervisor.daemons
+                                      if d.gave_up and d.name.startswith("agent ")}):
                 print(f"resihp launch: {line}", file=sys.stderr, flush=True)
             live = _rank_processes(mpi.pid)
             seen_ranks = seen_ranks or bool(live)

@@ -54,12 +54,13 @@ def pin_option(argv: Sequence[str], option: str, value: str) -> list[str]:
 
 class Supervisor:
     """Restarts daemons that exit while the job runs. ``poll`` is called from the launcher's
-    loop; ``clock`` and ``start`` are injectable (tests)."""
+    loop (or a node's supervisor's); ``clock`` and ``start`` are injectable (tests).
+    ``events_path`` None: a node that cannot see the run directory; each line is printed only."""
 
-    def __init__(self, events_path: Path, job: str, budget: int = 5,
+    def __init__(self, events_path: Path | None, job: str, budget: int = 5,
                  backoff_s: Sequence[float] = DEFAULT_BACKOFF_S, clock: Callable[[], float] = time.monotonic,
-                 start: Callable[[list[str], Mapping[str, str], IO[bytes]], subprocess.Popen[bytes]] | None = None
-                 ) -> None:
+                 start: Callable[[list[str], Mapping[str, str], IO[bytes]], subprocess.Popen[bytes]] | None = None,
+                 source: str = "launcher") -> None:
         if budget < 0:
             raise ValueError(f"the restart budget must be >= 0, got {budget}")
         if not backoff_s or any(b < 0 for b in backoff_s):
@@ -71,6 +72,7 @@ class Supervisor:
         self.clock = clock
         self._start = start or _popen
         self.daemons: list[Daemon] = []
+        self.source = source
 
     def add(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
             proc: subprocess.Popen[Any], restart: Callable[[], subprocess.Popen[Any]] | None = None) -> Daemon:
@@ -126,16 +128,29 @@ class Supervisor:
 
     def _record(self, d: Daemon, event: str, **fields: Any) -> str:
         entry = {"daemon": d.name, **fields, "time": round(time.time(), 6), "job": self.job, "event": event,
-                 "source": "launcher"}
+                 "source": self.source}
         d.history.append(entry)
-        # one write of one line to a file opened for appending: the coordinator appends its own
-        # lines to the same log, and O_APPEND keeps each line whole
-        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        append_event(self.events_path, entry)
+        return str(entry["reason"])
+
+
+def append_event(path: Path | None, entry: Mapping[str, Any]) -> None:
+    """Append ``entry`` to the job's event log as one line (None: print it). One write of one
+    line to a file opened for appending: the coordinator appends its own lines to the same
+    log, and O_APPEND keeps each line whole. A log that cannot be written loses the line,
+    never the daemon (the run directory may have turned read-only)."""
+    line = json.dumps(entry, separators=(",", ":")) + "\n"
+    if path is None:
+        print(line, end="", flush=True)
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps(entry, separators=(",", ":")) + "\n").encode())
+            os.write(fd, line.encode())
         finally:
             os.close(fd)
-        return str(entry["reason"])
+    except OSError as exc:
+        print(f"resihp: event log {path} cannot be written ({exc}): {line}", end="", flush=True)
 
 
 def _popen(argv: list[str], env: Mapping[str, str], log: IO[bytes]) -> subprocess.Popen[bytes]:

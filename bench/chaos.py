@@ -7,7 +7,9 @@ Scenarios: kill -9 of a rank inside its forward, backward, gradient sync and opt
 (``RESIHP_FAULT``, trainer_hooks/faults.py: the signal lands while the op runs); SIGSTOP of a
 rank for good, and for 20 s and back; two ranks of different replicas killed together; a rank
 killed inside a live reconfiguration (a 3x throttle makes the coordinator re-plan); kill -9 of
-a node agent, of the coordinator, of the rendezvous store; a co-tenant CPU hog on one core; the
+a node agent, of the coordinator, of the rendezvous store; a node agent killed with no restart
+left (``--restart-budget 0``) and then a rank of its node stopped, which the launcher fences in
+the agent's place; a co-tenant CPU hog on one core; the
 run directory's file system turning read-only (an ext4 loop device that errors remount read-only; needs root); a burst of
 fuzzed RPCs against the live daemons during training.
 
@@ -18,7 +20,7 @@ left after it ended, and a verdict. Then a fuzz run of ``--fuzz-cases`` cases ag
 job's daemons, unauthenticated requests on every endpoint, and the sockets the job's daemons
 listen on. Prints a table, then ONE line of JSON: scenarios, survived, steps_lost_max,
 loss_delta_max, orphans, hang_resume_s_max (goal <= the no-progress timeout + 5 s),
-agent_kill_ranks_lost, coordinator_kill_ranks_lost, fuzz_cases, fuzz_daemon_crashes,
+agent_kill_ranks_lost, agentless_hang_resume_s, coordinator_kill_ranks_lost, fuzz_cases, fuzz_daemon_crashes,
 unauthenticated_accepted, listening_on_all_interfaces.
 """
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Scenario:
     act: Callable[[Path, str], None] | None = None  # ... with (run dir, job)
     own_fs: bool = False  # the run directory on its own ext4 loop file system (read-only scenario)
     hang: bool = False
+    launch_args: list[str] = field(default_factory=list)  # extra `resihp launch` options
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -133,6 +136,20 @@ def kill_daemon(name: str) -> Callable[[Path, str], None]:
         mark(run, f"kill -9 {name}")
         os.kill(pid, signal.SIGKILL)
     return act
+
+
+def agent_gone_then_stop(run: Path, job: str) -> None:
+    """The agent of node1 dies and its restart budget is 0; then a rank of node1 stops for good.
+    Nothing can deliver the coordinator's fence order: the launcher must carry it out."""
+    os.kill(daemon_pid(run, "agent-node1"), signal.SIGKILL)
+    deadline = time.time() + 20
+    while not any(e.get("event") == "daemon-gave-up" for e in read_jsonl(run / "events.jsonl")):
+        if time.time() > deadline:
+            raise RuntimeError("the launcher did not give the agent up within 20 s")
+        time.sleep(0.05)
+    pid = rank_pid(job, VICTIM)
+    mark(run, f"SIGSTOP rank {VICTIM}, its agent gone for good")
+    os.kill(pid, signal.SIGSTOP)
 
 
 def kill_store_then_rank(run: Path, job: str) -> None:
@@ -224,6 +241,9 @@ def scenarios(steps: int, fuzz_cases: int) -> list[Scenario]:
         Scenario("kill_in_reconfig", "kill -9 a rank inside a live reconfiguration",
                  {"RESIHP_FAULT": "kill:6:0:switch"}, at_step=at // 2, act=exclude_then_die),
         Scenario("kill_agent", "kill -9 the agent of node1", at_step=at, act=kill_daemon("agent-node1")),
+        Scenario("agent_gone_stop", "kill -9 node1's agent (restart budget 0), then SIGSTOP a rank of node1",
+                 at_step=at, act=agent_gone_then_stop,
+                 launch_args=["--restart-budget", "0", "--coordinator-arg=--agent-grace-s=1"]),
         Scenario("kill_coordinator", "kill -9 the coordinator", at_step=at, act=kill_daemon("coordinator")),
         Scenario("kill_store", "kill -9 the rendezvous store, then a rank 3 steps later", at_step=at,
                  act=kill_store_then_rank),
@@ -236,10 +256,10 @@ def scenarios(steps: int, fuzz_cases: int) -> list[Scenario]:
 
 # --- one run -----------------------------------------------------------------------------------
 
-def launch_line(run: Path, steps: int) -> list[str]:
+def launch_line(run: Path, steps: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "resihp.cli", "launch", "-n", str(TP * PP * DP), "--tp", str(TP), "--pp", str(PP),
             "--dp", str(DP), "--nodes", "2", "--microbatches", str(MICROBATCHES), "--gpu-sampler", "off",
-            "--run-dir", str(run), "--stall-timeout-s", "120", "--",
+            "--run-dir", str(run), "--stall-timeout-s", "120", *(extra or []), "--",
             sys.executable, str(SCRIPT), "--tp", str(TP), "--pp", str(PP), "--dp", str(DP), "--steps", str(steps),
             "--seq", str(SEQ), "--microbatches", str(MICROBATCHES), "--seed", "0", "--log-every", "1"]
 
@@ -270,7 +290,7 @@ def run_one(sc: Scenario, steps: int, root: Path, ref_loss: float | None) -> dic
         mount_ext4(run)
     env = {**os.environ, **sc.env}
     t0 = time.time()
-    proc = subprocess.Popen(launch_line(run, steps), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(launch_line(run, steps, sc.launch_args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     job = ""
     acted_at: float | None = None
@@ -461,6 +481,9 @@ def main(argv: list[str]) -> int:
         "hang_resume_goal_s": round(timeout + 5, 2) if hangs else None,
         "agent_kill_ranks_lost": next((len(r["ranks_declared_dead"]) for r in rows if r["scenario"] == "kill_agent"),
                                       None),
+        # a stuck rank on a node with no agent: found by silence (grace + heartbeat timeout), not by
+        # the no-progress verdict, so it is not held to the hang goal
+        "agentless_hang_resume_s": next((r["resume_s"] for r in rows if r["scenario"] == "agent_gone_stop"), None),
         "coordinator_kill_ranks_lost": next((len(r["ranks_declared_dead"]) for r in rows
                                              if r["scenario"] == "kill_coordinator"), None),
         "fuzz_cases": fz.get("cases"),

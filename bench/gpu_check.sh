@@ -127,7 +127,8 @@ reconfigure_bench() { RESIHP_BACKEND=gloo timeout 240 "$PY" bench/reconfigure.py
 step reconfigure_bench reconfigure_bench
 
 # the chaos kill and hang cases (bench/chaos.py) on the 8-rank backend above: NCCL where the
-# GPUs allow it (a survivor's collective must be aborted, not waited out), else gloo; the
+# GPUs allow it (a survivor's collective must be aborted, not waited out: runtime/abort_on_death.py
+# aborts the epoch's communicators on the coordinator's word), else gloo; the
 # JSON line says which ran. Every scenario must survive.
 chaos_kill_and_hang() {
   RESIHP_BACKEND=$BACKEND timeout 420 "$PY" bench/chaos.py --no-security --steps 30 \

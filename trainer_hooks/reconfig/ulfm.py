@@ -96,7 +96,8 @@ def ft_world(comm: Any = None, epoch: int = 0) -> MpiWorld:
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says a peer died (MPI process failure / revoked comm, or a gloo I/O error)."""
+    """Whether ``exc`` says a peer died (MPI process failure / revoked comm, a gloo I/O error, an
+    NCCL communicator aborted or failed by its remote peer)."""
     try:
         from mpi4py import MPI
     except ImportError:  # pragma: no cover - mpi4py is a dependency of the train extra
@@ -109,8 +110,11 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc)
     # "wait timeout": a store rendezvous (e.g. new_group) a dead peer never joins (DistStoreError)
+    # NCCL: a communicator aborted because a member was declared dead (runtime/abort_on_death.py),
+    # or one whose remote peer failed
     markers = ("Connection reset", "Connection closed", "Timed out", "Broken pipe", "Socket closed", "pair.cc",
-               "pair closure", "Application timeout", "Connection refused", "wait timeout")
+               "pair closure", "Application timeout", "Connection refused", "wait timeout",
+               "NCCL communicator was aborted", "ncclRemoteError", "Communicator was aborted")
     return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 

@@ -9,6 +9,7 @@ plan names dead stops waiting at once instead of at its timeout. Pure Python, th
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 
 from resihp.coordinator.protocol import messages as m
@@ -16,6 +17,13 @@ from resihp.coordinator.protocol import messages as m
 
 class PeerDeclaredDead(RuntimeError):
     """A peer this rank waits for was declared dead by the coordinator (a peer failure)."""
+
+
+class PeerDeathListener:
+    """What ``DeathNotices.on_peer_death`` calls (a class, so that it can be held weakly)."""
+
+    def __call__(self, epoch: int, dead: frozenset[int]) -> None:
+        raise NotImplementedError
 
 
 class DeathNotices:
@@ -28,6 +36,15 @@ class DeathNotices:
         # bumped on every fail-stop plan noted: a step reads it between its ops (one attribute
         # read) and takes the lock only when it moved
         self.version = 0
+        # called on the command thread with (epoch, ranks named dead) for every fail-stop plan;
+        # held weakly: a listener lives as long as the runtime that made it
+        self._listeners: weakref.WeakSet[PeerDeathListener] = weakref.WeakSet()
+
+    def on_peer_death(self, listener: PeerDeathListener) -> None:
+        """Call ``listener(epoch, dead)`` on the command thread for every fail-stop plan noted from
+        now on, while something else holds ``listener``."""
+        with self._lock:
+            self._listeners.add(listener)
 
     def on_own_death(self, rank: int, callback: Callable[[m.ReconfigCommand], None]) -> None:
         """Call ``callback`` (on the command thread) when a fail-stop plan names ``rank`` dead: this
@@ -47,6 +64,9 @@ class DeathNotices:
             own = self._own
             self.version += 1
             self._news.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(cmd.epoch, dead)
         if own is not None and own[0] in dead:
             own[1](cmd)
 
@@ -70,6 +90,7 @@ class DeathNotices:
         with self._lock:
             self._dead.clear()
             self._own = None
+            self._listeners = weakref.WeakSet()
 
 
 DEATHS = DeathNotices()  # one per process: the hook client notes, the switch reads

@@ -238,6 +238,14 @@ def destroy_groups(groups: EpochGroups) -> None:
     groups._by_ranks.clear()  # peer_groups stay: whoever lets go of the groups (sever, retire) drops them
 
 
+def communicators(groups: EpochGroups) -> list[Any]:
+    """Every process group ``groups`` holds (a group may appear more than once)."""
+    held = [g for g in groups._by_ranks.values() if g is not None]
+    held += [g for _, g, _ in groups.grad_buckets if g is not None]
+    held += [g for g in (groups.loss_group, groups.tp.group) if g is not None]
+    return held + list(groups.peer_groups.values())
+
+
 def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
     """Take every process group out of ``groups`` (and ``model``'s TP layers) and return them.
 
@@ -246,10 +254,7 @@ def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
     out its whole timeout. Once the caller lets go of the returned list (``retire``), the
     groups' destructors close the connections: such a peer fails at once and recovers too,
     and so on down the job."""
-    held = [g for g in groups._by_ranks.values() if g is not None]
-    held += [g for _, g, _ in groups.grad_buckets if g is not None]
-    held += [g for g in (groups.loss_group, groups.tp.group) if g is not None]
-    held += list(groups.peer_groups.values())
+    held = communicators(groups)
     groups._by_ranks.clear()
     groups.peer_groups.clear()
     groups.grad_buckets = [(ranks, None, names) for ranks, _, names in groups.grad_buckets]

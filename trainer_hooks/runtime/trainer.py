@@ -23,9 +23,17 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reporting.deaths import DeathWatch
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
+from resihp.trainer_hooks.runtime.abort_on_death import AbortOnDeath
 from resihp.trainer_hooks.runtime.chunk_clock import clock_for
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream
-from resihp.trainer_hooks.runtime.groups import EpochGroups, StagePlace, build_groups, destroy_groups, sever
+from resihp.trainer_hooks.runtime.groups import (
+    EpochGroups,
+    StagePlace,
+    build_groups,
+    communicators,
+    destroy_groups,
+    sever,
+)
 from resihp.trainer_hooks.runtime.model import GPTStage
 from resihp.trainer_hooks.runtime.optim import OptimizerFactory, states_of
 from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
@@ -233,6 +241,11 @@ class Runtime:
         self.pipeline = PipelineStep(self.model, place, self.device, self.throttle, self.groups.peer_groups,
                                      config.compute_clock, DeathWatch(rank, plan.ranks(), epoch))
         self._params = params
+        # NCCL: a collective with a dead peer may never return; the coordinator's word aborts
+        # this epoch's communicators from the hook's thread (gloo fails by itself)
+        groups = self.groups
+        self._abort_on_death = AbortOnDeath(rank, plan.ranks(), epoch, lambda: communicators(groups)) \
+            if self.device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "nccl" else None
 
     @property
     def epoch(self) -> int:

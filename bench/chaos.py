@@ -60,6 +60,7 @@ class Scenario:
     own_fs: bool = False  # the run directory on its own ext4 loop file system (read-only scenario)
     hang: bool = False
     launch_args: list[str] = field(default_factory=list)  # extra `resihp launch` options
+    daemon_detects: bool = True  # a daemon's exit counts as detecting the fault (not where it is the set-up)
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def scenarios(steps: int, fuzz_cases: int) -> list[Scenario]:
         Scenario("kill_agent", "kill -9 the agent of node1", at_step=at, act=kill_daemon("agent-node1")),
         Scenario("agent_gone_stop", "kill -9 node1's agent (restart budget 0), then SIGSTOP a rank of node1",
                  at_step=at, act=agent_gone_then_stop,
-                 launch_args=["--restart-budget", "0", "--coordinator-arg=--agent-grace-s=1"]),
+                 launch_args=["--restart-budget", "0", "--coordinator-arg=--agent-grace-s=1"], daemon_detects=False),
         Scenario("kill_coordinator", "kill -9 the coordinator", at_step=at, act=kill_daemon("coordinator")),
         Scenario("kill_store", "kill -9 the rendezvous store, then a rank 3 steps later", at_step=at,
                  act=kill_store_then_rank),
@@ -350,7 +351,7 @@ def judge(sc: Scenario, run: Path, out: str, rc: int | None, steps: int, ref_los
     progress = read_jsonl(run / "progress.jsonl")
     detect = [float(e["time"]) for e in events if tf is not None and float(e.get("time", 0)) >= tf - 0.5
               and (e.get("event") == "finding" and e.get("kind") == "fail-stop"
-                   or e.get("event") in ("daemon-exited", "agent-lost"))]
+                   or (sc.daemon_detects and e.get("event") in ("daemon-exited", "agent-lost")))]
     detect_s = round(min(detect) - tf, 3) if detect and tf is not None else None
     replans = [float(r["time"]) for r in progress if r.get("type") == "reconfig" and tf is not None
                and float(r["time"]) >= tf]

@@ -131,6 +131,10 @@ class FailStopRecovery:
                     report = self.rc.apply(plan, plan.epoch, old_shards=shards if member else {}, alive=world.ranks,
                                            members=world.ranks, adam_steps=adam)
                 lap("reshard")
+                # its parts (LiveReconfigurer.apply): the new default group; the state's transfers
+                # with the new plan's groups made meanwhile; the runtime rebuilt on them
+                phases.update({"reshard.regroup": report.regroup_s, "reshard.transfer+groups": report.reshard_s,
+                               "reshard.rebuild": report.rebuild_s})
                 if not self._commit(world.comm, True):
                     raise RecoveryError("a survivor lost a peer while resharding; every survivor starts over")
                 lap("commit")

@@ -62,6 +62,7 @@ from resihp.trainer_hooks.runtime.autolayout import (
 )
 from resihp.trainer_hooks.runtime.autolayout import requested as requested_layout
 from resihp.trainer_hooks.runtime.autolayout import table as layout_table
+from resihp.trainer_hooks.runtime.gc_control import settle
 from resihp.trainer_hooks.runtime.groups import wait_retired
 from resihp.trainer_hooks.runtime.layout_timing import profile as profile_layouts
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
@@ -496,6 +497,9 @@ def init(
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())
     arm_from_env(boot.rank, lambda: job_obj._iteration + 1)  # $RESIHP_FAULT (trainer_hooks/faults.py)
+    # the heap that lives as long as the job (torch, the model) out of every later garbage
+    # collection: a full one walked it for ~66 ms, a straggler step (runtime/gc_control.py)
+    settle()
     return job_obj
 
 

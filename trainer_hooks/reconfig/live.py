@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,7 @@ from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.reporting.deaths import DEATHS, DeathNotices, PeerDeclaredDead
+from resihp.trainer_hooks.runtime.gc_control import paused
 from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
 from resihp.trainer_hooks.runtime.optim import OptimizerFactory, holds_all, state_names, states_of
@@ -250,6 +252,7 @@ class LiveReconfigurer:
         self.epoch = plan.epoch if epoch is None else epoch
         self.history: list[ReconfigReport] = []
         self._prepared: dict[Any, ReshardPlan] = {}
+        self._prepare_lock = threading.Lock()
         self._store: Any = None  # client of the job's store, kept across epochs
         self._stage: tuple[tuple[Any, ...], StageAhead] | None = None  # the next plan's module, built ahead
         self.runtime: Runtime | None = runtime
@@ -330,7 +333,12 @@ class LiveReconfigurer:
         the downtime. ``apply`` reuses what was prepared. ``stock``: also allocate this rank's
         message buffers and new shards now (paging in fresh memory cost the switch more than
         copying into it); they are held until the switch."""
-        who = tuple(alive if alive is not None else self.members)
+        with self._prepare_lock:  # the main thread and a fail-stop's prepare-ahead thread
+            return self._prepare(new_plan, alive, states, stock)
+
+    def _prepare(self, new_plan: Plan, alive: Sequence[int] | None, states: Sequence[str] | None,
+                 stock: bool) -> ReshardPlan:
+        who = tuple(sorted(alive if alive is not None else self.members))  # a set: the reshard plan's view
         states = state_names(self.opt_states) if states is None else states
         self._build_stage_ahead(new_plan)
         key = (self.plan, replace(new_plan, epoch=0, reason=""), who, tuple(states))
@@ -366,7 +374,15 @@ class LiveReconfigurer:
         the state to reshard from (a rolled-back copy) with its AdamW step count
         (``adam_steps``), the ranks that can send, and the new world's logical ranks; by
         default the live runtime's state, the whole world. ``stats``: filled by the executor.
+        No automatic garbage collection runs inside the switch (runtime/gc_control.py).
         """
+        with paused():
+            return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
+                               adam_steps=adam_steps, stats=stats)
+
+    def _apply(self, new_plan: Plan, epoch: int | None, *, old_shards: Shards | None,
+               alive: Sequence[int] | None, members: Sequence[int] | None,
+               adam_steps: float | None, stats: dict[str, float] | None) -> ReconfigReport:
         epoch = new_plan.epoch if epoch is None else epoch
         if epoch <= self.epoch:
             raise SpecError(f"reconfigure: epoch {epoch} is not newer than the current epoch {self.epoch}")

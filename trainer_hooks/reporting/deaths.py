@@ -22,7 +22,7 @@ class PeerDeclaredDead(RuntimeError):
 class PeerDeathListener:
     """What ``DeathNotices.on_peer_death`` calls (a class, so that it can be held weakly)."""
 
-    def __call__(self, epoch: int, dead: frozenset[int]) -> None:
+    def __call__(self, cmd: m.ReconfigCommand, dead: frozenset[int]) -> None:
         raise NotImplementedError
 
 
@@ -36,13 +36,14 @@ class DeathNotices:
         # bumped on every fail-stop plan noted: a step reads it between its ops (one attribute
         # read) and takes the lock only when it moved
         self.version = 0
-        # called on the command thread with (epoch, ranks named dead) for every fail-stop plan;
+        # called on the command thread with (the plan's command, ranks named dead) for every fail-stop plan;
         # held weakly: a listener lives as long as the runtime that made it
         self._listeners: weakref.WeakSet[PeerDeathListener] = weakref.WeakSet()
 
     def on_peer_death(self, listener: PeerDeathListener) -> None:
-        """Call ``listener(epoch, dead)`` on the command thread for every fail-stop plan noted from
-        now on, while something else holds ``listener``."""
+        """Call ``listener(cmd, dead)`` on the command thread for every fail-stop plan noted from
+        now on, while something else holds ``listener``. It must return soon: the thread it
+        runs on carries the coordinator's commands."""
         with self._lock:
             self._listeners.add(listener)
 
@@ -66,7 +67,7 @@ class DeathNotices:
             self._news.notify_all()
             listeners = list(self._listeners)
         for listener in listeners:
-            listener(cmd.epoch, dead)
+            listener(cmd, dead)
         if own is not None and own[0] in dead:
             own[1](cmd)
 

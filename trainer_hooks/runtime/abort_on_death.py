@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reporting.deaths import DEATHS, DeathNotices, PeerDeathListener
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class AbortOnDeath(PeerDeathListener):
         self.fired = False
         deaths.on_peer_death(self)
 
-    def __call__(self, epoch: int, dead: frozenset[int]) -> None:
-        if epoch <= self.epoch or not dead & self.members:
+    def __call__(self, cmd: m.ReconfigCommand, dead: frozenset[int]) -> None:
+        if cmd.epoch <= self.epoch or not dead & self.members:
             return
         with self._lock:
             if self.fired:

@@ -13,6 +13,7 @@ it is split out only to keep modules small.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -26,7 +27,8 @@ from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfig.reshard import ReshardError
 from resihp.trainer_hooks.reconfig.transfer import Shards
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
-from resihp.trainer_hooks.reporting.deaths import DEATHS
+from resihp.trainer_hooks.reporting.deaths import DEATHS, PeerDeathListener
+from resihp.trainer_hooks.runtime.gc_control import paused
 from resihp.trainer_hooks.runtime.groups import retire
 from resihp.trainer_hooks.runtime.progress_log import ProgressLog, loss_rank
 
@@ -38,6 +40,36 @@ log = logging.getLogger(__name__)
 
 class JobStopped(RuntimeError):
     """The job cannot go on (no survivor holds a lost shard, or failures kept coming)."""
+
+
+class PrepareAhead(PeerDeathListener):
+    """A fail-stop plan heard on the command thread (the coordinator's, typically tens of ms
+    before this rank's own recovery reaches its reshard: it is still blocked on the dead peer,
+    or shrinking) starts the reshard plan and the new stage module on a thread of its own, for
+    the survivors the plan implies. The recovery's own ``prepare`` then finds it done or
+    waits for it (``LiveReconfigurer.prepare`` holds a lock): its ``reshard.prepare`` phase,
+    24–53 ms of a recovery in bench/chaos.py, leaves the critical path. If the survivors
+    turn out otherwise, the recovery prepares for those it found, as before."""
+
+    def __init__(self, rc: LiveReconfigurer) -> None:
+        self.rc = rc
+        self.started: list[int] = []  # epochs prepared ahead (tests, logs)
+        DEATHS.on_peer_death(self)
+
+    def __call__(self, cmd: m.ReconfigCommand, dead: frozenset[int]) -> None:
+        rc = self.rc
+        if cmd.epoch <= rc.epoch or not dead & set(rc.members) or rc.rank in dead:
+            return
+        alive = tuple(sorted(set(rc.members) - dead))
+        self.started.append(cmd.epoch)
+        threading.Thread(target=self._prepare, args=(cmd.plan, alive), name="resihp-prepare-ahead",
+                         daemon=True).start()
+
+    def _prepare(self, plan: Plan, alive: tuple[int, ...]) -> None:
+        try:
+            self.rc.prepare(plan, alive=alive)
+        except Exception as exc:  # noqa: BLE001 - the recovery prepares again and reports what fails
+            log.info("rank %d: preparing the fail-stop plan ahead failed: %s", self.rc.rank, exc)
 
 
 def is_failure(exc: BaseException) -> bool:
@@ -84,6 +116,10 @@ class FailStopRecovery:
 
     # --- fail-stop --------------------------------------------------------------------
     def _recover(self, cause: BaseException) -> None:
+        with paused():  # no garbage collection on the recovery's path (runtime/gc_control.py)
+            self._recover_paused(cause)
+
+    def _recover_paused(self, cause: BaseException) -> None:
         t0 = time.perf_counter()
         log.warning("rank %d: a peer failed (%s: %s); recovering", self.rc.rank, type(cause).__name__,
                     str(cause)[:160])
@@ -125,6 +161,7 @@ class FailStopRecovery:
                 restored_from: int | None = None
                 try:
                     self.rc.prepare(plan, alive=world.ranks)  # the same verdict on every survivor
+                    lap("reshard.prepare")
                 except ReshardError as exc:  # no survivor holds some slice (DP = 1): the checkpoint
                     report, restored_from = self._restore_checkpoint(plan, world, exc)
                 else:

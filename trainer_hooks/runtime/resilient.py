@@ -51,7 +51,7 @@ from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.groups import retire
 from resihp.trainer_hooks.runtime.probe import ComputeProbe
 from resihp.trainer_hooks.runtime.progress_log import ProgressLog
-from resihp.trainer_hooks.runtime.recovery import FailStopRecovery, batch_change, is_failure
+from resihp.trainer_hooks.runtime.recovery import FailStopRecovery, PrepareAhead, batch_change, is_failure
 from resihp.trainer_hooks.runtime.trainer import StepResult
 
 if TYPE_CHECKING:
@@ -91,8 +91,10 @@ class Resilience(FailStopRecovery):
     agreement: BoundaryAgreement | None = None
     _round_epoch: int | None = None  # the epoch of the round collected at this boundary
     _stall: BaseException | None = None  # the members went silent at a boundary: recover
+    _prepare_ahead: PrepareAhead | None = None
 
     def __post_init__(self) -> None:
+        self._prepare_ahead = PrepareAhead(self.rc)  # held here: the notices hold it weakly
         if self.agreement is None:
             timeout = max(4.0 * self.rc.timeout_s, 30.0)
             self.agreement = BoundaryAgreement(lambda: connect_store(self.rc.store_addr, timeout), self.rc.rank,

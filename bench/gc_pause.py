@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 CHILD = r"""
 import gc, json, statistics, sys, time
@@ -55,7 +56,7 @@ print(json.dumps({"full": full, "first": first, "gen2": gen2, "frozen": gc.get_f
 """
 
 
-def child(mode: str) -> dict[str, object]:
+def child(mode: str) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=300, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -66,8 +67,8 @@ def main() -> int:
     row = {}
     print(f"{'process':10s} {'full GC ms (best / median of 5)':>32s} {'reshard plan, 1st call ms (3 processes)':>42s}")
     for mode, rs in runs.items():
-        full = [x for r in rs for x in r["full"]]  # type: ignore[union-attr]
-        first = [float(r["first"]) for r in rs]  # type: ignore[arg-type]
+        full = [float(x) for r in rs for x in r["full"]]
+        first = [float(r["first"]) for r in rs]
         row[mode] = (min(full), statistics.median(full), statistics.median(first))
         print(f"{mode:10s} {min(full):15.3f} / {statistics.median(full):8.3f} {'':6s}"
               f"{', '.join(f'{x:.1f}' for x in first):>36s}   (full collections inside: "

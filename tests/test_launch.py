@@ -242,6 +242,8 @@ def test_a_stopped_rank_is_fenced_by_its_agent_and_the_survivors_finish_every_st
         capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "survived 1 failed rank(s):\n  rank 3: no iteration for" in out, out[-3000:]
+    # the coordinator's plan reached the survivors' hook threads before their recovery needed it
+    assert "preparing its reshard ahead for survivors [0, 1, 2]" in out, out[-3000:]
     events = read_jsonl(run / "events.jsonl")
     finding = next(e for e in events if e["event"] == "finding" and e["kind"] == "fail-stop")
     assert finding["ranks"] == [3] and finding["cause"] == "no-progress"

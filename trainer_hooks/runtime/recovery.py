@@ -62,6 +62,8 @@ class PrepareAhead(PeerDeathListener):
             return
         alive = tuple(sorted(set(rc.members) - dead))
         self.started.append(cmd.epoch)
+        log.warning("rank %d: the coordinator's fail-stop plan (epoch %d) came first; preparing its reshard ahead "
+                    "for survivors %s", rc.rank, cmd.epoch, list(alive))
         threading.Thread(target=self._prepare, args=(cmd.plan, alive), name="resihp-prepare-ahead",
                          daemon=True).start()
 

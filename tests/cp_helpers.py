@@ -147,3 +147,18 @@ class Cluster:
                     proc.wait(10)
             codes[name] = proc.returncode
         return codes
+
+
+def rank_pid(run: Path, rank: int) -> int | None:
+    """The pid of rank ``rank`` of the job whose run directory is ``run`` (its environment names
+    both: RESIHP_RUN_DIR and Open MPI's rank), or None while it is not there."""
+    import psutil
+
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("RESIHP_RUN_DIR") == str(run) and env.get("OMPI_COMM_WORLD_RANK") == str(rank):
+            return int(proc.pid)
+    return None

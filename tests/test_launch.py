@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cp_helpers import FAKE_TRAINER, read_jsonl, wait_until
+from cp_helpers import FAKE_TRAINER, rank_pid, read_jsonl, wait_until
 
 from resihp.trainer_hooks.launch.launcher import ULFM_FLAGS, mpirun_command
 
@@ -290,18 +290,6 @@ def test_a_killed_agent_and_coordinator_are_restarted_and_no_rank_or_step_is_los
     assert steps() == set(range(400))
 
 
-def _rank_pid(run: Path, rank: int) -> int | None:
-    """The pid of the job's rank ``rank`` (its environment names the run directory and MPI rank)."""
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            continue
-        if env.get("RESIHP_RUN_DIR") == str(run) and env.get("OMPI_COMM_WORLD_RANK") == str(rank):
-            return int(proc.pid)
-    return None
-
-
 def test_a_rank_declared_dead_while_its_agent_is_gone_for_good_is_fenced_by_the_launcher(tmp_path: Path) -> None:
     """The agent of node1 is killed and its restart budget is 0: nothing will restart it. Then a
     rank of node1 stops (SIGSTOP: alive, silent, its peers blocked on it). The coordinator's
@@ -322,7 +310,7 @@ def test_a_rank_declared_dead_while_its_agent_is_gone_for_good_is_fenced_by_the_
         os.kill(json.loads((run / "agent-node1.json").read_text())["pid"], signal.SIGKILL)
         wait_until(lambda: any(e["event"] == "daemon-gave-up" for e in read_jsonl(run / "events.jsonl")), 60,
                    "the launcher giving the agent up")
-        stopped = wait_until(lambda: _rank_pid(run, 3), 30, "rank 3's process")
+        stopped = wait_until(lambda: rank_pid(run, 3), 30, "rank 3's process")
         os.kill(stopped, signal.SIGSTOP)
         out, _ = launch.communicate(timeout=240)
     finally:

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 import pytest
-from cp_helpers import read_jsonl, wait_until
+from cp_helpers import rank_pid, read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, stop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,17 +38,6 @@ pytestmark = pytest.mark.flaky(reruns=1)  # real mpirun + ULFM on 2 cores: one f
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(run / "events.jsonl") if e["event"] == kind]
-
-
-def _rank_pid(run: Path, rank: int) -> int | None:
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            continue
-        if env.get("RESIHP_RUN_DIR") == str(run) and env.get("OMPI_COMM_WORLD_RANK") == str(rank):
-            return int(proc.pid)
-    return None
 
 
 def _left_running(run: Path) -> list[str]:
@@ -100,7 +89,7 @@ def agentless(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def stop_a_rank(run: Path, node: str) -> dict[str, Any]:
         wait_until(lambda: [e for e in _events(run, "daemon-gave-up") if e["daemon"] == f"agent {node}"], 60,
                    "the node supervisor giving its agent up")
-        stopped = wait_until(lambda: _rank_pid(run, 3), 30, "rank 3's process")
+        stopped = wait_until(lambda: rank_pid(run, 3), 30, "rank 3's process")
         os.kill(stopped, signal.SIGSTOP)
         return {"stopped": stopped}
 

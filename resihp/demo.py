@@ -27,6 +27,7 @@ from typing import Any
 from resihp.coordinator.model.plan import Plan
 from resihp.examples import example
 from resihp.progress import DEFAULT_EVERY_STEPS, MODES, Progress
+from resihp.trainer_hooks.launch.launcher import set_aside_earlier_job
 
 try:
     EXAMPLE = example("train_gpt.py")  # a checkout's examples/, or the wheel's copy
@@ -194,6 +195,9 @@ def run_job(args: argparse.Namespace, run: Path) -> dict[str, Any]:
     cmd = _resihp("launch", "-n", str(args.tp * args.pp * args.dp), *layout, "--microbatches",
                   str(args.microbatches), "--run-dir", str(run), "--heartbeat-timeout-s", "20", "--probe-every-s", str(args.probe_every_s),
                   *coord_args, "--", *train)
+    # an earlier job's files go to previous/ now, not by the launcher once this process follows
+    # the event log: a follower must never read another job's lines as this one's
+    set_aside_earlier_job(run)
     (run / "progress.jsonl").unlink(missing_ok=True)
     log = open(run / "launch.log", "wb")
     t0 = time.time()

@@ -326,3 +326,32 @@ def test_a_rank_declared_dead_while_its_agent_is_gone_for_good_is_fenced_by_the_
     assert fenced and fenced[0]["ok"] and fenced[0]["source"] == "the launcher", fenced
     assert f"SIGKILL sent to pid {stopped}" in fenced[0]["reason"]
     assert steps() == set(range(150))
+
+
+def test_an_earlier_job_s_files_are_set_aside_and_its_checkpoints_stay(tmp_path: Path) -> None:
+    """A run directory used again (a restart from checkpoints, a second `resihp demo`): the
+    earlier job's journal must not be resumed by the new job's coordinator, and its event and
+    progress logs must not mix with the new job's."""
+    from resihp.trainer_hooks.launch.launcher import set_aside_earlier_job
+
+    run = tmp_path / "run"
+    assert set_aside_earlier_job(run.parent) == ""  # nothing there: nothing moves
+    (run / "checkpoints" / "step-00000040").mkdir(parents=True)
+    (run / "journal.jsonl").write_text('{"type": "format", "format": 1}\n{"type": "start", "job": "job-A", "t0": 1.0}\n')
+    for name in ("events.jsonl", "progress.jsonl", "coordinator.json", "agent-node0.log", "token", "notes.txt"):
+        (run / name).write_text(name)
+    said = set_aside_earlier_job(run)
+    assert said.startswith(f"run dir {run} held the files of job job-A; moved 6 of them to {run / 'previous' / 'job-A'}")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "notes.txt", "previous"]
+    assert (run / "previous" / "job-A" / "journal.jsonl").read_text().endswith('"job": "job-A", "t0": 1.0}\n')
+    (run / "journal.jsonl").write_text('{"type": "start", "job": "job-A", "t0": 2.0}\n')  # the same name again
+    set_aside_earlier_job(run)
+    assert (run / "previous" / "job-A.2" / "journal.jsonl").exists()
+
+
+def test_a_coordinator_refuses_another_job_s_journal(tmp_path: Path) -> None:
+    (tmp_path / "journal.jsonl").write_text('{"type": "format", "format": 1}\n{"type": "start", "job": "job-A", "t0": 1.0}\n')
+    done = subprocess.run([sys.executable, "-m", "resihp.cli", "coordinator", "--run-dir", str(tmp_path), "--job", "job-B",
+                           "-n", "4", "--insecure", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "is the journal of job job-A, not of job job-B: a coordinator resumes only its own job" in done.stderr

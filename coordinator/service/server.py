@@ -249,6 +249,11 @@ class CoordinatorServer:
         self.registry = Registry()
         describe_standard(self.registry)
         journal = Journal(run / "journal.jsonl")
+        earlier = journal.load().job
+        if earlier and cfg.job and earlier != cfg.job:  # a restart resumes its own job, never another
+            raise ValueError(f"{run / 'journal.jsonl'} is the journal of job {earlier}, not of job {cfg.job}: a "
+                             f"coordinator resumes only its own job; give job {cfg.job} a run directory of its own "
+                             f"(`resihp launch` sets an earlier job's files aside in previous/ itself)")
         # the header keeps the job's original layout (its DP degree is what readmission restores);
         # a restarted core hands the journaled plan to the engine itself
         nodes = dict(enumerate(cfg.rank_nodes.split(","))) if cfg.rank_nodes else None

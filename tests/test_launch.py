@@ -239,10 +239,11 @@ def test_a_stopped_rank_is_fenced_by_its_agent_and_the_survivors_finish_every_st
         [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--microbatches", "8",
          "--gpu-sampler", "off", "--run-dir", str(run), "--stall-timeout-s", "120", "--",
          sys.executable, str(script), "24", "3", "8", "stop"],
-        capture_output=True, text=True, timeout=240)
+        capture_output=True, text=True, timeout=240, env={**os.environ, "RESIHP_PREPARE_AHEAD": "on"})
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "survived 1 failed rank(s):\n  rank 3: no iteration for" in out, out[-3000:]
     # the coordinator's plan reached the survivors' hook threads before their recovery needed it
+    # (asked for: on 2 cores with 4 ranks `auto` would not prepare ahead)
     assert "preparing its reshard ahead for survivors [0, 1, 2]" in out, out[-3000:]
     events = read_jsonl(run / "events.jsonl")
     finding = next(e for e in events if e["event"] == "finding" and e["kind"] == "fail-stop")

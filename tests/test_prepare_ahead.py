@@ -9,10 +9,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reporting.deaths import DEATHS
-from resihp.trainer_hooks.runtime.recovery import PrepareAhead
+from resihp.trainer_hooks.runtime.recovery import PREPARE_AHEAD_ENV, PrepareAhead, prepare_ahead_wanted
 
 
 @dataclass
@@ -36,7 +38,8 @@ def _fail_stop(epoch: int, dead: list[int]) -> m.ReconfigCommand:
                              reason=f"fail-stop of ranks {dead}: the current plan cannot run")
 
 
-def test_a_newer_fail_stop_plan_is_prepared_ahead_for_the_survivors_it_implies() -> None:
+def test_a_newer_fail_stop_plan_is_prepared_ahead_for_the_survivors_it_implies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREPARE_AHEAD_ENV, "on")
     DEATHS.clear()
     rc = Reconfigurer()
     ahead = PrepareAhead(rc)  # type: ignore[arg-type]
@@ -50,9 +53,25 @@ def test_a_newer_fail_stop_plan_is_prepared_ahead_for_the_survivors_it_implies()
     assert ahead.started == [4] and rc.calls == [(cmd.plan, (0, 1, 2, 3, 4, 6))]
 
 
-def test_a_preparation_that_fails_is_left_to_the_recovery() -> None:
+def test_a_preparation_that_fails_is_left_to_the_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREPARE_AHEAD_ENV, "on")
     DEATHS.clear()
     rc = Reconfigurer(fail=True)
     ahead = PrepareAhead(rc)  # type: ignore[arg-type]
     DEATHS.note(_fail_stop(4, [5]))
     assert rc.done.wait(30) and ahead.started == [4]  # the thread logged it and ended; nothing raised here
+
+
+def test_off_and_auto_on_an_oversubscribed_host_prepare_nothing_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PREPARE_AHEAD_ENV, "off")
+    DEATHS.clear()
+    rc = Reconfigurer()
+    ahead = PrepareAhead(rc)  # type: ignore[arg-type]
+    DEATHS.note(_fail_stop(4, [5]))
+    assert ahead.started == [] and rc.calls == []
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert prepare_ahead_wanted({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores + 1)}) is False  # auto: a core short
+    assert prepare_ahead_wanted({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores)}) is True
+    assert prepare_ahead_wanted({PREPARE_AHEAD_ENV: "on", "LOCAL_WORLD_SIZE": str(cores * 4)}) is True

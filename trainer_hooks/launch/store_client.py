@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from resihp.trainer_hooks.launch.store_server import (
 )
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+# while ``interrupt`` is set, a blocking wait is cut into slices this long and the predicate is
+# asked between them
+INTERRUPT_SLICE_S = 0.1
 
 # c10d keeps only the C++ half of a Python store; once the Python object is collected its calls
 # fail ("Not implemented"), e.g. a store handed to init_process_group and then dropped by the
@@ -68,6 +71,10 @@ class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stub 
         self._credential = credential
         self._lock = threading.Lock()
         self._broken = False
+        # a reason to stop waiting ('' while there is none): a switch sets it to "a member of
+        # the new epoch was declared dead", so that gloo's rendezvous does not wait out its
+        # timeout for a peer that will never come (reconfig.live.LiveReconfigurer.apply)
+        self.interrupt: Callable[[], str] | None = None
         self._sock = self._connect(timeout.total_seconds() if connect_timeout_s is None else connect_timeout_s)
         _LIVE.add(self)
 
@@ -148,9 +155,30 @@ class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stub 
     def set(self, key: str, value: str | bytes) -> None:
         self._call(b"set", key.encode(), _b(value))
 
+    def _blocking(self, op: bytes, keys: list[bytes], total: timedelta) -> list[bytes]:
+        """A call the server holds until its keys exist, for up to ``total``; in slices while
+        ``interrupt`` is set, raising a "wait timeout" (a peer failure to the runtime) as soon
+        as it gives a reason."""
+        interrupt = self.interrupt
+        if interrupt is None:
+            return self._call(op, *keys, _ms(total), wait=total)
+        # a timeout of 0 is c10d's "no timeout", and so is a slice of 0 ms to the server: never send one
+        deadline = time.monotonic() + total.total_seconds() if total.total_seconds() > 0 else float("inf")
+        while True:
+            piece = timedelta(seconds=max(0.001, min(INTERRUPT_SLICE_S, deadline - time.monotonic())))
+            try:
+                return self._call(op, *keys, _ms(piece), wait=piece)
+            except dist.DistStoreError:
+                names = [k.decode(errors="replace") for k in keys]
+                if time.monotonic() >= deadline:
+                    raise dist.DistStoreError(f"wait timeout after {total.total_seconds() * 1000:.0f}ms, keys: "
+                                              f"{names}") from None
+                why = interrupt()
+                if why:
+                    raise dist.DistStoreError(f"wait timeout cut short for keys {names}: {why}") from None
+
     def get(self, key: str) -> bytes:
-        t = self.store_timeout
-        return self._call(b"get", key.encode(), _ms(t), wait=t)[0]
+        return self._blocking(b"get", [key.encode()], self.store_timeout)[0]
 
     def add(self, key: str, value: int) -> int:
         return int(self._call(b"add", key.encode(), str(int(value)).encode())[0])
@@ -165,12 +193,10 @@ class AuthStore(dist.Store):  # type: ignore[misc,name-defined]  # torch's stub 
         return self._call(b"check", *(k.encode() for k in keys))[0] == b"1"
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        t = self.store_timeout if timeout is None else timeout
-        self._call(b"wait", *(k.encode() for k in keys), _ms(t), wait=t)
+        self._blocking(b"wait", [k.encode() for k in keys], self.store_timeout if timeout is None else timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        t = self.store_timeout
-        return self._call(b"multi_get", *(k.encode() for k in keys), _ms(t), wait=t)
+        return self._blocking(b"multi_get", [k.encode() for k in keys], self.store_timeout)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._call(b"multi_set", *(k.encode() for k in keys), *(_b(v) for v in values))

@@ -194,6 +194,10 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
         pause = min(pause * 2, 0.02)
 
 
+def _dead_text(dead: Sequence[int], epoch: int) -> str:
+    return f"the coordinator declared ranks {list(dead)} of epoch {epoch} dead" if dead else ""
+
+
 @dataclass
 class ReconfigReport:
     """What one switch did on this rank (times in seconds, on this rank's clock)."""
@@ -376,9 +380,22 @@ class LiveReconfigurer:
         default the live runtime's state, the whole world. ``stats``: filled by the executor.
         No automatic garbage collection runs inside the switch (runtime/gc_control.py).
         """
-        with paused():
-            return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
-                               adam_steps=adam_steps, stats=stats)
+        target = new_plan.epoch if epoch is None else epoch
+        joining = tuple(members) if members is not None else self.members
+        store = self.store()
+        # gloo's rendezvous waits in the store for every member of the new world: a member the
+        # coordinator declares dead meanwhile (killed inside the switch, after its arrival)
+        # ends the wait now, a peer failure the caller recovers from, not at the timeout
+        before = getattr(store, "interrupt", None)
+        if hasattr(store, "interrupt"):
+            store.interrupt = lambda: _dead_text(DEATHS.dead_among(joining, target - 1), target)
+        try:
+            with paused():
+                return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
+                                   adam_steps=adam_steps, stats=stats)
+        finally:
+            if hasattr(store, "interrupt"):
+                store.interrupt = before
 
     def _apply(self, new_plan: Plan, epoch: int | None, *, old_shards: Shards | None,
                alive: Sequence[int] | None, members: Sequence[int] | None,

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from resihp.trainer_hooks.launch import store_server as ss
 from resihp.trainer_hooks.launch.store_client import AuthStore
@@ -61,7 +62,7 @@ def test_gloo_s_rendezvous_missing_a_rank_stops_on_the_reason(server: ss.StoreSe
     store = AuthStore("127.0.0.1", server.port, CREDENTIAL, timedelta(seconds=120))
     store.interrupt = lambda: "the coordinator declared ranks [1] of epoch 7 dead"
     with pytest.raises(Exception) as err:  # gloo reports the store's error through C++
-        dist.init_process_group("gloo", store=dist.PrefixStore("resihp/epoch7/", store), rank=0, world_size=2,
+        dist.init_process_group("gloo", store=PrefixStore("resihp/epoch7/", store), rank=0, world_size=2,
                                 timeout=timedelta(seconds=120))
     assert "cut short" in str(err.value) and is_peer_failure(err.value), err.value
     if dist.is_initialized():

@@ -27,7 +27,7 @@ from typing import Any
 from resihp.coordinator.model.plan import Plan
 from resihp.examples import example
 from resihp.progress import DEFAULT_EVERY_STEPS, MODES, Progress
-from resihp.trainer_hooks.launch.launcher import set_aside_earlier_job
+from resihp.trainer_hooks.launch.run_dir import set_aside_earlier_job
 
 try:
     EXAMPLE = example("train_gpt.py")  # a checkout's examples/, or the wheel's copy

@@ -333,7 +333,7 @@ def test_an_earlier_job_s_files_are_set_aside_and_its_checkpoints_stay(tmp_path:
     """A run directory used again (a restart from checkpoints, a second `resihp demo`): the
     earlier job's journal must not be resumed by the new job's coordinator, and its event and
     progress logs must not mix with the new job's."""
-    from resihp.trainer_hooks.launch.launcher import set_aside_earlier_job
+    from resihp.trainer_hooks.launch.run_dir import set_aside_earlier_job
 
     run = tmp_path / "run"
     assert set_aside_earlier_job(run.parent) == ""  # nothing there: nothing moves

@@ -386,16 +386,16 @@ class LiveReconfigurer:
         # gloo's rendezvous waits in the store for every member of the new world: a member the
         # coordinator declares dead meanwhile (killed inside the switch, after its arrival)
         # ends the wait now, a peer failure the caller recovers from, not at the timeout
-        before = getattr(store, "interrupt", None)
-        if hasattr(store, "interrupt"):
+        interruptible = hasattr(store, "interrupt")  # our AuthStore; a plain TCPStore (tests) is not
+        if interruptible:
             store.interrupt = lambda: _dead_text(DEATHS.dead_among(joining, target - 1), target)
         try:
             with paused():
                 return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
                                    adam_steps=adam_steps, stats=stats)
         finally:
-            if hasattr(store, "interrupt"):
-                store.interrupt = before
+            if interruptible:
+                store.interrupt = None
 
     def _apply(self, new_plan: Plan, epoch: int | None, *, old_shards: Shards | None,
                alive: Sequence[int] | None, members: Sequence[int] | None,

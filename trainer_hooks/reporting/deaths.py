@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 from resihp.coordinator.protocol import messages as m
@@ -19,11 +20,11 @@ class PeerDeclaredDead(RuntimeError):
     """A peer this rank waits for was declared dead by the coordinator (a peer failure)."""
 
 
-class PeerDeathListener:
+class PeerDeathListener(ABC):
     """What ``DeathNotices.on_peer_death`` calls (a class, so that it can be held weakly)."""
 
-    def __call__(self, cmd: m.ReconfigCommand, dead: frozenset[int]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def __call__(self, cmd: m.ReconfigCommand, dead: frozenset[int]) -> None: ...
 
 
 class DeathNotices:

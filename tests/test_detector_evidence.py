@@ -11,6 +11,7 @@ from test_detector import MODEL, PLAN, _cfg, _replay
 
 from resihp.coordinator.detector.detector import Detector, DetectorConfig
 from resihp.coordinator.detector.evidence import small_host_shift
+from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord
 from resihp.sim.workload import Fault, FaultKind, Hardware, Noise, WorkloadConfig, make_header, records_list
@@ -134,3 +135,63 @@ def test_the_shift_two_ranks_of_a_host_share_is_their_smaller_slowdown() -> None
     shift = small_host_shift(rel, hosts)
     assert shift[:2].tolist() == [0.03, 0.03]  # both slower: the host's share
     assert np.isnan(shift[2:]).all()  # one slow, one not: no shared slowdown; a lone rank: none
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_ranks_sharing_cores_are_judged_on_their_least_stretched_op(seed: int) -> None:
+    """CPU ranks sharing cores: the scheduler stretches most ops by 2-80 %, never shrinks one
+    (each rank's ratio of sums swings by ~15 % per iteration). Each rank's compute is judged on
+    the least stretched op, whose healthy spread is the narrower: a 1.3x slowdown is found on its
+    rank within 6 iterations, and the healthy twin of the run raises nothing."""
+    shared = Noise(op_jitter=0.005, device_spread=0.0, drift=0.0, os_noise_prob=0.8, os_noise_max=0.8, gc_prob=0.0,
+                   loader_prob=0.0, checkpoint_every=0, comm_spike_prob=0.0)
+    for faults in ((), (Fault("compute", 2, 40, 1.3),)):
+        cfg = WorkloadConfig(MODEL, Plan.uniform(1, 2, 2, 32, 8), budget=8192, packing="best-fit", seed=seed,
+                             iterations=80, noise=shared, heartbeats=False, faults=faults)
+        det, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
+        assert det._floor_rows.all()  # every rank: the least stretched op is the narrower
+        slow = [(f.ranks, f.cause, f.iteration) for f in found if f.kind != "recovered"]
+        if not faults:
+            assert slow == []
+            continue
+        assert [s[:2] for s in slow] == [((2,), "compute")], slow
+        assert slow[0][2] - 40 + 1 <= 6, slow
+
+
+def test_a_drift_of_the_least_stretched_op_alone_is_no_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On shared cores the least stretched op of one rank drifted for tens of iterations while
+    its ratio of sums held (here: from iteration 40 rank 1's ops of each kind are evened out to
+    at least their 80th percentile, their sum unchanged). A slow device stretches both by one share, so a
+    crossing of the least stretched op counts only where the ratio of sums shows half its
+    excess (and the effect floor) over the same window."""
+    shared = Noise(op_jitter=0.005, device_spread=0.0, drift=0.0, os_noise_prob=0.8, os_noise_max=0.8, gc_prob=0.0,
+                   loader_prob=0.0, checkpoint_every=0, comm_spike_prob=0.0)
+    cfg = WorkloadConfig(MODEL, Plan.uniform(1, 2, 2, 32, 8), budget=8192, packing="best-fit", seed=3,
+                         iterations=90, noise=shared, heartbeats=False)
+    records: list[Any] = []
+    for rec in records_list(cfg):
+        if isinstance(rec, IterationRecord) and rec.iteration >= 40:
+            ops = [sorted((c for c in rec.chunks if c.rank == 1 and c.kind == k), key=lambda c: c.duration_s)
+                   for k in "FB"]
+            new: dict[int, float] = {}
+            for kind in ops:  # each op at least its kind's 80th percentile, the kind's sum unchanged
+                least = kind[int(0.8 * (len(kind) - 1))].duration_s
+                raised = [max(c.duration_s, least) for c in kind]
+                keep = sum(c.duration_s for c in kind) / sum(raised)
+                new.update({id(c): d * keep for c, d in zip(kind, raised)})
+            rec = dataclasses.replace(rec, chunks=tuple(
+                dataclasses.replace(c, end_s=c.start_s + new[id(c)]) if id(c) in new else c for c in rec.chunks))
+        records.append(rec)
+
+    def findings() -> list[tuple[tuple[int, ...], str]]:
+        det = Detector(make_header(cfg), DetectorConfig())
+        out = []
+        for rec in records:
+            now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else 0.0
+            out += [(f.ranks, f.kind) for f in det.observe(rec, now) + det.tick(now) if f.kind != "recovered"]
+        return out
+
+    assert findings() == []
+    # were the ratio of sums to agree with whatever the least stretched op shows, rank 1 is accused
+    monkeypatch.setattr(NoiseModel, "window_excess", lambda self, scale, key: np.full(len(scale), np.inf))
+    assert [r for r, _ in findings()] == [(1,)]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from resihp.coordinator.detector.evidence import PlanIndex, batch_features
-from resihp.coordinator.detector.predictor import nanmedian, trimmed_ratio
+from resihp.coordinator.detector.predictor import floor_ratio, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.program import compile_schedule
 from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.schedule.simulator import simulate_pipeline
@@ -54,3 +54,25 @@ def test_batch_features_and_robust_ratios() -> None:
     assert r[1] == pytest.approx(2.0, rel=1e-5)  # a uniformly slow rank keeps its full factor
     assert np.isnan(r[2])
     assert nanmedian(np.array([[1.0, np.nan, 3.0], [np.nan] * 3]), axis=1)[0] == 2.0
+
+
+def test_floor_ratio_reads_the_device_through_scheduler_stretches() -> None:
+    """Ranks sharing cores: the scheduler stretches most ops by whatever the rank was
+    descheduled for, never shrinks one. The least stretched op reads the device's speed; a
+    uniformly slow device shows in full; launch-bound tiny ops and untimed entries do not count."""
+    rng = np.random.default_rng(5)
+    pred = rng.uniform(2.0, 4.0, (4, 8))
+    stretch = np.where(rng.random((4, 8)) < 0.8, 1.0 + rng.exponential(0.4, (4, 8)), 1.0)
+    stretch[:, 0] = 1.0  # at least one op ran undisturbed
+    obs = pred * stretch
+    obs[2] *= 1.3  # a slow device, slow in every op
+    obs[3, :] = np.nan
+    r = floor_ratio(obs, pred)
+    assert r[0] == pytest.approx(1.0) and r[1] == pytest.approx(1.0)
+    assert r[2] == pytest.approx(1.3)
+    assert np.isnan(r[3])
+    assert trimmed_ratio(obs, pred)[0] > 1.1  # the ratio of sums carries the stretches
+    tiny = np.array([[0.05, 3.0, 3.0]])
+    assert floor_ratio(np.array([[0.01, 3.3, 3.6]]), tiny)[0] == pytest.approx(1.1)  # 0.2x a tiny op: no evidence
+    grouped = floor_ratio(np.array([[2.0, 4.0], [3.0, 6.0]]), np.array([[1.0, 2.0]]), np.array([0, 0]))
+    assert grouped.tolist() == [2.0, 3.0]  # TP members read their group's prediction

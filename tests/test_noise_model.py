@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from resihp.coordinator.detector.noise import QUARANTINE, NoiseModel
+from resihp.coordinator.detector.noise import QUARANTINE, NoiseModel, narrower
 
 
 def _run(model: NoiseModel, xs: npt.NDArray[np.float64], learn: bool = True) -> list[int]:
@@ -110,3 +110,20 @@ def test_a_recovered_key_starts_its_shift_test_afresh() -> None:
     model.clear_windows(np.array([False, True, False, False]))
     alarms = _run(model, xs[120:])
     assert alarms == []
+
+
+def test_narrower_picks_the_estimator_whose_healthy_spread_is_smaller_per_rank() -> None:
+    """Two estimators of one quantity: per rank, the one whose healthy spread relative to its
+    baseline is narrower; the alternative only once it rests on half a window."""
+    rng = np.random.default_rng(2)
+    model = NoiseModel(range(2), kinds=3)
+    for t in range(60):
+        x = np.empty((2, 3))
+        x[:, 0] = 1.0 + np.array([0.02, 0.20]) * rng.standard_normal(2)  # rank 0 narrow here
+        x[:, 1] = np.nan
+        x[:, 2] = 0.8 + np.array([0.10, 0.02]) * rng.standard_normal(2)  # rank 1 narrow here
+        model.test(x)
+        model.learn(x, np.ones_like(x, dtype=bool))
+        if t < 30:
+            assert not narrower(model, 2, model, 0).any()
+    assert narrower(model, 2, model, 0).tolist() == [False, True]

@@ -168,9 +168,10 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._gen = 0
         self._rw_from = 0
         self._job_left = 0
-        self.noise = NoiseModel(self.index.ranks, window=c.noise_window, level=c.noise_level, clip=c.noise_clip,
-                                floor=c.effect_floor, prior_spread=c.prior_spread, min_spread=c.min_spread,
-                                min_samples=c.noise_min_samples)
+        self.noise, self.floor_noise = (
+            NoiseModel(self.index.ranks, kinds, window=c.noise_window, level=c.noise_level, clip=c.noise_clip,
+                       floor=c.effect_floor, prior_spread=c.prior_spread, min_spread=c.min_spread,
+                       min_samples=c.noise_min_samples) for kinds in (2, 1))
         self._alloc()
 
     # --- plan -----------------------------------------------------------------------------
@@ -208,7 +209,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._work = work
         self.index = PlanIndex(plan, self._nodes, self._tags)
         self.predictor.reindex(self.index)
-        self.noise.remap(self.index.ranks, set(changed))
+        for model in (self.noise, self.floor_noise):
+            model.remap(self.index.ranks, set(changed))
         self._recent.clear()  # shaped by the old plan
         if changed or iteration is not None:
             # the switch iteration itself (state transfer, new communicators, cold caches)

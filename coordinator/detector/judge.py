@@ -26,14 +26,19 @@ from resihp.coordinator.detector.evidence import (
     small_host_shift,
     tp_wait_share,
 )
-from resihp.coordinator.detector.noise import NoiseModel
-from resihp.coordinator.detector.predictor import Predictor, fill_nan, median, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.noise import NoiseModel, narrower
+from resihp.coordinator.detector.predictor import Predictor, fill_nan, floor_ratio, median, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.seeds import PauseShare
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
+# a rank's compute noise (relative spread of its ratio of sums, per iteration) above which the
+# least-stretched-op estimator is worked out as well
+FLOOR_WORTH = 0.03
+# a finding on the least stretched op needs the ratio of sums to show this share of its excess
+SHARE_AGREES = 0.5
 
 
 @dataclass
@@ -65,7 +70,13 @@ class IterationJudge:
     _pending: tuple[FloatArray, FloatArray] | None
     _job: JobTrack
     _rw_from: int
-    noise: NoiseModel  # per-key healthy spreads (config.adaptive)
+    noise: NoiseModel  # per-key healthy spreads (config.adaptive): compute (ratio of sums), links
+    floor_noise: NoiseModel  # ... of compute as the least stretched op, while it is worked out
+    _floor_rows: npt.NDArray[np.bool_]  # ranks whose compute the latest test judged by the least stretched op
+    _floor_x: FloatArray | None  # (n, 1) the latest iteration's least-stretched-op ratios, if worked out
+    _floor_fed: bool = False  # the floor model was tested in the previous iteration (its windows are current)
+    _g_keys: tuple[FloatArray, FloatArray | None]  # the latest shift statistics of both models' keys
+    _far: npt.NDArray[np.bool_]  # (n, 2) the latest iteration alone far out: compute (as judged), communication
     # the last judged iterations' predictions (per TP group) and observed iteration seconds
     _recent: deque[tuple[FloatArray, FloatArray, float]]
     _tp_evidence: bool = False  # the latest judged iteration had TP collective spans
@@ -82,17 +93,25 @@ class IterationJudge:
         p_p2p = pred.p2p_groups(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
         comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of)
+        # the least stretched op: the adaptive test's second compute estimator, worked out
+        # only while some rank's compute is noisy enough for it to matter (_floor_worth)
+        floor_on = c.adaptive and self._floor_worth()
+        low = floor_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of) if floor_on else None
         self._tp_evidence = t.tp_wait is not None
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
-            comp = comp * tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
+            share = tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
+            comp = comp * share
+            low = None if low is None else low * share
         if c.peer_relative:
             comp = comp / self._common_factor(comp)
+            low = None if low is None else low / self._common_factor(low)
         in_f, in_b = trimmed_ratio(t.p2p, p_p2p, ix.group_of, parts=2)[[FWD, BWD]]  # inbound before F, before B
         dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
         hold = None
         if pred.rewarming:  # evidence on a re-warming key says nothing yet
             rw_c, rw_m, _ = pred.rank_rewarm()
             comp = np.where(rw_c, np.nan, comp)
+            low = None if low is None else np.where(rw_c, np.nan, low)
             in_f, in_b, dp_ratio = (np.where(rw_m, np.nan, x) for x in (in_f, in_b, dp_ratio))
             hold = np.where(self.cause_code > 0, rw_m, rw_c)
         out_f = np.where(ix.fwd_recv >= 0, in_f[ix.fwd_recv], np.nan)
@@ -130,10 +149,14 @@ class IterationJudge:
             ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
             ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
         else:
-            comp = comp / self._peer_factor(comp)
-            comp, host_noise = self._host_noise(comp)
+            comp, host_comp = self._host_noise(comp / self._peer_factor(comp), self.noise)
             x = np.stack([comp, comm], axis=1)
-            adapt = self._noise_test(x, host_noise)
+            host_noise = np.stack([host_comp, np.full(ix.n, np.nan)], axis=1)
+            floor = None
+            if low is not None:
+                low, host_low = self._host_noise(low / self._peer_factor(low), self.floor_noise)
+                floor = (low[:, None], host_low[:, None])
+            adapt = self._noise_test(x, host_noise, floor)
             ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]
         if not c.link_detection:
             comm = np.ones_like(comm)
@@ -174,7 +197,7 @@ class IterationJudge:
             ev["shift_spreads"] = np.where(is_comm, adapt[2][:, 1], adapt[2][:, 0])
         found = self._advance(t, suspect, normal, score, is_comm, ev, now, hold, adaptive=adapt is not None)
         if adapt is not None and x is not None:
-            self._noise_learn(x, adapt[2])
+            self._noise_learn(x)
         rw = pred.rewarming
         if t.iteration % c.calib_every == 0:
             healthy = (self.state == RankState.HEALTHY) & ~suspect
@@ -198,30 +221,62 @@ class IterationJudge:
         common = median(comp[peers])
         return common if common > 0 else 1.0
 
-    def _host_noise(self, comp: FloatArray) -> tuple[FloatArray, FloatArray]:
+    def _host_noise(self, comp: FloatArray, model: NoiseModel) -> tuple[FloatArray, FloatArray]:
         """What a loaded host does to its ranks' compute ratios this iteration, from the ranks
         of each host (the median of four or more; of two or three, the smallest slowdown they
-        share): (the ratios with a common shift of the host below the
-        effect floor taken off, (n, 2) relative spread among the host's ranks — compute
-        column, NaN elsewhere). A co-tenant slows and jitters a whole host by a few per cent,
+        share): (the ratios with a common shift of the host below the effect floor taken off,
+        (n,) relative spread among the host's ranks). ``model``: the noise model whose first
+        key is this compute estimator. A co-tenant slows and jitters a whole host by a few per cent,
         which no re-plan around one device would help; a larger common shift stays (a
         throttled host is a fault), as does any one device's own slowdown."""
-        m = self.noise.m[:, 0]
+        m = model.m[:, 0]
         rel = (comp - m) / m
         center, spread = host_stats(rel, self.index.host_rows)
         center = np.where(np.isfinite(center), center, small_host_shift(rel, self.index.host_rows))
         small = np.isfinite(center) & (np.abs(center) < self.config.effect_floor)
-        out = np.full((len(comp), 2), np.nan)
-        out[:, 0] = spread
-        return np.where(small, comp - center * m, comp), out
+        return np.where(small, comp - center * m, comp), spread
 
-    def _noise_test(self, x: FloatArray, spread_now: FloatArray | None = None
-                    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def _floor_worth(self) -> bool:
+        """Whether the least-stretched-op estimator is worth its cost (a tenth of a millisecond
+        and a third evidence key per rank: +1 ms per iteration at 4096 ranks): while some rank's compute (the ratio
+        of sums) is noisier than FLOOR_WORTH per iteration. Below that a 1.1x slowdown already
+        stands out by three spreads in every iteration (quiet GPUs); on shared cores ±10-30 %."""
+        nz = self.noise
+        return bool(np.any(nz.relative_spread()[:, 0] > FLOOR_WORTH))
+
+    def _noise_test(self, x: FloatArray, spread_now: FloatArray | None = None,
+                    floor: tuple[FloatArray, FloatArray] | None = None) -> tuple[FloatArray, FloatArray, FloatArray]:
         """(excess over the level where a key is suspect, else -1; recent mean deviation; the
-        shift statistic), each (n, 2): compute, communication."""
+        shift statistic), each (n, 2): compute, communication. ``floor``: compute as the least
+        stretched op and its host spread, each (n, 1), where worked out; then each rank's
+        compute is judged on the estimator whose healthy spread, relative to its baseline, is
+        the narrower (``noise.narrower``): a slowdown moves both by the same share, so the
+        narrower shows it in fewer iterations."""
         g, excess, recent = self.noise.test(x, spread_now)
-        sus = self.noise.suspect(g, excess)
-        return np.where(sus, g - self.noise.level, -1.0), recent, g
+        ex = np.where(self.noise.suspect(g, excess), g - self.noise.level, -1.0)
+        far = self.noise.far.copy()
+        self._g_keys, self._floor_x = (g, None), None
+        fr = np.zeros(len(x), dtype=np.bool_)
+        if floor is not None:
+            fl = self.floor_noise
+            if not self._floor_fed:  # deviations pushed before a pause are not this run's
+                fl.clear_windows(np.ones(len(x), dtype=np.bool_))
+            gl, el, rl = fl.test(*floor)
+            self._g_keys, self._floor_x = (g, gl), floor[0]
+            fr = narrower(fl, 0, self.noise, 0)
+            g, recent = g.copy(), recent.copy()
+            # a slow device stretches its fastest op and its total by one share: the ratio of
+            # sums must show at least half the excess over the window the floor crossed in. On
+            # shared cores the least stretched op alone drifted 8-40 % for tens of iterations
+            # (a co-tenant, other ranks' phases) while the ratio of sums held within 4 %
+            agree = self.noise.window_excess(fl.crossed[:, 0], 0) >= np.maximum(
+                self.config.effect_floor, SHARE_AGREES * el[:, 0])
+            sus_fl = fl.suspect(gl, el)[:, 0] & agree
+            ex[fr, 0] = np.where(sus_fl[fr], gl[fr, 0] - fl.level, -1.0)
+            g[fr, 0], recent[fr, 0], far[fr, 0] = gl[fr, 0], rl[fr, 0], fl.far[fr, 0]
+        self._floor_fed = floor is not None
+        self._floor_rows, self._far = fr, far
+        return ex, recent, g
 
     def _noise_normal(self, recent: FloatArray, link_slow: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """A slow rank counts as normal again when the recent mean deviation of the evidence
@@ -234,15 +289,20 @@ class IterationJudge:
         rows = np.arange(len(link_slow))
         col = np.where(link_slow, 1, 0)
         key = recent[rows, col]
-        small = self.noise.recent_excess[rows, col] < 0.5 * self.config.effect_floor
-        back = (key < 0.5 * self.noise.recent_tolerance()[rows, col]) | small
-        return np.asarray(back & self.noise.recent_known(), dtype=np.bool_)
+        nz, fl, fr = self.noise, self.floor_noise, self._floor_rows & ~link_slow  # fr: judged on the floor
+        excess = np.where(fr, fl.recent_excess[:, 0], nz.recent_excess[rows, col])
+        tolerance = np.where(fr, fl.recent_tolerance()[:, 0], nz.recent_tolerance()[rows, col])
+        back = (key < 0.5 * tolerance) | (excess < 0.5 * self.config.effect_floor)
+        return np.asarray(back & np.where(fr, fl.recent_known(), nz.recent_known()), dtype=np.bool_)
 
-    def _noise_learn(self, x: FloatArray, g: FloatArray) -> None:
+    def _noise_learn(self, x: FloatArray) -> None:
         """Every rank not found slow teaches its baselines, whatever this iteration's value:
         learning only the calm iterations would teach a spread narrower than the noise."""
-        ok = np.broadcast_to(((self.state == RankState.HEALTHY) | (self.state == RankState.SUSPECT))[:, None], g.shape)
-        self.noise.learn(x, ok, g)
+        ok = ((self.state == RankState.HEALTHY) | (self.state == RankState.SUSPECT))[:, None]
+        g, g_floor = self._g_keys
+        self.noise.learn(x, np.broadcast_to(ok, x.shape), g)
+        if self._floor_x is not None and g_floor is not None:
+            self.floor_noise.learn(self._floor_x, ok, g_floor)
 
     def _common_factor(self, comp: FloatArray) -> float:
         """The median compute ratio of the ranks that may serve as peers (alive, not
@@ -279,13 +339,13 @@ class IterationJudge:
         if c.adaptive:
             ratio = ratio / self._peer_factor(ratio)
             x = np.stack([ratio, np.full_like(ratio, np.nan)], axis=1)
-            ex, recent, g = self._noise_test(x)
+            ex, recent, _ = self._noise_test(x)
             suspect = ex[:, 0] > 0
             normal = self._noise_normal(recent, np.zeros(len(ratio), dtype=np.bool_))
         found = self._advance(t, suspect, normal, fill_nan(ratio, 1.0), None, {"step_ratio": ratio}, now, hold,
                               adaptive=x is not None)
         if x is not None:
-            self._noise_learn(x, g)
+            self._noise_learn(x)
         healthy = (self.state == RankState.HEALTHY) & ~suspect
         pred.calibrate(t, tok, ssq, healthy, warm=False, only=~pred.rewarm_keys() if rw else None)
         if rw:
@@ -344,7 +404,7 @@ class IterationJudge:
         st[watching & suspect & (st == RankState.HEALTHY)] = RankState.SUSPECT
         st[watching & ~suspect] = RankState.HEALTHY
         if adaptive:  # far out in this iteration alone: a suspect, not yet a finding
-            far = self.noise.far  # (n, 2): compute, communication; columns, not any(axis=1) (slow on short rows)
+            far = self._far  # (n, 2): compute, communication; columns, not any(axis=1) (slow on short rows)
             st[watching & ~suspect & (far[:, 0] | far[:, 1])] = RankState.SUSPECT
         need = 1 if adaptive else c.confirm_iters
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
@@ -364,6 +424,7 @@ class IterationJudge:
             st[confirm] = RankState.SLOW
             if adaptive:
                 self.noise.forget(confirm)
+                self.floor_noise.forget(confirm)
             for i in np.nonzero(confirm)[0]:
                 self._slow_at[self.index.ranks[int(i)]] = now
             self.score = np.where(confirm, score, self.score)
@@ -377,6 +438,7 @@ class IterationJudge:
             st[recover] = RankState.HEALTHY
             if adaptive:
                 self.noise.clear_windows(recover)
+                self.floor_noise.clear_windows(recover)
             out += self._group(t, np.nonzero(recover)[0], "recovered", is_comm is None, ev, now)
             self.ok_run[recover] = 0
             self.run[recover] = 0

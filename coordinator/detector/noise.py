@@ -99,6 +99,7 @@ class NoiseModel:
         self._known_keys: BoolArray | None = None  # _known(), cached: it changes as keys reach min_samples
         self._warmed = False  # every key past 2 * min_samples samples: none refreshes on every other one
         self.recent_excess = np.zeros((n, k))  # mean relative excess of the last RECENT iterations
+        self.crossed = np.full((n, k), -1, dtype=np.int64)  # the scale whose window crossed (test)
         self._phase = (np.arange(n) % REFRESH)[:, None]  # which refresh turn a rank's keys take
 
     # --- judging ------------------------------------------------------------------------------
@@ -152,10 +153,14 @@ class NoiseModel:
         # the excess of the window that crossed, only where one did (few keys: the argmax over
         # the scales of every key is most of this function's time at 4096 ranks)
         excess = np.zeros_like(g)
+        # which scale crossed (an index into SCALES; -1 none): another estimator of the same
+        # quantity can be asked what it saw over that window (window_excess); a jump: 4
+        self.crossed = np.where(jump, SCALES.index(4), -1)
         r, k = np.nonzero((g > self.level) & ~jump)
         if len(r):
             best = g_all[:, r, k].argmax(axis=0)
             excess[r, k] = self.esums[best, r, k] / np.asarray(SCALES, dtype=np.float64)[best]
+            self.crossed[r, k] = best
         excess = np.where(jump, both_rel, excess)
         recent = self.sums[SCALES.index(RECENT)] / RECENT
         self.recent_excess = self.esums[SCALES.index(RECENT)] / RECENT  # relative, for recovery
@@ -166,6 +171,29 @@ class NoiseModel:
         first ``min_samples`` healthy iterations, with no spread measured before, is not judged:
         a job's first iterations (allocator, first touch, thread pools) teach, they do not accuse."""
         return np.asarray((g > self.level) & (excess > self.floor) & self._known(), dtype=np.bool_)
+
+    def window_excess(self, scale: npt.NDArray[np.int64], key: int) -> FloatArray:
+        """(n,) key ``key``'s mean relative excess over the last SCALES[scale[i]] iterations of
+        each row (NaN where ``scale`` is -1): what this estimator saw over the window in which
+        another one crossed."""
+        j = np.maximum(scale, 0)
+        out = self.esums[j, np.arange(len(j)), key] / W[j]
+        return np.where(scale >= 0, out, np.nan)
+
+    def relative_spread(self) -> FloatArray:
+        """(n, kinds): each key's healthy spread in the test's own units (s · s2), relative to its
+        baseline: a slowdown by a share f moves a key's deviation by f / this per iteration."""
+        return np.asarray(self.s * self.s2 / self.m, dtype=np.float64)
+
+    def judged(self) -> BoolArray:
+        """(n, kinds): keys past their first ``min_samples`` healthy ratios (or with a spread
+        measured before a plan change): the test's verdict on them counts."""
+        return self._known()
+
+    def settled(self) -> BoolArray:
+        """(n, kinds): keys whose spread rests on half a window of healthy ratios (or was
+        measured before a plan change)."""
+        return np.asarray((self.hcount >= self.window // 2) | self._measured, dtype=np.bool_)
 
     def _known(self) -> BoolArray:
         if self._known_keys is None:
@@ -351,3 +379,14 @@ def _median_rows(a: FloatArray, complete: bool) -> FloatArray:
     hi_i = np.maximum(n // 2, 0)
     rows = np.arange(a.shape[0])
     return np.asarray(0.5 * (srt[rows, lo_i] + srt[rows, hi_i]), dtype=np.float64)
+
+
+def narrower(a: NoiseModel, key_a: int, b: NoiseModel, key_b: int) -> BoolArray:
+    """(n,) rows where key ``key_a`` of ``a`` has the narrower healthy relative spread than key
+    ``key_b`` of ``b`` (models over the same ranks), ``b``'s judged and ``a``'s settled: of two
+    estimators of one quantity, a shift by the same share shows sooner in the narrower. Chosen
+    from the healthy windows, never from the value being judged: no second look at the data.
+    The alternative ``a`` must rest on half a window: a spread from its first few samples was
+    once a third of what it later read, and a rank was accused at its 25th iteration."""
+    return np.asarray(a.settled()[:, key_a] & b.judged()[:, key_b]
+                      & (a.relative_spread()[:, key_a] < b.relative_spread()[:, key_b]), dtype=np.bool_)

@@ -122,6 +122,31 @@ def trimmed_ratio(obs: FloatArray, pred: FloatArray, rows: IntArray | None = Non
     return out[0] if parts is None else out
 
 
+def floor_ratio(obs: FloatArray, pred: FloatArray, rows: IntArray | None = None, share: float = 0.5) -> FloatArray:
+    """Per row (rank): the smallest observed / predicted ratio of its timed entries among those
+    predicted to cost at least ``share`` of the row's mean predicted entry (a launch-bound
+    tiny op says little). Where a rank shares cores, the scheduler stretches most of its ops
+    by whatever it was descheduled for, but never shrinks one: the least stretched op is the
+    device's own speed, and a slow device is slow in that one too. NaN where a row has no
+    such entry. ``rows`` as in ``trimmed_ratio``.
+
+    Single precision, the entry mask and reciprocals worked out once per prediction row (a
+    TP group's members share it), the minimum taken over the transpose (see trimmed_ratio)."""
+    n = obs.shape[0]
+    pg = np.asarray(pred.reshape(len(pred), -1), dtype=np.float32)
+    has = np.isfinite(pg)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = np.where(has, pg, np.float32(0.0)).sum(axis=1, keepdims=True) / has.sum(axis=1, keepdims=True)
+        inv = np.where(has & (pg >= share * mean) & (pg > 0), np.float32(1.0) / pg, np.float32(np.nan))
+    if rows is not None:
+        inv = np.take(inv, rows, axis=0)
+    if inv.shape[1] == 0:  # no entries at all
+        return np.full(n, np.nan)
+    r = np.asarray(obs.reshape(n, -1), dtype=np.float32) * inv
+    low: FloatArray = np.fmin.reduce(np.ascontiguousarray(r.T), axis=0).astype(np.float64)
+    return low
+
+
 _F32 = np.finfo(np.float32)
 
 

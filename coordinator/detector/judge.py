@@ -237,10 +237,10 @@ class IterationJudge:
         return np.where(small, comp - center * m, comp), spread
 
     def _floor_worth(self) -> bool:
-        """Whether the least-stretched-op estimator is worth its cost (a tenth of a millisecond
-        and a third evidence key per rank: +1 ms per iteration at 4096 ranks): while some rank's compute (the ratio
-        of sums) is noisier than FLOOR_WORTH per iteration. Below that a 1.1x slowdown already
-        stands out by three spreads in every iteration (quiet GPUs); on shared cores ±10-30 %."""
+        """Whether the least-stretched-op estimator is worth its cost (it and its noise model
+        took 1-1.5 ms per iteration at 4096 ranks): while some rank's ratio of sums is noisier
+        than FLOOR_WORTH per iteration. Below that a 1.1x slowdown already stands out by three
+        spreads in every iteration (quiet GPUs); on shared cores the ratio swings ±7-16 %."""
         nz = self.noise
         return bool(np.any(nz.relative_spread()[:, 0] > FLOOR_WORTH))
 

@@ -21,6 +21,8 @@ import pytest
 from cp_helpers import read_jsonl, wait_until
 from netns_cluster import admin_status, cluster_or_skip, stop
 
+from resihp.coordinator.model.plan import Plan
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 STEPS = 40
@@ -90,8 +92,10 @@ def test_a_rank_killed_on_the_second_node_is_recovered_across_nodes(job: dict[st
                  and e["reason"].startswith("fail-stop"))
     survivors = {r for rep in first["plan"]["replicas"] for g in rep["stages"] for r in g} | set(first["plan"]["spares"])
     assert first["reason"].startswith("fail-stop") and survivors == {0, 1, 2}, first
-    # the job's global batch survives the re-plan (the coordinator was given the script's)
-    assert sum(rep["microbatches"] for rep in first["plan"]["replicas"]) == 8
+    # the job's global batch survives the re-plan (the coordinator was given the script's): 8
+    # micro-batches of 128 tokens, as whole shares or as token shares cut by the document
+    # (three replicas then run 3 smaller micro-batches each: 342 + 341 + 341 tokens)
+    assert Plan.from_dict(first["plan"]).global_tokens(128) == 8 * 128, first["plan"]
     acks = {e["rank"] for e in events if e["event"] == "ack" and e["command_seq"] == first["command_seq"] and e["ok"]}
     assert acks == {0, 1, 2}
     assert "layout-mismatch" not in {e["event"] for e in events}

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from resihp.coordinator.detector.evidence import PlanIndex, batch_features
-from resihp.coordinator.detector.predictor import floor_ratio, nanmedian, trimmed_ratio
 from resihp.coordinator.detector.program import compile_schedule
+from resihp.coordinator.detector.ratios import floor_ratio, nanmedian, trimmed_ratio
 from resihp.coordinator.model.plan import Plan, Schedule
 from resihp.coordinator.schedule.simulator import simulate_pipeline
 

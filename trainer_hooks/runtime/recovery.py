@@ -75,12 +75,13 @@ class PrepareAhead(PeerDeathListener):
 
     def __init__(self, rc: LiveReconfigurer) -> None:
         self.rc = rc
+        self.enabled = prepare_ahead_wanted(os.environ)  # the job's environment: decided once
         self.started: list[int] = []  # epochs prepared ahead (tests, logs)
         DEATHS.on_peer_death(self)
 
     def __call__(self, cmd: m.ReconfigCommand, dead: frozenset[int]) -> None:
         rc = self.rc
-        if not prepare_ahead_wanted(os.environ):
+        if not self.enabled:
             return
         if cmd.epoch <= rc.epoch or not dead & set(rc.members) or rc.rank in dead:
             return

@@ -75,3 +75,12 @@ def test_off_and_auto_on_an_oversubscribed_host_prepare_nothing_ahead(monkeypatc
     assert prepare_ahead_wanted({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores + 1)}) is False  # auto: a core short
     assert prepare_ahead_wanted({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores)}) is True
     assert prepare_ahead_wanted({PREPARE_AHEAD_ENV: "on", "LOCAL_WORLD_SIZE": str(cores * 4)}) is True
+
+
+def test_an_unknown_prepare_ahead_value_is_named_and_taken_as_auto(caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level("WARNING"):
+        assert prepare_ahead_wanted({PREPARE_AHEAD_ENV: "sometimes", "LOCAL_WORLD_SIZE": str(cores + 1)}) is False
+    assert "RESIHP_PREPARE_AHEAD='sometimes' is not on, off or auto: taken as auto" in caplog.text

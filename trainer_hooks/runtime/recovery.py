@@ -59,6 +59,8 @@ def prepare_ahead_wanted(env: Mapping[str, str]) -> bool:
         return True
     if mode in ("off", "0", "false", "no"):
         return False
+    if mode != "auto":
+        log.warning("%s=%r is not on, off or auto: taken as auto", PREPARE_AHEAD_ENV, env[PREPARE_AHEAD_ENV])
     local = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or "1"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores >= (int(local) if local.isdigit() else 1)

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 
 # The README's test command: static checks first (seconds), then the suite.
 test: check
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -rfER tests  # -rfER: failures, errors and reruns named in the summary
 
 check: venv
 	$(VENV)/bin/ruff check .

@@ -66,6 +66,11 @@ def test_train_plain_single_process() -> None:
     assert 5.0 < losses[0] < 6.0 and final < losses[0], out
 
 
+# After its last iteration and destroy_process_group(), a rank of the plain DDP job sometimes
+# aborts in torch's own teardown ("terminate called without an active exception", SIGABRT):
+# once in a CI run, 1 in 20 here beside a busy loop, 0 in 8 without. Its training is whole by
+# then (the final loss is printed); a rerun asks the same of a fresh job.
+@pytest.mark.flaky(reruns=2)
 @pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no {TORCHRUN}")
 def test_train_plain_under_torchrun_ddp() -> None:
     cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(EXAMPLE / "train_plain.py"), *SMALL]

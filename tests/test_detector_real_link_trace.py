@@ -68,3 +68,21 @@ def test_the_shaped_link_is_found_and_recovered_soon_after_the_shaper_is_gone(na
     # recover_iters normal iterations (36 and 35 here). Each iteration's own evidence within
     # the fixed thresholds, recover_iters in a row, took until 48 and 43
     assert back.kind == "recovered" and last_shaped < back.iteration <= last_shaped + 8, kinds
+
+
+def test_the_recovery_window_reads_medians_and_the_ring_level_taken_as_the_rank_turned_suspect() -> None:
+    import numpy as np
+
+    from resihp.coordinator.detector.recovery_window import RecoveryWindow
+
+    win = RecoveryWindow(5, 2)
+    no, slow0 = np.zeros(2, dtype=bool), np.array([True, False])
+    for ring in (2.0, 2.1, 1.9, 2.0):  # a healthy ring reading ~2x the model
+        win.push(np.ones(2), np.ones(2), np.array([ring, 1.0]), no, no)
+    win.push(np.ones(2), np.ones(2), np.array([40.0, 1.0]), no, slow0)  # rank 0 turns suspect here
+    assert win.ring_back_below(1.0).tolist() == [4.0, 2.0]  # 2x its level of 2.0; rank 1: none, the model's
+    # once rank 0 is link-slow: one far-out link reading among back ones does not hold it
+    for link in (1.2, 11.0, 1.1):
+        comp, comm, dp = win.push(np.ones(2), np.array([link, 7.0]), np.array([1.5, 1.0]), slow0, no)
+    # rank 0: the median of its last five (1, 1, 1.2, 11, 1.1) and (2.0, 40, 1.5, 1.5, 1.5); rank 1: as read
+    assert comm.tolist() == [1.1, 7.0] and dp.tolist() == [1.5, 1.0]

@@ -184,7 +184,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self.ok_run = np.zeros(n, dtype=np.int64)
         self.score = np.array([self._factor.get(r, 1.0) for r in ranks])
         self._dp_only = np.zeros(n, dtype=bool)
-        self._link_history = None  # a new plan's ranks sit at other positions
+        self._recovery = None  # a new plan's ranks sit at other positions
         self.cause_code = np.array([1 if self._cause.get(r) == "communication" else 0 for r in ranks], dtype=np.int64)
 
     def _sync_out(self) -> None:

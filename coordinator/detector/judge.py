@@ -19,6 +19,7 @@ from resihp.coordinator.detector.adaptive import AdaptiveJudging
 from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, group_all, tp_wait_share
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.recovery_window import RecoveryWindow
 from resihp.coordinator.detector.seeds import PauseShare
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 
@@ -60,10 +61,7 @@ class IterationJudge(AdaptiveJudging):
     _pauses_epoch: int = 0  # the predictor's pricing epoch the gap was learnt under
     _pending_pricing: tuple[int, bool] = (0, False)  # (pricing epoch, seeds pending) of _pending
     _level: str  # the evidence level being judged (chunks, rank_step, iteration)
-    # (2·recover_iters − 1, n, 3) the latest iterations' compute, link and DP-ring ratios (_recent_evidence)
-    _link_history: FloatArray | None = None
-    _ring_level: FloatArray  # (n,) a rank's DP-ring median as it turned suspect (NaN: none yet)
-    _link_turn: int = 0
+    _recovery: RecoveryWindow | None = None  # a link-slow rank's recent evidence (fixed thresholds)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
@@ -161,10 +159,11 @@ class IterationJudge(AdaptiveJudging):
         ev = {"compute_ratio": comp, "link_ratio": link, "dp_ratio": dp_ratio,
               "p2p_in_ratio": np.fmax(in_f, in_b)}
         if adapt is None:
-            comp_now, link_now, ring_now = self._recent_evidence(comp, comm, dp_ratio, link_slow, suspect)
+            window = self._recovery_window()
+            comp_now, link_now, ring_now = window.push(comp, comm, dp_ratio, link_slow,
+                                                       (self.state == RankState.HEALTHY) & suspect)
             ring = link_slow & np.isfinite(ring_now)
-            # a ring back at its own healthy level is back, where that level is above the model
-            ring_back = (1 + c.dp_threshold) * np.fmax(1.0, self._ring_level)
+            ring_back = window.ring_back_below(c.dp_threshold)
             normal = (fill_nan(comp_now, 1.0) < 1 + np.where(link_slow, c.slow_threshold, c.recover_threshold)) & (
                 fill_nan(link_now, 1.0) < 1 + np.where(ring, comm_thr, np.maximum(c.recover_threshold, comm_thr / 2))) & (
                 ~ring | (ring_now < ring_back))
@@ -184,36 +183,13 @@ class IterationJudge(AdaptiveJudging):
             self._rewarm_learn(t, tok, ssq)
         return found
 
-    def _recent_evidence(self, comp: FloatArray, comm: FloatArray, dp_ratio: FloatArray,
-                         link_slow: npt.NDArray[np.bool_], suspect: npt.NDArray[np.bool_]
-                         ) -> tuple[FloatArray, FloatArray, FloatArray]:
-        """The compute, link and DP-ring ratios a fixed-threshold recovery judges: this
-        iteration's, and for a link-slow rank the median of its last 2·recover_iters − 1
-        iterations. On shared cores every ratio has a heavy tail (P2P 1-11x, a DP ring 0-3.5x,
-        compute 1-2.7x per iteration): requiring all three within their thresholds in
-        recover_iters consecutive iterations held a rank whose shaper was gone for 17-65
-        iterations. The median still needs most of the window back: a slow NIC keeps every one
-        of its iterations far out. Also keeps ``_ring_level``: a rank's DP-ring median over the
-        same window in the iteration it turns suspect (healthy before it; the one slow iteration
-        in it moves no median), the level its ring is back at (on shared cores one ring's
-        all-reduce read 1.8-2.9x the model for a whole healthy run, its rank's own entry skew).
-        Taken at that turn only: every healthy rank's median in every iteration cost 0.35 ms
-        at 4,096 ranks."""
-        w = 2 * self.config.recover_iters - 1
-        now = np.stack([comp, comm, dp_ratio], axis=1)
-        h = self._link_history
-        if h is None or h.shape != (w, *now.shape):
-            h = self._link_history = np.full((w, *now.shape), np.nan)
-            self._ring_level = np.full(len(comm), np.nan)
-        h[self._link_turn % w] = now
-        self._link_turn += 1
-        turning = (self.state == RankState.HEALTHY) & suspect
-        if turning.any():
-            self._ring_level[turning] = nanmedian(h[:, turning, 2], axis=0)
-        rows = np.nonzero(link_slow)[0]
-        if len(rows):
-            now[rows] = nanmedian(h[:, rows, :], axis=0)
-        return now[:, 0], now[:, 1], now[:, 2]
+    def _recovery_window(self) -> RecoveryWindow:
+        """This plan's window of recent evidence for the fixed-threshold recovery (a new one
+        when the plan or recover_iters changed)."""
+        w, n = 2 * self.config.recover_iters - 1, self.index.n
+        if self._recovery is None or not self._recovery.fits(w, n):
+            self._recovery = RecoveryWindow(w, n)
+        return self._recovery
 
     def _common_factor(self, comp: FloatArray) -> float:
         """The median compute ratio of the ranks that may serve as peers (alive, not

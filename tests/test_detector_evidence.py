@@ -195,3 +195,32 @@ def test_a_drift_of_the_least_stretched_op_alone_is_no_finding(monkeypatch: pyte
     # were the ratio of sums to agree with whatever the least stretched op shows, rank 1 is accused
     monkeypatch.setattr(NoiseModel, "window_excess", lambda self, scale, key: np.full(len(scale), np.inf))
     assert [r for r, _ in findings()] == [(1,)]
+
+
+# the sweep's noisy profile (bench/detect_sweep.py NOISE["noisy"]): the runs where a ring's
+# members crossed the noise test one at a time
+NOISY = Noise(op_jitter=0.04, device_spread=0.02, drift=0.01, os_noise_prob=0.01, gc_prob=0.1, loader_prob=0.1,
+              comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0, cotenant_prob=0.05)
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "rank", "budget", "packing", "seed"), [
+    (8, 1, 4, 17, 32768, "greedy", 1251),   # before: (17,) found, then (9,) six iterations later
+    (1, 8, 4, 31, 16384, "best-fit", 1256),  # before: (15, 23) named, the slow rank 31 never
+])
+def test_a_slow_nic_seen_only_by_its_dp_ring_is_named_with_the_whole_ring_once(
+        tp: int, pp: int, dp: int, rank: int, budget: int, packing: str, seed: int) -> None:
+    # two GPUs per node: the pipeline's sends stay inside nodes, so the only cross-node
+    # transfer the slow NIC carries is its stage's DP all-reduce, one measurement for all members
+    plan = Plan.uniform(tp, pp, dp, MODEL.num_layers, 8 if pp == 1 else 16)
+    cfg = WorkloadConfig(MODEL, plan, budget=budget, packing=packing, seed=seed, iterations=60,
+                         noise=dataclasses.replace(NOISY), faults=(Fault("link", rank, 30, 2.0),),
+                         hardware=Hardware(gpus_per_node=2))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
+    pos = plan.position(rank)
+    ring = {rep.stages[pos.stage][pos.tp_index] for rep in plan.replicas}
+    about_ring = [f for f in found if f.kind in ("fail-slow", "degraded") and f.cause == "communication"
+                  and set(f.ranks) & ring]
+    assert len(about_ring) == 1, [(f.iteration, f.ranks) for f in about_ring]
+    assert set(about_ring[0].ranks) == ring
+    assert "cannot be told apart" in about_ring[0].reason
+    assert about_ring[0].iteration >= 30

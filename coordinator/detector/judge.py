@@ -297,7 +297,7 @@ class IterationJudge(AdaptiveJudging):
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
         mates = np.zeros_like(confirm)
         if is_comm is not None and (confirm & sus_m & self._dp_only).any():
-            mates = self._ring_mates(confirm & sus_m & self._dp_only, watching & (st == RankState.SUSPECT) & ~confirm)
+            mates = self._ring_mates(confirm & sus_m & self._dp_only, watching & ~confirm)
             confirm |= mates
         slow = live & (st == RankState.SLOW)
         if hold is not None:
@@ -333,13 +333,15 @@ class IterationJudge(AdaptiveJudging):
             self.score = np.where(recover, 1.0, self.score)
         return out
 
-    def _ring_mates(self, found: npt.NDArray[np.bool_], suspect: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
-        """Suspect members of the DP rings of ``found`` (ranks only their ring's transfer shows
-        slow): their ring's transfer is one measurement for all of them, so which member's
-        noise crosses the test first is chance; named together, in one finding, rather than one
-        now and the others an iteration later (a second finding about the same ring)."""
+    def _ring_mates(self, found: npt.NDArray[np.bool_], watched: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """The other watched members of the DP rings of ``found`` (ranks only their ring's
+        transfer shows slow): that transfer is one measurement for all of them, so which
+        member's noise test crosses first is chance, and the slow one may not be it (a
+        member with a wider learned spread stays below its test on the same value). The
+        whole ring is named, in one finding, rather than one member now and another later
+        (a second finding about the same ring) or never (the slow one missed)."""
         ix = self.index
-        return np.asarray(suspect & self._dp_only & np.isin(ix.ring, ix.ring[found]), dtype=np.bool_)
+        return np.asarray(watched & self._dp_only & np.isin(ix.ring, ix.ring[found]), dtype=np.bool_)
 
     def _group(self, t: IterationTimings, idx: npt.NDArray[np.int64], kind: FindingKind, coarse: bool,
                ev: dict[str, FloatArray], now: float) -> list[Finding]:

@@ -58,9 +58,10 @@ def main(argv: list[str]) -> int:
         names = None
         if args.policies:
             names = [n.strip() for n in args.policies.split(",") if n.strip()]
-            unknown = [n for n in names if n not in policy_registry.names()]
+            known = policy_registry.names() + [policy_registry.GIVEN_LAYOUT]
+            unknown = [n for n in names if n not in known]
             if unknown:
-                raise SpecError(f"unknown policies {unknown}; known: {', '.join(policy_registry.names())}")
+                raise SpecError(f"unknown policies {unknown}; known: {', '.join(known)}")
         cmp = compare(sc, job, hours, args.seed, names)
     except (SpecError, FailureTraceError, ValueError, OSError) as exc:
         print(f"resihp simulate: {exc}", file=sys.stderr)

@@ -39,11 +39,11 @@ class Comparison:
         res = self.by_name()
         if ours not in res:
             return math.nan
-        best = max((r.avg_tps for n, r in res.items() if n != ours), default=0.0)
+        best = max((r.avg_tps for n, r in res.items() if not policy_registry.is_resihp(n)), default=0.0)
         return res[ours].avg_tps / best if best > 0 else math.inf
 
     def best_baseline(self, ours: str = "resihp") -> str:
-        res = [r for r in self.results if r.policy != ours]
+        res = [r for r in self.results if not policy_registry.is_resihp(r.policy)]
         return max(res, key=lambda r: r.avg_tps).policy if res else ""
 
 

@@ -10,7 +10,7 @@ import pytest
 from resihp.coordinator.model.spec import preset
 from resihp.sim.engine import RunResult, Simulation
 from resihp.sim.perf import JobSpec, PerfModel
-from resihp.sim.policies import make
+from resihp.sim.policies import GIVEN_LAYOUT, make
 from resihp.sim.policies.base import Settings
 from resihp.sim.policies.failslow import Greyhound
 from resihp.sim.policies.oobleck import Oobleck
@@ -185,7 +185,7 @@ def test_resihp_takes_an_idle_slow_rank_back_when_its_verdict_lapses() -> None:
 def run_without_probes(job: JobSpec, faults: Sequence[Fault], horizon: float) -> tuple[RunResult, float]:
     perf = PerfModel(job)
     r0 = failure_free_tps(job, perf)
-    pol = make("resihp", job, perf, SETTINGS)
+    pol = make(GIVEN_LAYOUT, job, perf, SETTINGS)  # from TP8 x DP2 itself, not the launch layout
     pol.probe_every_s = None  # type: ignore[attr-defined]
     return Simulation(pol, job.world_size, job.gpus_per_node, r0).run(faults, horizon), r0
 
@@ -195,7 +195,7 @@ def test_resihp_probes_keep_an_idle_slow_rank_out_until_it_recovers() -> None:
     # verdict (no lapse, no second detection); three normal probes after the fault's end
     # (at 2000 s) are its recovery, and the re-plan takes the rank back at full speed
     job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
-    res, r0 = run("resihp", job, [FailSlow(500.0, (5,), 3.0, 1500.0)], 6000.0)
+    res, r0 = run(GIVEN_LAYOUT, job, [FailSlow(500.0, (5,), 3.0, 1500.0)], 6000.0)
     notes = [(line.time_s, line.note) for line in res.log]
     found = [t for t, n in notes if "fail-slow#0 detected" in n]
     back = [t for t, n in notes if "idle ranks' probes normal" in n]
@@ -209,7 +209,7 @@ def test_resihp_finds_a_fail_slow_of_idle_ranks_by_their_probes() -> None:
     # confirm_iters (2) slow probes, 30 s apart, not by iterations it does not run
     job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
     perf = PerfModel(job)
-    pol = make("resihp", job, perf, SETTINGS)
+    pol = make(GIVEN_LAYOUT, job, perf, SETTINGS)
     Simulation(pol, job.world_size, job.gpus_per_node, failure_free_tps(job, perf)).run(
         [FailSlow(500.0, (5,), 3.0, 1500.0)], 600.0)
     assert not pol.plan.has_rank(5)
@@ -218,3 +218,22 @@ def test_resihp_finds_a_fail_slow_of_idle_ranks_by_their_probes() -> None:
     assert reaction.timers == ((650.0 + 2 * 30.0, "slow:7"),)
     in_plan = pol.on_world(WorldEvent(650.0, FailSlow(650.0, (4,), 2.0, 100.0), 8, True), 650.0)
     assert in_plan.timers[0][0] < 650.0 + 30.0  # a rank of the plan: its iterations find it
+
+
+def test_resihp_launches_with_its_planners_layout_and_the_given_variant_with_the_jobs() -> None:
+    # LLaMA2-7B on 32 GPUs given TP8 x DP4 (whole nodes per replica): the planner's healthy
+    # plan (as `resihp launch --layout auto` picks it) runs faster on the oracle, and resihp
+    # starts there with no pause; resihp@given starts from the job's layout like the baselines
+    job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=4, microbatches=32, gpus_per_node=8)
+    perf = PerfModel(job)
+    auto, given = make("resihp", job, perf, SETTINGS), make(GIVEN_LAYOUT, job, perf, SETTINGS)
+    healthy = World(job.world_size, job.gpus_per_node)
+    assert given.plan == job.initial_plan() and given.name == GIVEN_LAYOUT
+    assert auto.plan != job.initial_plan()
+    assert perf.tokens_per_s(auto.plan, healthy) > perf.tokens_per_s(given.plan, healthy) * 1.01
+    assert make("resihp", job, perf, SETTINGS).plan is auto.plan  # one launch plan per job
+    res, _ = run("resihp", job, [], 600.0)
+    assert res.reconfigurations == 0 and res.segments[0].start_s == 0.0
+    assert res.avg_tps == pytest.approx(perf.tokens_per_s(auto.plan, healthy), rel=1e-9)
+    with pytest.raises(ValueError, match="unknown policy 'resihp@nowhere'"):
+        make("resihp@nowhere", job, perf, SETTINGS)

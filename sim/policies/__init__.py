@@ -23,19 +23,33 @@ BASELINES: dict[str, Factory] = {
 }
 
 
+# resihp started from the job's given layout (``resihp launch`` with a fixed layout) rather than
+# its planner's launch layout (``--layout auto``): what resihp's resilience alone is worth
+GIVEN_LAYOUT = "resihp@given"
+
+
 def names() -> list[str]:
     return list(BASELINES) + ["resihp"]
 
 
+def is_resihp(name: str) -> bool:
+    """resihp or one of its variants: never a baseline."""
+    return name == "resihp" or name.startswith("resihp@")
+
+
 def make(name: str, job: JobSpec, perf: PerfModel, settings: Settings) -> Policy:
-    if name == "resihp":
+    if is_resihp(name):
         from resihp.sim.policies.resihp import ResiHP
 
-        return ResiHP(job, perf, settings)
+        if name not in ("resihp", GIVEN_LAYOUT):
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(names() + [GIVEN_LAYOUT])}")
+        pol = ResiHP(job, perf, settings, auto_layout=name == "resihp")
+        pol.name = name
+        return pol
     try:
         return BASELINES[name](job, perf, settings)
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(names())}") from None
 
 
-__all__ = ["Policy", "Settings", "make", "names", "BASELINES"]
+__all__ = ["Policy", "Settings", "make", "names", "is_resihp", "BASELINES", "GIVEN_LAYOUT"]

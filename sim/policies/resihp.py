@@ -41,17 +41,19 @@ from typing import Any
 from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.detector import Finding
 from resihp.coordinator.detector.probe import ProbeBook, is_slow_probe, judge_probe
+from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.sim import detection
 from resihp.sim.detection import DetectionOracle
 from resihp.sim.engine import Phase, Reaction
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings, node_ranks
-from resihp.sim.world import FailSlow, FailStop, WorldEvent
+from resihp.sim.world import FailSlow, FailStop, World, WorldEvent
 
 PROBE_EVERY_S = 30.0  # trainer_hooks: an idle rank's probe interval (init's probe_every_s)
 _DECISIONS: dict[tuple[object, ...], Any] = {}
 _CLUSTERS: dict[tuple[object, ...], tuple[JobSpec, Any]] = {}
+_LAUNCH: dict[tuple[JobSpec, str], Plan] = {}  # the launch layout per job and planner config
 
 
 def oracle_for(job: JobSpec) -> DetectionOracle:
@@ -64,12 +66,14 @@ class ResiHP(Policy):
     source = "ResiHP (arXiv:2605.06374); real resihp.coordinator.detector.detector + resihp.coordinator.planner.planner"
 
     def __init__(self, job: JobSpec, perf: PerfModel, settings: Settings | None = None,
-                 oracle: DetectionOracle | None = None, planner_config: Any = None) -> None:
+                 oracle: DetectionOracle | None = None, planner_config: Any = None, auto_layout: bool = True) -> None:
         super().__init__(job, perf, settings)
         from resihp.coordinator.planner import planner
 
         self._planner = planner
         self.config = planner_config if planner_config is not None else self._default_config()
+        if auto_layout:
+            self.plan = self._launch_layout()
         self.oracle = oracle or oracle_for(job)
         self.known_dead: set[int] = set()
         self.known_slow: dict[int, tuple[tuple[int, ...], float, str]] = {}  # fault id -> (ranks, factor, cause)
@@ -86,6 +90,28 @@ class ResiHP(Policy):
         self.cache_hits = 0
         self.planner_s = 0.0
         self._faults: dict[int, FailStop | FailSlow] = {}
+
+    def _launch_layout(self) -> Plan:
+        """The layout resihp starts with, as ``resihp launch --layout auto`` (and ``hooks.init``
+        without a plan) picks it: the planner's best healthy plan for this cluster, where the
+        oracle runs it faster than the job's given layout (the same plan the upper bound
+        credits, runner.best_healthy_tps). Chosen before training: no pause, nothing moved."""
+        given = self.job.initial_plan()
+        key = (self.job, repr(self.config))
+        hit = _LAUNCH.get(key)
+        if hit is not None:  # one plan object per job: the decision memo keys on its identity
+            return hit
+        healthy = World(self.job.world_size, self.job.gpus_per_node)
+        try:
+            best = self._planner.search_plan(self.job.cluster(), self.job.model, self.job.batch(), given, self.config)
+        except SpecError:
+            best = given
+        if self.perf.tokens_per_s(best, healthy) <= self.perf.tokens_per_s(given, healthy):
+            best = given
+        if len(_LAUNCH) > 64:
+            _LAUNCH.clear()
+        _LAUNCH[key] = best
+        return best
 
     def _default_config(self) -> Any:
         cfg_cls = getattr(self._planner, "PlannerConfig", None)

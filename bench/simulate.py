@@ -14,6 +14,9 @@ policy's goodput. The final JSON line holds, per scenario:
 - ``headroom_captured``: (resihp − best baseline) / (upper bound − best baseline), in
   goodput: how much of what any policy could still win resihp takes (minimum over the
   models whose headroom, (bound − best baseline) / bound, is ≥ 2 %; null when none);
+- ``per_model[...]["resihp_losses"]``: where resihp's tokens fall short of the bound, per
+  segment kind (``sim.engine.loss_breakdown``: down, reconfig, degraded, healthy), also
+  printed as a table for the tuned start;
 - ``paper_layout``: the same three numbers when the job starts from the paper's shapes
   (``job_for(layout="paper")``) instead of the fastest uniform layout ("tuned", the top level);
 - resihp starts from its planner's launch layout (``resihp launch --layout auto``: the
@@ -50,6 +53,7 @@ from typing import Any
 
 from resihp.sim import policies as policy_registry
 from resihp.sim import scenarios
+from resihp.sim.engine import loss_breakdown
 from resihp.sim.policies.resihp import _DECISIONS, ResiHP, oracle_for
 from resihp.sim.runner import Comparison, compare
 
@@ -127,6 +131,16 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             by_layout[layout] = _summary(per_model)
         out[name] = {**by_layout["tuned"], "paper_layout": by_layout["paper"]}
+    print("\nwhere resihp's tokens fall short of the upper bound (shares of the bound's tokens; tuned start):")
+    print(f"{'scenario':<20} {'model':<13} {'vs bound':>8} {'down':>7} {'reconfig':>8} {'degraded':>8} {'healthy':>8}")
+    for name in PAPER:
+        for model, row in out[name]["per_model"].items():
+            lost = row["resihp_losses"]
+            print(f"{name:<20} {model:<13} {row['vs_bound']:>8.3f} " + " ".join(
+                f"{lost.get(k, 0.0):>{w}.4f}" for k, w in (("down", 7), ("reconfig", 8), ("degraded", 8), ("healthy", 8))))
+    print("(down: stalled after a fail-stop until the new plan runs; reconfig: re-plan pauses; degraded: plans below\n"
+          " 95 % of the failure-free rate, slowed before a finding included; healthy: plans at or above it, still\n"
+          " below the bound's best healthy layout at the healthy fraction of compute)")
     print("(columns per policy: goodput = tokens trained / failure-free tokens; headroom: what the upper bound\n"
           f" leaves above the best baseline, as a share of the bound; captured: resihp's part of it, where it is ≥ {HEADROOM_MIN:.0%};\n"
           " resihp starts from its planner's launch layout (resihp launch --layout auto), the baselines from the\n"
@@ -162,7 +176,9 @@ def _row(cmp: Comparison) -> dict[str, Any]:
             "best_baseline": cmp.best_baseline(), "resihp_goodput": round(ours.goodput, 3),
             # resihp from the layout every baseline starts with: its resilience alone
             "speedup_given_layout": round(cmp.speedup_vs_best_baseline(policy_registry.GIVEN_LAYOUT), 3),
-            "vs_bound_given_layout": round(given.vs_upper_bound, 3)}
+            "vs_bound_given_layout": round(given.vs_upper_bound, 3),
+            # where resihp's tokens fell short of the bound, as shares of it (sim.engine.loss_breakdown)
+            "resihp_losses": {k: round(v, 4) for k, v in sorted(loss_breakdown(ours).items())}}
 
 
 def _summary(per_model: dict[str, dict[str, Any]]) -> dict[str, Any]:

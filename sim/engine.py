@@ -73,6 +73,8 @@ class RunResult:
     restarts: int
     segments: list[Segment]
     log: list[LogLine]
+    # the upper bound's rate over time, piecewise constant: (start, end, tokens/s)
+    bound_segments: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def avg_tps(self) -> float:
@@ -100,6 +102,34 @@ class RunResult:
     @property
     def down_s(self) -> float:
         return sum(s.end_s - s.start_s for s in self.segments if s.tokens_per_s <= 0.0)
+
+
+def loss_breakdown(res: RunResult) -> dict[str, float]:
+    """Where a run's tokens fell short of the upper bound, as shares of the bound's tokens:
+    per segment label (``down``, ``restart``, ``reconfig``, ``degraded``, ``healthy``, ...),
+    the bound's tokens over the segment less those trained in it, plus ``rolled back`` (work
+    trained and lost to a restore). They sum to 1 − ``vs_upper_bound`` (a segment above the
+    bound counts negative)."""
+    total = res.upper_bound_tokens
+    if total <= 0:
+        return {}
+    out: dict[str, float] = {}
+    bounds = res.bound_segments
+    j = 0
+    for seg in res.segments:
+        credited = 0.0
+        while j < len(bounds) and bounds[j][1] <= seg.start_s:
+            j += 1
+        k = j
+        while k < len(bounds) and bounds[k][0] < seg.end_s:
+            b0, b1, rate = bounds[k]
+            credited += rate * max(0.0, min(b1, seg.end_s) - max(b0, seg.start_s))
+            k += 1
+        label = seg.label.split(":")[0]
+        out[label] = out.get(label, 0.0) + (credited - seg.tokens_per_s * (seg.end_s - seg.start_s)) / total
+    if res.lost_tokens:
+        out["rolled back"] = res.lost_tokens / total
+    return out
 
 
 def expand(faults: Sequence[Fault], horizon_s: float) -> list[WorldEvent]:
@@ -215,10 +245,17 @@ class Simulation:
 
         self.policy.ctx = ctx
         apply(self.policy.start(0.0), 0.0, "start")
+        bound_segs: list[tuple[float, float, float]] = []
+
+        def credit(until: float) -> float:
+            rate = self.r_bound * ctx.world.healthy_compute_fraction()
+            if until > t:
+                bound_segs.append((t, until, rate))
+            return rate * (until - t)
+
         while heap and heap[0][0] < horizon_s:
             when, _, _, payload = heapq.heappop(heap)
-            frac = ctx.world.healthy_compute_fraction()
-            bound += self.r_bound * frac * (when - t)
+            bound += credit(when)
             advance(when)
             ctx.now = when
             if isinstance(payload, WorldEvent):
@@ -226,7 +263,7 @@ class Simulation:
                 apply(self.policy.on_world(payload, when), when, payload.label)
             else:
                 apply(self.policy.on_timer(str(payload), when), when, f"timer {payload}")
-        bound += self.r_bound * ctx.world.healthy_compute_fraction() * (horizon_s - t)
+        bound += credit(horizon_s)
         advance(horizon_s)
         ctx.now = horizon_s
         produced = ctx.tokens_between(0.0, horizon_s)
@@ -234,6 +271,7 @@ class Simulation:
             policy=self.policy.name, horizon_s=horizon_s, failure_free_tps=self.r0,
             tokens=max(0.0, produced - lost), lost_tokens=lost, upper_bound_tokens=bound,
             reconfigurations=reconf, restarts=restarts, segments=list(ctx._segs), log=log,
+            bound_segments=bound_segs,
         )
 
 

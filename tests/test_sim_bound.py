@@ -7,7 +7,7 @@ import pytest
 from resihp.coordinator.model.cluster import Cluster, DeviceState
 from resihp.coordinator.model.spec import preset
 from resihp.coordinator.planner import planner
-from resihp.sim.engine import Simulation
+from resihp.sim.engine import Simulation, loss_breakdown
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies import make
 from resihp.sim.policies.base import Settings
@@ -69,3 +69,20 @@ def test_job_caches_its_initial_plan_and_devices() -> None:
     assert JOB.cluster().devices == Cluster.uniform(2, 8, memory_bytes=JOB.memory_bytes).devices
     healthy_search = planner.search_plan(JOB.cluster(), JOB.model, JOB.batch(), JOB.initial_plan())
     assert healthy_search.global_microbatches == JOB.microbatches
+
+
+@pytest.mark.parametrize("name", ["static", "ckpt-restart", "resihp"])
+def test_the_loss_breakdown_accounts_for_every_token_below_the_bound(name: str) -> None:
+    # the same faults: a lost device (repaired after 1000 s) and a 2x slow one
+    faults: list[Fault] = [FailStop(1000.0, (3,), scope="gpu", repair_s=1000.0), FailSlow(500.0, (9,), 2.0, 2000.0)]
+    perf = PerfModel(JOB)
+    res = Simulation(make(name, JOB, perf, SETTINGS), JOB.world_size, JOB.gpus_per_node,
+                     failure_free_tps(JOB, perf)).run(faults, 4000.0)
+    parts = loss_breakdown(res)
+    assert sum(parts.values()) == pytest.approx(1.0 - res.vs_upper_bound, abs=1e-9)
+    assert res.bound_segments[0][0] == 0.0 and res.bound_segments[-1][1] == 4000.0
+    assert sum(r * (b - a) for a, b, r in res.bound_segments) == pytest.approx(res.upper_bound_tokens)
+    if name == "static":  # stopped until the repair, then relaunched from the last checkpoint
+        assert parts["down"] > 0.2 and parts["rolled back"] > 0.0
+    if name == "resihp":  # the re-plans' pauses and the slowed plans between them; no rollback
+        assert parts["reconfig"] > 0.0 and parts["degraded"] > parts["reconfig"] and "rolled back" not in parts

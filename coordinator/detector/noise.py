@@ -46,6 +46,13 @@ W = np.asarray(SCALES, dtype=np.float64)
 # floor) cross it at once: for Gaussian noise a chance of ~(1.6e-4)³ per key and iteration at
 # level 6, while a slowdown of 3.6 spreads is found in three iterations
 JUMP_SHARE = 0.6
+# kinds (columns) whose jump must also clear the largest ratio of the key's healthy window: the
+# transfers (column 1). Per-transfer jitter is heavy-tailed (lognormal, congestion spikes), which
+# a MAD spread does not see: under 30 % jitter one DP ring's healthy ratios reached 3.5x its
+# baseline and three in a row above 1.8x were reported as a slow ring. Compute (column 0)
+# keeps the rule as it was: a stall hits one iteration, and the jump there is what finds a
+# throttle within three
+TAIL_KINDS = slice(1, None)
 MEDIAN_VAR = (np.pi / 2)  # variance of a sample median over the mean's, for Gaussian noise (1.2533²)
 MAD_TO_SIGMA = 1.4826
 REFRESH = 32  # iterations between baseline refreshes once a key is warm (a window of 64 moves little in 32)
@@ -83,6 +90,9 @@ class NoiseModel:
         self.eprev = np.zeros((n, k))
         self.eprev2 = np.zeros((n, k))
         self.mu = np.zeros((n, k))  # mean clipped deviation of the healthy window (skewed noise: not 0)
+        # the healthy window's largest ratio, relative to the baseline (refreshed with it): a jump
+        # of a transfer key must clear it (TAIL_KINDS)
+        self.top = np.full((n, k), np.inf)
         self.z = np.zeros((zw, n, k))  # recent clipped deviations (ring, one slot per iteration)
         self.sums = np.zeros((len(SCALES), n, k))  # Σ of the last w z, per scale
         self.zpos = 0
@@ -124,6 +134,8 @@ class NoiseModel:
         # found in three iterations, which no stall (nor two in a row) can fake
         both = np.minimum(np.minimum(raw, self.zprev), self.zprev2) / (self.s2 * JUMP_SHARE)
         both_rel = np.minimum(np.minimum(rel, self.eprev), self.eprev2)
+        # a transfer key's three must each exceed its healthy window's largest ratio too
+        both[:, TAIL_KINDS] = np.where(both_rel[:, TAIL_KINDS] > self.top[:, TAIL_KINDS], both[:, TAIL_KINDS], -np.inf)
         # this iteration alone far out (not yet a finding): the rank leans slow, and what the
         # job measures meanwhile (its device and link profile) should not learn from it
         self.far = np.asarray((raw / self.s2 > self.level) & (rel > self.floor) & self._known(), dtype=np.bool_)
@@ -300,6 +312,9 @@ class NoiseModel:
                 s2 = np.sqrt(mean((zc - mu[:, None]) ** 2))
             self.m[pr, pk] = m
             self.s[pr, pk] = sp
+            with np.errstate(invalid="ignore"):
+                top = h.max(axis=1) if complete else np.nanmax(h, axis=1)
+            self.top[pr, pk] = (top - m) / np.where(m != 0, np.abs(m), 1.0)
             self.mu[pr, pk] = np.nan_to_num(mu)
             self.s2[pr, pk] = np.clip(np.nan_to_num(s2, nan=1.0), 1.0, self.clip)
             if self._inv_scale is not None:  # only these keys' spreads changed
@@ -311,7 +326,7 @@ class NoiseModel:
         start again from the cost model's prediction with the spread they had (their noise
         is their device's and host's), and their recent deviations are forgotten."""
         old = {r: i for i, r in enumerate(self.ranks)}
-        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "zprev",
+        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "top", "zprev",
                                                       "zprev2", "eprev", "eprev2", "_fresh", "since")}
         rings = {name: getattr(self, name) for name in ("z", "e", "pending")}  # iteration axis first
         sums, esums, prior, zpos, measured = self.sums, self.esums, self._prior, self.zpos, self._measured

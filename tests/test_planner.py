@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from resihp.coordinator.detector.verdicts import Finding
 from resihp.coordinator.model.cluster import Cluster, DeviceState, GlobalBatch
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
@@ -356,6 +357,23 @@ def test_a_re_plan_wins_back_at_most_what_the_finding_says_the_fault_costs(healt
     dear = slow(factor=3.0)
     dear.extra = {"evidence": {"cost_share": 2.0}}
     assert decide(cluster, SPEC, BATCH, current, dear, 0.0).act
+
+
+def test_the_cost_cap_reads_the_detectors_own_finding(healthy: tuple[Cluster, Plan]) -> None:
+    """The coordinator hands the planner the detector's ``Finding`` (its price in ``evidence``),
+    not the control plane's ``FindingInfo`` (``extra["evidence"]``). Until 2026-12-06 the cap
+    read only the latter, so live jobs re-planned on cheap findings: a healthy 4-rank CPU job's
+    1.08x warm-up finding, priced at 2.4 % of the iteration, moved to a layout the planner
+    merely preferred ("gain 16.8 %")."""
+    cluster, current = healthy
+
+    def found(share: float) -> Finding:
+        return Finding(20, "fail-slow", (3,), 0, 0, None, 3.0, "compute", "3x slow",
+                       {"compute_ratio": 3.0, "cost_share": share}, 0.0)
+
+    cheap = decide(cluster, SPEC, BATCH, current, found(0.001), 0.0)
+    assert not cheap.act and "gains only 0.1 %" in cheap.reason, cheap.reason
+    assert decide(cluster, SPEC, BATCH, current, found(2.0), 0.0).act
 
 
 def test_a_replan_keeps_a_replica_where_two_fit_and_gives_it_up_only_where_none_do() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -272,10 +272,14 @@ def _without_slow_links(costs: Costs, current: Plan, cfg: PlannerConfig
 def _finding_cost_cap(finding: Any | None) -> float | None:
     """The most a re-plan can gain against a fail-slow finding that says what it costs
     (``evidence.cost_share`` s: the iteration is 1 + s times the healthy one, so at most
-    s / (1 + s) of it can be won back); None when it does not say."""
-    extra = getattr(finding, "extra", None)
-    evidence = extra.get("evidence") if isinstance(extra, dict) else None
-    share = evidence.get("cost_share") if isinstance(evidence, dict) else None
+    s / (1 + s) of it can be won back); None when it does not say. The detector's own
+    ``Finding`` (what the coordinator passes) carries ``evidence``; the control plane's
+    ``FindingInfo`` carries it in ``extra["evidence"]``."""
+    evidence = getattr(finding, "evidence", None)
+    if not isinstance(evidence, Mapping):
+        extra = getattr(finding, "extra", None)
+        evidence = extra.get("evidence") if isinstance(extra, Mapping) else None
+    share = evidence.get("cost_share") if isinstance(evidence, Mapping) else None
     if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
         return None
     return float(share) / (1.0 + float(share))

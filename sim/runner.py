@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from resihp.sim import policies as policy_registry
-from resihp.sim.engine import RunResult, Simulation
+from resihp.sim.engine import RunResult, Simulation, loss_breakdown
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Settings, young_interval_s
 from resihp.sim.scenarios import Scenario, settings_for
@@ -133,7 +133,18 @@ def table(cmp: Comparison) -> str:
         )
     if any(r.policy == "resihp" for r in cmp.results) and len(cmp.results) > 1:
         lines.append(f"resihp vs best baseline ({cmp.best_baseline()}): {cmp.speedup_vs_best_baseline():.2f}x")
+    for r in cmp.results:
+        if policy_registry.is_resihp(r.policy):
+            lost = loss_breakdown(r)
+            parts = ", ".join(f"{name} {lost[key] * 100:.1f} %" for key, name in SHORTFALL if key in lost)
+            lines.append(f"{r.policy} below the upper bound by {(1 - r.vs_upper_bound) * 100:.1f} %: {parts or 'nothing'}")
     return "\n".join(lines)
+
+
+# loss_breakdown's segment kinds, as the table names them
+SHORTFALL = (("down", "stalled after fail-stops"), ("restart", "restarting"), ("reconfig", "re-plan pauses"),
+             ("degraded", "plans under 95 % of failure-free"), ("healthy", "plans below the bound"),
+             ("rolled back", "rolled back"))
 
 
 def plot(cmp: Comparison, path: str) -> None:

@@ -28,6 +28,12 @@ def test_simulate_replays_a_trace_and_draws_the_plot(tmp_path: Path, capsys: pyt
     assert set(rows) == {"static", "ckpt-restart", "oobleck", "resihp"}
     goodput = {name: float(cols[2]) for name, cols in rows.items()}
     assert goodput["resihp"] > goodput["static"]
+    # where resihp's tokens went: the parts add up to its shortfall against the upper bound
+    below = next(line for line in out.splitlines() if line.startswith("resihp below the upper bound by "))
+    total = float(below.split(" by ")[1].split(" %")[0])
+    parts = [float(p.split()[-2]) for p in below.split(": ", 1)[1].split(", ")]
+    assert total == pytest.approx(100 * (1 - float(rows["resihp"][3])), abs=0.06)
+    assert sum(parts) == pytest.approx(total, abs=0.05 * len(parts)) and "re-plan pauses" in below
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert saved.read_text().count("\n") == 3
 

@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             per_model: dict[str, dict[str, Any]] = {}
             for model in (harsh_models if name == "paper-mixed-harsh" else models):
                 job = scenarios.job_for(model, 256, layout=layout, documents=args.documents)
-                cmp = compare(sc, job, args.hours, args.seed,
-                              policy_registry.names() + [policy_registry.GIVEN_LAYOUT])
+                cmp = compare(sc, job, args.hours, args.seed, policy_registry.known())
                 row = _row(cmp)
                 per_model[model] = row
                 captured = "-" if row["headroom_captured"] is None else f"{row['headroom_captured']:.2f}"

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         names = None
         if args.policies:
             names = [n.strip() for n in args.policies.split(",") if n.strip()]
-            known = policy_registry.names() + [policy_registry.GIVEN_LAYOUT]
+            known = policy_registry.known()
             unknown = [n for n in names if n not in known]
             if unknown:
                 raise SpecError(f"unknown policies {unknown}; known: {', '.join(known)}")

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import SpecError
 from resihp.sim import policies as policy_registry
 from resihp.sim.engine import RunResult, Simulation, loss_breakdown
 from resihp.sim.perf import JobSpec, PerfModel
@@ -51,19 +53,41 @@ def failure_free_tps(job: JobSpec, perf: PerfModel) -> float:
     return perf.tokens_per_s(job.initial_plan(), World(job.world_size, job.gpus_per_node))
 
 
-def best_healthy_tps(job: JobSpec, perf: PerfModel) -> float:
-    """The fastest healthy rate we know of: the initial layout or the planner's best
-    healthy plan, whichever the simulator scores higher — so that the upper bound stays
-    an upper bound even when a re-plan finds a layout faster than the initial one."""
-    r0 = failure_free_tps(job, perf)
+_BEST_HEALTHY: dict[tuple[JobSpec, str], Plan] = {}
+
+
+def best_healthy_plan(job: JobSpec, perf: PerfModel, config: Any = None) -> Plan:
+    """The initial layout or the planner's best healthy plan (``config``: its PlannerConfig,
+    document shares by default), whichever the simulator scores faster: the plan the upper
+    bound credits and resihp launches with (``resihp launch --layout auto``). One plan
+    object per job and config (resihp's decision memo keys on the plan's identity)."""
+    given = job.initial_plan()
     try:
         from resihp.coordinator.planner import planner
+    except ImportError:  # no planner in this build: the initial layout is the reference
+        return given
+    cfg = config if config is not None else planner.PlannerConfig(document_shares=True)
+    key = (job, repr(cfg))
+    hit = _BEST_HEALTHY.get(key)
+    if hit is not None:
+        return hit
+    healthy = World(job.world_size, job.gpus_per_node)
+    try:
+        best = planner.search_plan(job.cluster(), job.model, job.batch(), given, cfg)
+    except SpecError:
+        best = given
+    if perf.tokens_per_s(best, healthy) <= perf.tokens_per_s(given, healthy):
+        best = given
+    if len(_BEST_HEALTHY) > 64:
+        _BEST_HEALTHY.clear()
+    _BEST_HEALTHY[key] = best
+    return best
 
-        plan = planner.search_plan(job.cluster(), job.model, job.batch(), job.initial_plan(),
-                                   planner.PlannerConfig(document_shares=True))
-        return max(r0, perf.tokens_per_s(plan, World(job.world_size, job.gpus_per_node)))
-    except Exception:  # no planner in this build: the initial layout is the reference
-        return r0
+
+def best_healthy_tps(job: JobSpec, perf: PerfModel) -> float:
+    """The fastest healthy rate we know of (``best_healthy_plan``'s), so that the upper bound
+    stays an upper bound even when a re-plan finds a layout faster than the initial one."""
+    return perf.tokens_per_s(best_healthy_plan(job, perf), World(job.world_size, job.gpus_per_node))
 
 
 @contextmanager

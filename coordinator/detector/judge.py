@@ -335,11 +335,9 @@ class IterationJudge(AdaptiveJudging):
 
     def _ring_mates(self, found: npt.NDArray[np.bool_], watched: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """The other watched members of the DP rings of ``found`` (ranks only their ring's
-        transfer shows slow): that transfer is one measurement for all of them, so which
-        member's noise test crosses first is chance, and the slow one may not be it (a
-        member with a wider learned spread stays below its test on the same value). The
-        whole ring is named, in one finding, rather than one member now and another later
-        (a second finding about the same ring) or never (the slow one missed)."""
+        transfer shows slow): one measurement for all of them, so which member's test crosses
+        first is chance (a wider learned spread stays below it on the same value). Named
+        whole, in one finding: not one member now and another later, or the slow one never."""
         ix = self.index
         return np.asarray(watched & self._dp_only & np.isin(ix.ring, ix.ring[found]), dtype=np.bool_)
 

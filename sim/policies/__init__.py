@@ -32,6 +32,11 @@ def names() -> list[str]:
     return list(BASELINES) + ["resihp"]
 
 
+def known() -> list[str]:
+    """Every name ``make`` takes: the policies ``names()`` runs by default and resihp's variants."""
+    return names() + [GIVEN_LAYOUT]
+
+
 def is_resihp(name: str) -> bool:
     """resihp or one of its variants: never a baseline."""
     return name == "resihp" or name.startswith("resihp@")
@@ -42,14 +47,14 @@ def make(name: str, job: JobSpec, perf: PerfModel, settings: Settings) -> Policy
         from resihp.sim.policies.resihp import ResiHP
 
         if name not in ("resihp", GIVEN_LAYOUT):
-            raise ValueError(f"unknown policy {name!r}; known: {', '.join(names() + [GIVEN_LAYOUT])}")
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(known())}")
         pol = ResiHP(job, perf, settings, auto_layout=name == "resihp")
         pol.name = name
         return pol
     try:
         return BASELINES[name](job, perf, settings)
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(names())}") from None
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(known())}") from None
 
 
-__all__ = ["Policy", "Settings", "make", "names", "is_resihp", "BASELINES", "GIVEN_LAYOUT"]
+__all__ = ["Policy", "Settings", "make", "names", "known", "is_resihp", "BASELINES", "GIVEN_LAYOUT"]

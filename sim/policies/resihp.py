@@ -48,12 +48,11 @@ from resihp.sim.detection import DetectionOracle
 from resihp.sim.engine import Phase, Reaction
 from resihp.sim.perf import JobSpec, PerfModel
 from resihp.sim.policies.base import Policy, Settings, node_ranks
-from resihp.sim.world import FailSlow, FailStop, World, WorldEvent
+from resihp.sim.world import FailSlow, FailStop, WorldEvent
 
 PROBE_EVERY_S = 30.0  # trainer_hooks: an idle rank's probe interval (init's probe_every_s)
 _DECISIONS: dict[tuple[object, ...], Any] = {}
 _CLUSTERS: dict[tuple[object, ...], tuple[JobSpec, Any]] = {}
-_LAUNCH: dict[tuple[JobSpec, str], Plan] = {}  # the launch layout per job and planner config
 
 
 def oracle_for(job: JobSpec) -> DetectionOracle:
@@ -93,25 +92,12 @@ class ResiHP(Policy):
 
     def _launch_layout(self) -> Plan:
         """The layout resihp starts with, as ``resihp launch --layout auto`` (and ``hooks.init``
-        without a plan) picks it: the planner's best healthy plan for this cluster, where the
-        oracle runs it faster than the job's given layout (the same plan the upper bound
-        credits, runner.best_healthy_tps). Chosen before training: no pause, nothing moved."""
-        given = self.job.initial_plan()
-        key = (self.job, repr(self.config))
-        hit = _LAUNCH.get(key)
-        if hit is not None:  # one plan object per job: the decision memo keys on its identity
-            return hit
-        healthy = World(self.job.world_size, self.job.gpus_per_node)
-        try:
-            best = self._planner.search_plan(self.job.cluster(), self.job.model, self.job.batch(), given, self.config)
-        except SpecError:
-            best = given
-        if self.perf.tokens_per_s(best, healthy) <= self.perf.tokens_per_s(given, healthy):
-            best = given
-        if len(_LAUNCH) > 64:
-            _LAUNCH.clear()
-        _LAUNCH[key] = best
-        return best
+        without a plan) picks it: the planner's best healthy plan where the oracle runs it
+        faster than the job's given layout, the plan the upper bound credits. Chosen before
+        training: no pause, nothing moved."""
+        from resihp.sim.runner import best_healthy_plan  # runner imports the policies package
+
+        return best_healthy_plan(self.job, self.perf, self.config)
 
     def _default_config(self) -> Any:
         cfg_cls = getattr(self._planner, "PlannerConfig", None)

@@ -3,9 +3,11 @@ generated traces through ``Detector.observe``. The fixed-threshold mode keeps it
 (test_detector.py and the others pin its exact iterations)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import test_detector_replan as replan
-from test_detector import PLAN, _cfg, _replay
+from test_detector import PLAN, _cfg, _now, _replay
 
 from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
 from resihp.coordinator.model.trace import IterationRecord
@@ -125,3 +127,46 @@ def test_a_slowdown_that_starts_before_its_key_is_judged_is_still_found() -> Non
     _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
     slow = _slow(found)
     assert slow and slow[0].ranks == (5,) and slow[0].iteration <= ADAPTIVE.judged_from + 3, slow
+
+
+@pytest.mark.parametrize(("rank", "factor", "noise"), [(5, 2.0, Noise()), (0, 3.0, NOISY), (7, 1.6, Noise())])
+def test_a_severe_compute_slowdown_is_found_at_its_second_iteration(rank: int, factor: float, noise: Noise) -> None:
+    """Every op of the rank slower by half or more, two iterations in a row: found at the second
+    (the three-in-a-row jump would wait for a third iteration at the fault's full cost)."""
+    cfg = _cfg((Fault("compute", rank, ONSET, factor),), iterations=ONSET + 12, noise=noise, seed=7)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    slow = _slow(found)
+    assert slow and slow[0].ranks == (rank,) and slow[0].cause == "compute", found
+    assert slow[0].iteration == ONSET + 1, slow[0].iteration
+    assert slow[0].factor == pytest.approx(factor, rel=0.1)
+
+
+def _stall_ops(rec: IterationRecord, rank: int, ops: int, extra_s: float) -> IterationRecord:
+    """``rec`` with the first ``ops`` F ops of ``rank`` each ``extra_s`` longer (a GC pause, a
+    page-fault storm: the op is stalled, the device is not slower)."""
+    out, left = [], ops
+    for c in rec.chunks:
+        if c.rank == rank and c.kind == "F" and left > 0:
+            c = dataclasses.replace(c, end_s=c.end_s + extra_s)
+            left -= 1
+        out.append(c)
+    return dataclasses.replace(rec, chunks=tuple(out))
+
+
+def test_stalled_ops_in_two_iterations_in_a_row_are_no_severe_slowdown() -> None:
+    """Two stalled ops of one rank in each of two consecutive iterations lift its ratio of sums
+    far beyond 1.5x twice (the trimmed ratio drops only the worst op), but its fastest op is
+    untouched: not every op is slower, so this is no device, and nothing is found."""
+    cfg = _cfg(iterations=ONSET + 12, noise=Noise(), seed=7)
+    det = Detector(make_header(cfg), ADAPTIVE)
+    found: list[Finding] = []
+    far = []
+    for rec in records_list(cfg):
+        stalled = isinstance(rec, IterationRecord) and rec.iteration in (ONSET, ONSET + 1)
+        if isinstance(rec, IterationRecord) and stalled:
+            rec = _stall_ops(rec, 6, 2, rec.time_s)
+        found += det.observe(rec, _now(rec))
+        if stalled:  # the ratio of sums did read the two stalls as a severe slowdown of rank 6
+            far.append(bool(det.noise.far[det.index.ranks.index(6), 0]))
+    assert far == [True, True]
+    assert found == []

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 from cp_helpers import read_jsonl, wait_until
-from test_detector import _cfg, _replay
+from test_detector import PLAN, _cfg, _replay
 
-from resihp.coordinator.detector.detector import STATE_SETTLE_S, stuck_culprits
+from resihp.coordinator.detector.detector import HELD_SHARE, STATE_SETTLE_S, Detector, stuck_culprits
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord, OpState, TraceError, read_trace, write_trace
 from resihp.coordinator.protocol import codec
@@ -46,6 +46,17 @@ def test_the_rank_that_waits_for_nobody_is_named() -> None:
 def test_nobody_is_named_without_clear_evidence(why: str, stalled: float, ops: dict[int, OpState | None],
                                                  ages: dict[int, float]) -> None:
     assert stuck_culprits(stalled, 3.0, ops, ages) == [], why
+
+
+def test_a_rank_that_keeps_entering_ops_is_slow_not_stuck() -> None:
+    """The rank its peers wait for, but whose beats name a new op every time (a severe
+    fail-slow: ten times slower, it still moves from op to op), is not named; once it holds one
+    op for a quarter of the hang wait, it is."""
+    ops = {0: RECV, 1: STUCK, 2: DP, 3: DP}
+    fresh = {r: 0.5 for r in ops}
+    moving = {0: 4.0, 1: 0.3, 2: 4.0, 3: 4.0}
+    assert stuck_culprits(5.0, 3.0, ops, fresh, moving) == []
+    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: HELD_SHARE * 3.0}) == [1]
 
 
 def test_an_op_state_must_be_reported_after_the_job_stopped() -> None:
@@ -90,6 +101,29 @@ def test_a_rank_stuck_in_an_op_is_found_in_a_generated_trace(rank: int) -> None:
     assert [(f.kind, f.ranks, f.cause) for f in found] == [("fail-stop", (rank,), "no-progress")]
     assert found[0].time_s - died <= 2 * usual + 1.0
     assert "waits for nobody" in found[0].reason and "'F mb2'" in found[0].reason
+
+
+@pytest.mark.parametrize("moving", [True, False])
+def test_a_severely_slow_rank_is_not_taken_for_a_hung_one(moving: bool) -> None:
+    """An iteration that runs 8x its usual time because rank 5 is 8x slower: every beat, rank 5
+    names a new compute op while the others wait for it. The job is slow, not stuck: no
+    no-progress verdict (which fences, i.e. kills, the rank). The same beats with rank 5 in one
+    op all along are a hang, and it is named."""
+    cfg = _cfg(heartbeats=True)
+    det, found, _ = _replay(cfg, Detector(make_header(cfg)))
+    assert found == []
+    its = [r for r in records_list(cfg) if isinstance(r, IterationRecord)]
+    usual = sorted(r.time_s for r in its)[len(its) // 2]
+    start = its[-1].start_s + its[-1].time_s
+    assert 8 * usual > det.hang_after_s() + 1.0  # the slow iteration outlasts the hang wait
+    beats = int(8 * usual / 0.5)
+    for k in range(1, beats):
+        t = start + 0.5 * k
+        for r in PLAN.ranks():
+            op = (OpState("compute", f"F mb{k % 8}", False, 40 + k) if moving else STUCK) if r == 5 else RECV
+            found += det.observe(HeartbeatEvent(r, t, op), t) + det.tick(t)
+    stops = [(f.kind, f.ranks, f.cause) for f in found]
+    assert stops == ([] if moving else [("fail-stop", (5,), "no-progress")])
 
 
 def test_the_coordinator_names_the_stuck_rank_from_the_agents_beats(tmp_path: Path) -> None:

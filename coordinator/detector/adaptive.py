@@ -10,21 +10,31 @@ inherits this through ``IterationJudge``. Pure.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.evidence import PlanIndex, host_stats, small_host_shift
 from resihp.coordinator.detector.noise import NoiseModel, narrower
-from resihp.coordinator.detector.ratios import median
+from resihp.coordinator.detector.ratios import fill_nan, median
 from resihp.coordinator.detector.verdicts import RankState
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 # a rank's compute noise (relative spread of its ratio of sums, per iteration) above which the
 # least-stretched-op estimator is worked out as well
 FLOOR_WORTH = 0.03
 # a finding on the least stretched op needs the ratio of sums to show this share of its excess
 SHARE_AGREES = 0.5
+# a severe compute slowdown is found in two iterations: each beyond the level, each at least
+# this relative excess in the ratio of sums *and* in the least stretched op. Every op slower by
+# half is a device, not a stall: a GC pause or a loader stall stretches one op (the trimmed
+# ratio drops the worst), never the fastest. The shift test's three-in-a-row jump stays for
+# the rest: 2-3x compute fail-slows ran the job at 0.29-0.44 of its rate for that third
+# iteration (the simulator's harsh mix)
+SEVERE = 0.5
 
 
 class AdaptiveJudging:
@@ -41,21 +51,56 @@ class AdaptiveJudging:
     _floor_fed: bool = False  # the floor model was tested in the previous iteration (its windows are current)
     _g_keys: tuple[FloatArray, FloatArray | None]  # the latest shift statistics of both models' keys
     _far: npt.NDArray[np.bool_]  # (n, 2) the latest iteration alone far out: compute (as judged), communication
+    _severe_prev: npt.NDArray[np.bool_]  # (n,) the previous iteration was a severe compute slowdown (SEVERE)
 
-    def _adaptive_chunks(self, comp: FloatArray, low: FloatArray | None, comm: FloatArray
+    def _adaptive_chunks(self, comp: FloatArray, low: FloatArray | None, comm: FloatArray,
+                         low_of: Callable[[IntArray], FloatArray] | None = None
                          ) -> tuple[FloatArray, FloatArray, tuple[FloatArray, FloatArray, FloatArray]]:
         """Chunk-level evidence through the test: compute as the ratio of sums (``comp``) and as
         the least stretched op (``low``, None where not worked out), communication (``comm``).
+        ``low_of(rows)``: the least stretched op of a few ranks, before any common shift is
+        taken off (the severe-slowdown check asks it where ``low`` was not worked out).
         Returns (compute with the iteration's and the host's common shift taken off; the (n, 2)
         evidence the baselines learn; ``_noise_test``'s three arrays)."""
-        comp, host_comp = self._host_noise(comp / self._peer_factor(comp), self.noise)
+        common = self._peer_factor(comp)
+        comp, host_comp = self._host_noise(comp / common, self.noise)
         x = np.stack([comp, comm], axis=1)
         host_noise = np.stack([host_comp, np.full(len(comp), np.nan)], axis=1)
         floor = None
+        every_op = low
         if low is not None:
             low, host_low = self._host_noise(low / self._peer_factor(low), self.floor_noise)
             floor = (low[:, None], host_low[:, None])
-        return comp, x, self._noise_test(x, host_noise, floor)
+            every_op = low
+        out = self._noise_test(x, host_noise, floor)
+        self._severe(comp, every_op, low_of, common, out[0])
+        return comp, x, out
+
+    def _severe(self, comp: FloatArray, low: FloatArray | None, low_of: Callable[[IntArray], FloatArray] | None,
+                common: float, ex: FloatArray) -> None:
+        """Find a severe compute slowdown at its second iteration (``SEVERE``): in this
+        iteration and the previous one the ratio of sums (``comp``, common shifts taken off)
+        was beyond the level and ``SEVERE`` above its baseline, and so was every op (the least
+        stretched one: ``low``, or ``low_of`` for the candidates, divided by the iteration's
+        ``common`` factor). Marks such ranks suspect in ``ex`` (compute column, in place)."""
+        nz = self.noise
+        m = nz.m[:, 0]
+        cand = np.nonzero(nz.far[:, 0] & (comp >= (1.0 + SEVERE) * m))[0]
+        sev = np.zeros(len(comp), dtype=np.bool_)
+        if len(cand):
+            if low is not None:
+                fastest = low[cand]
+            elif low_of is not None:
+                fastest = low_of(cand) / common
+            else:
+                fastest = np.full(len(cand), np.nan)
+            sev[cand] = fill_nan(fastest, 0.0) >= (1.0 + SEVERE) * m[cand]
+        both = sev & self._severe_prev
+        self._severe_prev = sev
+        if both.any():
+            # in spreads beyond the level: the smaller of the two iterations' deviations
+            dev = np.minimum(nz.zprev[both, 0], nz.zprev2[both, 0]) / nz.s2[both, 0] - nz.level
+            ex[both, 0] = np.maximum(ex[both, 0], np.maximum(dev, 1e-6))
 
     def _peer_factor(self, comp: FloatArray) -> float:
         """The median compute ratio of the iteration's live ranks with evidence, both ways: a

@@ -95,6 +95,10 @@ def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float
 
 
 STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
+# a rank stuck in an op has held it since its iteration stopped: at least the hang wait less one
+# usual iteration (half of it at the default hang_iters of 2), less a beat's resolution; a rank
+# slowed even 10x enters ops far more often (a micro-batch's F or B is a few per cent of an iteration)
+HELD_SHARE = 0.25
 # iterations a finding's cost is averaged over: a slowdown costs more on some batches than on
 # others (which replica is the longest changes with the batch), and a few batches can miss
 # the long-run cost by half
@@ -102,7 +106,7 @@ COST_WINDOW = 32
 
 
 def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | None],
-                   op_age_s: Mapping[int, float]) -> list[int]:
+                   op_age_s: Mapping[int, float], op_held_s: Mapping[int, float] | None = None) -> list[int]:
     """The ranks that hold up a job with no iteration for ``stalled_s`` while every rank beats
     on (a kernel or a collective that never returns, a rank stuck in its data loader): those
     that wait for nobody — inside a compute op, or between ops — while the others wait inside
@@ -110,6 +114,10 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     last op each rank reported entering and completing. Only op states reported at least
     ``STATE_SETTLE_S`` after the job stopped count (``op_age_s``: seconds since each was
     reported); none unless every live rank has one, some wait, and fewer than half do not.
+    ``op_held_s``: seconds since each rank's beats first named the op it is in (its ``seq``);
+    where given, a culprit must have held it for ``HELD_SHARE`` of ``wait_s``: a rank many
+    times slower than usual (a severe fail-slow) still enters op after op, and its peers wait
+    for it meanwhile — it is slow, not stuck, and a no-progress verdict would kill it.
     Pure: the detector and the coordinator's liveness both use it."""
     if stalled_s <= wait_s or len(ops) < 3:
         return []
@@ -117,7 +125,11 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     if any(o is None or op_age_s.get(r, float("inf")) > fresh for r, o in ops.items()):
         return []
     free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
-    return free if free and 2 * len(free) < len(ops) else []
+    if not free or 2 * len(free) >= len(ops):
+        return []
+    if op_held_s is not None and any(op_held_s.get(r, 0.0) < HELD_SHARE * wait_s for r in free):
+        return []  # one of them is still moving on: the job is slow, not stuck (yet)
+    return free
 
 
 def stuck_reason(rank: int, ops: Mapping[int, OpState | None], stalled_s: float, wait_s: float) -> str:
@@ -152,6 +164,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._level = ""
         self._last_beat: dict[int, float] = {}
         self._ops: dict[int, tuple[OpState, float]] = {}  # rank -> the op its latest beat named, when
+        self._op_since: dict[int, float] = {}  # rank -> when its beats first named that op (its seq)
         self._beats_on = False
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
@@ -184,6 +197,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self.ok_run = np.zeros(n, dtype=np.int64)
         self.score = np.array([self._factor.get(r, 1.0) for r in ranks])
         self._dp_only = np.zeros(n, dtype=bool)
+        self._severe_prev = np.zeros(n, dtype=bool)
         self._recovery = None  # a new plan's ranks sit at other positions
         self.cause_code = np.array([1 if self._cause.get(r) == "communication" else 0 for r in ranks], dtype=np.int64)
 
@@ -246,6 +260,9 @@ class Detector(IterationJudge, IdleRankVerdicts):
 
     def _beat(self, rank: int, t: float, op: OpState | None = None) -> None:
         if op is not None:
+            held = self._ops.get(rank)
+            if held is None or (held[0].seq, held[0].name, held[0].done) != (op.seq, op.name, op.done):
+                self._op_since[rank] = t
             self._ops[rank] = (op, t)
         if not self._beats_on:  # heartbeats are on for this job: every rank starts its clock now
             self._beats_on = True
@@ -317,8 +334,9 @@ class Detector(IterationJudge, IdleRankVerdicts):
         p2p or collective op (``stuck_culprits``, from the ops the heartbeats name)."""
         ops = {r: self._ops[r][0] if r in self._ops else None for r in live}
         ages = {r: now - self._ops[r][1] for r in live if r in self._ops}
+        held = {r: now - self._op_since[r] for r in live if r in self._op_since}
         out = []
-        for r in stuck_culprits(stalled, wait, ops, ages):
+        for r in stuck_culprits(stalled, wait, ops, ages, held):
             self.state[self.index.pos[r]] = RankState.DEAD
             waiting = sum(1 for o in ops.values() if o is not None and o.waiting)
             out.append(self._stop_finding(r, "no-progress", now, stuck_reason(r, ops, stalled, wait),

@@ -76,6 +76,8 @@ class IterationJudge(AdaptiveJudging):
         floor_on = c.adaptive and self._floor_worth()
         low = floor_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of) if floor_on else None
         self._tp_evidence = t.tp_wait is not None
+        share = np.ones(ix.n)  # what of a rank's spans is its own compute (below)
+        ops = t.compute[:, :, :k]
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
             share = tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
             comp = comp * share
@@ -127,7 +129,10 @@ class IterationJudge(AdaptiveJudging):
             ex_c = fill_nan(comp - 1.0 - c.slow_threshold, -1.0)
             ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
         else:
-            comp, x, adapt = self._adaptive_chunks(comp, low, comm)
+            def low_of(rows: npt.NDArray[np.int64]) -> FloatArray:  # a few ranks' least stretched op
+                return floor_ratio(ops[rows], p_comp[:, :, :k], ix.group_of[rows]) * share[rows]
+            # (with peer_relative the candidates' fastest op would need that division too: not asked)
+            comp, x, adapt = self._adaptive_chunks(comp, low, comm, None if c.peer_relative else low_of)
             ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]
         if not c.link_detection:
             comm = np.ones_like(comm)

@@ -54,6 +54,9 @@ class LivenessFlow:
                 # Liveness is the control plane's own clock (tick); per-rank beats are not fed to the
                 # engine: at 1,024 ranks its per-beat timeout scan would dominate the coordinator.
                 info.last_seen = seen
+                if rh.op is None or info.op is None or (rh.op.seq, rh.op.name, rh.op.done) != (
+                        info.op.seq, info.op.name, info.op.done):
+                    info.op_since = seen  # a new op (or none): how long one is held counts from here
                 info.op, info.op_at = rh.op, seen
 
     def _silent(self, now: float, unjudged: set[int], found: list[m.FindingInfo]) -> list[m.FindingInfo]:
@@ -104,8 +107,9 @@ class LivenessFlow:
         """Every rank beats on: the ranks its peers wait for (``stuck_culprits``)."""
         ops = {r: self.ranks[r].op for r in live}
         ages = {r: now - at for r in live if (at := self.ranks[r].op_at) is not None}
+        held = {r: now - at for r in live if (at := self.ranks[r].op_since) is not None}
         out = []
-        for r in stuck_culprits(stalled, wait, ops, ages):
+        for r in stuck_culprits(stalled, wait, ops, ages, held):
             self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too
             out.append(m.FindingInfo(
                 self.last_iteration, "fail-stop", (r,), "no-progress", 1.0,

@@ -26,6 +26,7 @@ class RankInfo:
     exit_code: int | None = None  # as its agent saw it exit (RankExit.code)
     op: OpState | None = None  # the op its latest heartbeat named (hang localisation)
     op_at: float | None = None  # coordinator clock of that heartbeat
+    op_since: float | None = None  # coordinator clock of the first heartbeat that named that op (its seq)
 
 
 @dataclass

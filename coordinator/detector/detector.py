@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -79,25 +79,39 @@ log = logging.getLogger(__name__)
 FloatArray = npt.NDArray[np.float64]
 
 
-def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float]) -> list[int]:
+def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float],
+                  op_held_s: Mapping[int, float] | None = None) -> list[int]:
     """The ranks that hold up a job with no iteration for ``stalled_s`` (a hang once it
     exceeds ``wait_s``), from how long each live rank has been silent: silent for more than
     max(1 s, half the wait) beyond the ranks' usual silence (their median: most beat on) and
     for at least half the stall. None when the job is not stalled, when fewer than two ranks
     are heard, or when as many as half are silent (that is not one rank holding the rest).
+    ``op_held_s`` (as in ``stuck_culprits``): none either while a rank that beats on still
+    enters new ops — the job is slow, not stopped (a rank many times slower makes iterations
+    outlast the wait, and a healthy rank's heartbeat thread, starved 1.7 s on a loaded host
+    meanwhile, was taken for a stopped process).
     Pure: the detector and the coordinator's own liveness clock both use it."""
     if stalled_s <= wait_s or len(silence_s) < 2:
         return []
     usual = float(np.median(list(silence_s.values())))
     margin = max(1.0, 0.5 * wait_s)
     held = sorted(r for r, q in silence_s.items() if q > usual + margin and q >= 0.5 * stalled_s)
+    if op_held_s is not None and moving(op_held_s, wait_s, exclude=held):
+        return []
     return held if 2 * len(held) < len(silence_s) else []
+
+
+def moving(op_held_s: Mapping[int, float], wait_s: float, exclude: Collection[int] = ()) -> bool:
+    """Whether some rank (not in ``exclude``) has held the op it is in for less than
+    ``HELD_SHARE`` of the hang wait, by its beats: it still moves from op to op."""
+    return any(h < HELD_SHARE * wait_s for r, h in op_held_s.items() if r not in exclude)
 
 
 STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
 # a rank stuck in an op has held it since its iteration stopped: at least the hang wait less one
 # usual iteration (half of it at the default hang_iters of 2), less a beat's resolution; a rank
-# slowed even 10x enters ops far more often (a micro-batch's F or B is a few per cent of an iteration)
+# slowed even 10x enters ops far more often (a micro-batch's F or B is a few per cent of an
+# iteration). With beats a second apart and the 2 s floor: two beats that name the same op
 HELD_SHARE = 0.25
 # iterations a finding's cost is averaged over: a slowdown costs more on some batches than on
 # others (which replica is the longest changes with the batch), and a few batches can miss
@@ -114,8 +128,10 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     last op each rank reported entering and completing. Only op states reported at least
     ``STATE_SETTLE_S`` after the job stopped count (``op_age_s``: seconds since each was
     reported); none unless every live rank has one, some wait, and fewer than half do not.
-    ``op_held_s``: seconds since each rank's beats first named the op it is in (its ``seq``);
-    where given, a culprit must have held it for ``HELD_SHARE`` of ``wait_s``: a rank many
+    ``op_held_s``: seconds from the first to the latest beat of each rank that named the op it
+    is in (its ``seq``: beats are all we know of it, so a rank that moved on since its latest
+    beat is not taken as still in it); a culprit must have held it for ``HELD_SHARE`` of
+    ``wait_s``: a rank many
     times slower than usual (a severe fail-slow) still enters op after op, and its peers wait
     for it meanwhile — it is slow, not stuck, and a no-progress verdict would kill it.
     Pure: the detector and the coordinator's liveness both use it."""
@@ -127,7 +143,7 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
     if not free or 2 * len(free) >= len(ops):
         return []
-    if op_held_s is not None and any(op_held_s.get(r, 0.0) < HELD_SHARE * wait_s for r in free):
+    if op_held_s is not None and moving({r: op_held_s.get(r, 0.0) for r in free}, wait_s):
         return []  # one of them is still moving on: the job is slow, not stuck (yet)
     return free
 
@@ -315,9 +331,10 @@ class Detector(IterationJudge, IdleRankVerdicts):
                  if self.state[i] != RankState.DEAD and r in self._last_beat}
         usual = float(np.median(list(quiet.values()))) if quiet else 0.0
         out = []
-        held = hang_culprits(stalled, wait, quiet)
+        op_held = {r: self._ops[r][1] - self._op_since[r] for r in quiet if r in self._op_since and r in self._ops}
+        held = hang_culprits(stalled, wait, quiet, op_held)
         if not held:
-            return self._stuck(now, stalled, wait, quiet)
+            return self._stuck(now, stalled, wait, quiet, op_held)
         for r in held:
             i = self.index.pos[r]
             self.state[i] = RankState.DEAD
@@ -329,12 +346,12 @@ class Detector(IterationJudge, IdleRankVerdicts):
                 {"stalled_s": stalled, "silence_s": quiet[r], "peers_silence_s": usual, "hang_after_s": wait}))
         return out
 
-    def _stuck(self, now: float, stalled: float, wait: float, live: Mapping[int, float]) -> list[Finding]:
+    def _stuck(self, now: float, stalled: float, wait: float, live: Mapping[int, float],
+               held: Mapping[int, float]) -> list[Finding]:
         """No silent rank: name the ranks that wait for nobody while their peers wait in a
         p2p or collective op (``stuck_culprits``, from the ops the heartbeats name)."""
         ops = {r: self._ops[r][0] if r in self._ops else None for r in live}
         ages = {r: now - self._ops[r][1] for r in live if r in self._ops}
-        held = {r: now - self._op_since[r] for r in live if r in self._op_since}
         out = []
         for r in stuck_culprits(stalled, wait, ops, ages, held):
             self.state[self.index.pos[r]] = RankState.DEAD

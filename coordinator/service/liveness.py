@@ -91,9 +91,10 @@ class LivenessFlow:
         silence = {r: now - info.last_seen for r, info in self.ranks.items()
                    if not info.dead and not info.finished and info.last_seen is not None and self.plan.has_rank(r)}
         out = []
-        held = hang_culprits(stalled, wait, silence)
+        op_held = self._op_held(list(silence))
+        held = hang_culprits(stalled, wait, silence, op_held)
         if not held:
-            return self._stuck(now, stalled, wait, list(silence))
+            return self._stuck(now, stalled, wait, list(silence), op_held)
         for r in held:
             self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too
             out.append(m.FindingInfo(
@@ -103,11 +104,17 @@ class LivenessFlow:
                 now, **self._where(r)))
         return out
 
-    def _stuck(self, now: float, stalled: float, wait: float, live: list[int]) -> list[m.FindingInfo]:
+    def _op_held(self, live: list[int]) -> dict[int, float]:
+        """Per rank whose beats name ops: seconds from the first to the latest beat that named
+        the op it is in."""
+        return {r: at - since for r in live if self.ranks[r].op is not None
+                and (since := self.ranks[r].op_since) is not None and (at := self.ranks[r].op_at) is not None}
+
+    def _stuck(self, now: float, stalled: float, wait: float, live: list[int],
+               held: dict[int, float]) -> list[m.FindingInfo]:
         """Every rank beats on: the ranks its peers wait for (``stuck_culprits``)."""
         ops = {r: self.ranks[r].op for r in live}
         ages = {r: now - at for r in live if (at := self.ranks[r].op_at) is not None}
-        held = {r: now - at for r in live if (at := self.ranks[r].op_since) is not None}
         out = []
         for r in stuck_culprits(stalled, wait, ops, ages, held):
             self.engine.observe(ExitEvent(r, now, m.EXIT_UNKNOWN), now)  # its engine state says dead too

@@ -160,3 +160,27 @@ def test_a_slow_link_under_heavy_tailed_jitter_is_still_found() -> None:
     xs[300:, 3] *= 3.0
     alarms = _run_transfers(NoiseModel(range(8)), xs, start=300)
     assert alarms and 300 <= alarms[0] <= 310, alarms[:5]
+
+
+def test_a_key_whose_healthy_ratios_are_mostly_zero_is_not_judged() -> None:
+    """On CPU / loopback most P2P waits of a rank can find their data already there: its link
+    ratio reads 0 in most iterations. Such a key has no scale (median 0, spread 0): it is not
+    judged (no alarm, no division by zero, no NaN that would silence it for good), and every
+    other key is judged as before — a 2x slow link on rank 2 is still found."""
+    rng = np.random.default_rng(5)
+    n, steps = 4, 200
+    links = 1.0 + 0.05 * rng.standard_normal((steps, n))
+    links[:, 0] = np.where(rng.random(steps) < 0.7, 0.0, rng.uniform(0.4, 0.8, steps))
+    links[150:, 0] = 3.0  # whatever it reads later says nothing against a baseline of 0
+    links[150:, 2] *= 2.0
+    model = NoiseModel(range(n))
+    found: list[tuple[int, int]] = []
+    with np.errstate(all="raise"):
+        for t in range(steps):
+            both = np.stack([np.ones(n), links[t]], axis=1)
+            g, excess, _ = model.test(both)
+            assert np.isfinite(g).all(), t
+            found += [(t, int(r)) for r in np.nonzero(model.suspect(g, excess)[:, 1])[0]]
+            model.learn(both, np.ones_like(both, dtype=bool), g)
+    assert model.void[0, 1] and not model.judged()[0, 1] and model.judged()[1:, 1].all()
+    assert found and {r for _, r in found} == {2} and found[0][0] < 153, found

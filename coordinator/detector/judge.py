@@ -86,7 +86,10 @@ class IterationJudge(AdaptiveJudging):
             comp = comp / self._common_factor(comp)
             low = None if low is None else low / self._common_factor(low)
         in_f, in_b = trimmed_ratio(t.p2p, p_p2p, ix.group_of, parts=2)[[FWD, BWD]]  # inbound before F, before B
-        dp_ratio = t.dp / pred.dp() if t.dp is not None else np.full(ix.n, np.nan)
+        dp_ratio = np.full(ix.n, np.nan)
+        if t.dp is not None:  # (a ring not priced yet, e.g. just after a plan change, predicts 0: no ratio)
+            p_dp = pred.dp()
+            np.divide(t.dp, p_dp, out=dp_ratio, where=p_dp > 0)
         hold = None
         if pred.rewarming:  # evidence on a re-warming key says nothing yet
             rw_c, rw_m, _ = pred.rank_rewarm()

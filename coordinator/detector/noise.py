@@ -58,6 +58,10 @@ MAD_TO_SIGMA = 1.4826
 REFRESH = 32  # iterations between baseline refreshes once a key is warm (a window of 64 moves little in 32)
 RECENT = 8  # iterations the recovery test averages over
 QUARANTINE = 64  # iterations a ratio waits before it may teach (the longest scale of the test)
+# a key whose healthy median ratio is below this has no scale to be judged in (``void``): on
+# CPU / loopback most P2P waits of some ranks find their data already there and read 0, and a
+# baseline of 0 made every later transfer an infinite excess (and the key's sums NaN for good)
+MIN_BASE = 0.05
 
 
 class NoiseModel:
@@ -93,6 +97,7 @@ class NoiseModel:
         # the healthy window's largest ratio, relative to the baseline (refreshed with it): a jump
         # of a transfer key must clear it (TAIL_KINDS)
         self.top = np.full((n, k), np.inf)
+        self.void = np.zeros((n, k), dtype=bool)  # baseline below MIN_BASE: not judged (see there)
         self.z = np.zeros((zw, n, k))  # recent clipped deviations (ring, one slot per iteration)
         self.sums = np.zeros((len(SCALES), n, k))  # Σ of the last w z, per scale
         self.zpos = 0
@@ -120,7 +125,7 @@ class NoiseModel:
         how noisy each key is in this very iteration, as its peers show (a loaded host); a
         key's deviation is taken in units of the larger of that and its own spread."""
         s = self.s if spread_now is None else np.fmax(self.s, spread_now * self.m)
-        missing = ~np.isfinite(x)
+        missing = ~np.isfinite(x) | self.void
         d = x - self.m
         raw = d / s
         raw -= self.mu
@@ -195,7 +200,7 @@ class NoiseModel:
     def relative_spread(self) -> FloatArray:
         """(n, kinds): each key's healthy spread in the test's own units (s · s2), relative to its
         baseline: a slowdown by a share f moves a key's deviation by f / this per iteration."""
-        return np.asarray(self.s * self.s2 / self.m, dtype=np.float64)
+        return np.asarray(self.s * self.s2 / np.maximum(np.abs(self.m), MIN_BASE), dtype=np.float64)
 
     def judged(self) -> BoolArray:
         """(n, kinds): keys past their first ``min_samples`` healthy ratios (or with a spread
@@ -205,11 +210,12 @@ class NoiseModel:
     def settled(self) -> BoolArray:
         """(n, kinds): keys whose spread rests on half a window of healthy ratios (or was
         measured before a plan change)."""
-        return np.asarray((self.hcount >= self.window // 2) | self._measured, dtype=np.bool_)
+        return np.asarray(((self.hcount >= self.window // 2) | self._measured) & ~self.void, dtype=np.bool_)
 
     def _known(self) -> BoolArray:
         if self._known_keys is None:
-            self._known_keys = np.asarray((self.hcount >= self.min_samples) | self._measured, dtype=np.bool_)
+            self._known_keys = np.asarray(((self.hcount >= self.min_samples) | self._measured) & ~self.void,
+                                          dtype=np.bool_)
         return self._known_keys
 
     # --- learning -----------------------------------------------------------------------------
@@ -305,12 +311,16 @@ class NoiseModel:
             mad = _median_rows(np.abs(h - m[:, None]), complete)
             # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
             few = np.sqrt(1.0 + self.min_samples / np.maximum(self.hcount[pr, pk], 1))
-            sp = np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m))
+            void = np.abs(m) < MIN_BASE
+            sp = np.where(void, self.prior_spread, np.maximum(MAD_TO_SIGMA * mad * few, self.min_spread * np.abs(m)))
+            if (void != self.void[pr, pk]).any():
+                self._known_keys = None
+            self.void[pr, pk] = void
             zc = np.clip((h - m[:, None]) / sp[:, None], -self.clip, self.clip)
             with np.errstate(invalid="ignore"):
                 mu = mean(zc)
                 s2 = np.sqrt(mean((zc - mu[:, None]) ** 2))
-            self.m[pr, pk] = m
+            self.m[pr, pk] = np.where(void, 1.0, m)  # (a void key is not judged: 1 keeps its divisions finite)
             self.s[pr, pk] = sp
             with np.errstate(invalid="ignore"):
                 top = h.max(axis=1) if complete else np.nanmax(h, axis=1)
@@ -326,7 +336,7 @@ class NoiseModel:
         start again from the cost model's prediction with the spread they had (their noise
         is their device's and host's), and their recent deviations are forgotten."""
         old = {r: i for i, r in enumerate(self.ranks)}
-        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "top", "zprev",
+        keep = {name: getattr(self, name) for name in ("hist", "hpos", "hcount", "m", "s", "s2", "mu", "top", "void", "zprev",
                                                       "zprev2", "eprev", "eprev2", "_fresh", "since")}
         rings = {name: getattr(self, name) for name in ("z", "e", "pending")}  # iteration axis first
         sums, esums, prior, zpos, measured = self.sums, self.esums, self._prior, self.zpos, self._measured

@@ -67,13 +67,11 @@ class AdaptiveJudging:
         x = np.stack([comp, comm], axis=1)
         host_noise = np.stack([host_comp, np.full(len(comp), np.nan)], axis=1)
         floor = None
-        every_op = low
         if low is not None:
             low, host_low = self._host_noise(low / self._peer_factor(low), self.floor_noise)
             floor = (low[:, None], host_low[:, None])
-            every_op = low
         out = self._noise_test(x, host_noise, floor)
-        self._severe(comp, every_op, low_of, common, out[0])
+        self._severe(comp, low, low_of, common, out[0])
         return comp, x, out
 
     def _severe(self, comp: FloatArray, low: FloatArray | None, low_of: Callable[[IntArray], FloatArray] | None,

@@ -131,9 +131,9 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     ``op_held_s``: seconds from the first to the latest beat of each rank that named the op it
     is in (its ``seq``: beats are all we know of it, so a rank that moved on since its latest
     beat is not taken as still in it); a culprit must have held it for ``HELD_SHARE`` of
-    ``wait_s``: a rank many
-    times slower than usual (a severe fail-slow) still enters op after op, and its peers wait
-    for it meanwhile — it is slow, not stuck, and a no-progress verdict would kill it.
+    ``wait_s``: a rank many times slower than usual (a severe fail-slow) still enters op
+    after op, and its peers wait for it meanwhile — it is slow, not stuck, and a no-progress
+    verdict would kill it.
     Pure: the detector and the coordinator's liveness both use it."""
     if stalled_s <= wait_s or len(ops) < 3:
         return []
@@ -179,8 +179,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._seen = 0  # iterations observed with the current evidence level
         self._level = ""
         self._last_beat: dict[int, float] = {}
-        self._ops: dict[int, tuple[OpState, float]] = {}  # rank -> the op its latest beat named, when
-        self._op_since: dict[int, float] = {}  # rank -> when its beats first named that op (its seq)
+        # rank -> the op its latest beat named, that beat's time, the first beat's that named it
+        self._ops: dict[int, tuple[OpState, float, float]] = {}
         self._beats_on = False
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
@@ -276,10 +276,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
 
     def _beat(self, rank: int, t: float, op: OpState | None = None) -> None:
         if op is not None:
-            held = self._ops.get(rank)
-            if held is None or (held[0].seq, held[0].name, held[0].done) != (op.seq, op.name, op.done):
-                self._op_since[rank] = t
-            self._ops[rank] = (op, t)
+            was = self._ops.get(rank)
+            self._ops[rank] = (op, t, was[2] if was is not None and was[0] == op else t)
         if not self._beats_on:  # heartbeats are on for this job: every rank starts its clock now
             self._beats_on = True
             for r in self.index.ranks:
@@ -331,7 +329,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
                  if self.state[i] != RankState.DEAD and r in self._last_beat}
         usual = float(np.median(list(quiet.values()))) if quiet else 0.0
         out = []
-        op_held = {r: self._ops[r][1] - self._op_since[r] for r in quiet if r in self._op_since and r in self._ops}
+        op_held = {r: self._ops[r][1] - self._ops[r][2] for r in quiet if r in self._ops}
         held = hang_culprits(stalled, wait, quiet, op_held)
         if not held:
             return self._stuck(now, stalled, wait, quiet, op_held)

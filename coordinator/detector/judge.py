@@ -18,7 +18,7 @@ import numpy.typing as npt
 from resihp.coordinator.detector.adaptive import AdaptiveJudging
 from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, group_all, tp_wait_share
 from resihp.coordinator.detector.predictor import Predictor
-from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, trimmed_ratio
+from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, priced_ratio, trimmed_ratio
 from resihp.coordinator.detector.recovery_window import RecoveryWindow
 from resihp.coordinator.detector.seeds import PauseShare
 from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
@@ -70,26 +70,23 @@ class IterationJudge(AdaptiveJudging):
         p_comp = pred.compute_groups(tok, ssq)
         p_p2p = pred.p2p_groups(tok, ssq)
         k = 3 if ix.split_backward else 2  # without split backward there are no W ops
-        comp = trimmed_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of)
+        ops, p_ops = t.compute[:, :, :k], p_comp[:, :, :k]
+        comp = trimmed_ratio(ops, p_ops, ix.group_of)
         # the least stretched op: the adaptive test's second compute estimator, worked out
         # only while some rank's compute is noisy enough for it to matter (_floor_worth)
         floor_on = c.adaptive and self._floor_worth()
-        low = floor_ratio(t.compute[:, :, :k], p_comp[:, :, :k], ix.group_of) if floor_on else None
+        low = floor_ratio(ops, p_ops, ix.group_of) if floor_on else None
         self._tp_evidence = t.tp_wait is not None
         share = np.ones(ix.n)  # what of a rank's spans is its own compute (below)
-        ops = t.compute[:, :, :k]
         if t.tp_wait is not None:  # wall spans coupled by TP collectives: not the waiting members' compute
-            share = tp_wait_share(t.compute[:, :, :k], t.tp_wait, ix)
+            share = tp_wait_share(ops, t.tp_wait, ix)
             comp = comp * share
             low = None if low is None else low * share
         if c.peer_relative:
             comp = comp / self._common_factor(comp)
             low = None if low is None else low / self._common_factor(low)
         in_f, in_b = trimmed_ratio(t.p2p, p_p2p, ix.group_of, parts=2)[[FWD, BWD]]  # inbound before F, before B
-        dp_ratio = np.full(ix.n, np.nan)
-        if t.dp is not None:  # (a ring not priced yet, e.g. just after a plan change, predicts 0: no ratio)
-            p_dp = pred.dp()
-            np.divide(t.dp, p_dp, out=dp_ratio, where=p_dp > 0)
+        dp_ratio = priced_ratio(t.dp, pred.dp()) if t.dp is not None else np.full(ix.n, np.nan)
         hold = None
         if pred.rewarming:  # evidence on a re-warming key says nothing yet
             rw_c, rw_m, _ = pred.rank_rewarm()
@@ -133,7 +130,7 @@ class IterationJudge(AdaptiveJudging):
             ex_m = fill_nan(comm - 1.0 - comm_thr, -1.0)
         else:
             def low_of(rows: npt.NDArray[np.int64]) -> FloatArray:  # a few ranks' least stretched op
-                return floor_ratio(ops[rows], p_comp[:, :, :k], ix.group_of[rows]) * share[rows]
+                return floor_ratio(ops[rows], p_ops, ix.group_of[rows]) * share[rows]
             # (with peer_relative the candidates' fastest op would need that division too: not asked)
             comp, x, adapt = self._adaptive_chunks(comp, low, comm, None if c.peer_relative else low_of)
             ex_c, ex_m = adapt[0][:, 0], adapt[0][:, 1]

@@ -52,6 +52,14 @@ def fill_nan(x: FloatArray, value: float) -> FloatArray:
     return out
 
 
+def priced_ratio(obs: FloatArray, pred: FloatArray) -> FloatArray:
+    """``obs / pred``, NaN where nothing is predicted yet (``pred`` <= 0: a DP ring not priced
+    just after a plan change), rather than an infinite ratio."""
+    out = np.full(np.shape(obs), np.nan)
+    np.divide(obs, pred, out=out, where=pred > 0)
+    return out
+
+
 def trimmed_ratio(obs: FloatArray, pred: FloatArray, rows: IntArray | None = None,
                   parts: int | None = None) -> FloatArray:
     """Per row (rank): Σ observed / Σ predicted over its timed entries, after taking off

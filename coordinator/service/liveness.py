@@ -54,8 +54,7 @@ class LivenessFlow:
                 # Liveness is the control plane's own clock (tick); per-rank beats are not fed to the
                 # engine: at 1,024 ranks its per-beat timeout scan would dominate the coordinator.
                 info.last_seen = seen
-                if rh.op is None or info.op is None or (rh.op.seq, rh.op.name, rh.op.done) != (
-                        info.op.seq, info.op.name, info.op.done):
+                if rh.op is None or rh.op != info.op:
                     info.op_since = seen  # a new op (or none): how long one is held counts from here
                 info.op, info.op_at = rh.op, seen
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from usermodel_models import LAYERS, MODELS, recipe
+from usermodel_models import HF_FAMILIES, LAYERS, MODELS, recipe
 
 from resihp.coordinator.model.plan import Plan
 from resihp.trainer_hooks.reconfig.reshard import STATES, plan_reshard
@@ -70,7 +70,7 @@ def shards(model: str, tp: int, pp: int, reverse: bool) -> dict[int, dict[str, d
     return out
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + HF_FAMILIES)
 def test_every_layout_pair_reshards_parameters_and_adamw_state_bit_exact(model: str) -> None:
     specs = _recipe(model).layout().tensor_specs()
     checked = 0

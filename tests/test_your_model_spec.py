@@ -120,3 +120,96 @@ def test_a_hugging_face_model_needs_no_spec() -> None:
     assert ls.styles()["self_attn.k_proj"] == "colwise" and ls.styles()["mlp.down_proj"] == "rowwise"
     assert ls.packed
     assert (recipe.spec.num_kv_heads, recipe.spec.gated_mlp) == (4, True)
+
+
+def test_a_hugging_face_forward_the_plans_do_not_describe_is_refused_at_init() -> None:
+    """A family whose forward does more than embedding, blocks, norm and head (here: logits
+    doubled) would train another function; the reading is checked against the model's own
+    forward on a two-block copy, and the mismatch named before anything is allocated."""
+    from transformers import LlamaForCausalLM
+
+    class DoubledLogits(LlamaForCausalLM):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(*args, **kwargs)
+            assert out.logits is not None
+            out.logits = out.logits * 2.0
+            return out
+
+    config = llama_factory()().config
+    fails(Recording(lambda: DoubledLogits(config)), None, Plan.uniform(1, 2, 1, 4, 4),
+          r"DoubledLogits's own forward computes other logits than resihp's reading of its declared plans")
+
+
+def test_the_families_scalars_are_read_from_their_config() -> None:
+    """Granite scales its embeddings and divides its logits, Cohere scales its logits: read
+    from the config, they pass the check against the model's own forward."""
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    shape: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                             "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": SEQ}
+    granite = UserModelRecipe(lambda: GraniteForCausalLM(GraniteConfig(**shape, embedding_multiplier=12.0,
+                                                                       logits_scaling=4.0)))
+    cohere = UserModelRecipe(lambda: CohereForCausalLM(CohereConfig(**shape, logit_scale=0.25)))
+    assert (granite.num_layers, cohere.num_layers) == (2, 2)
+
+
+def test_a_large_config_is_checked_on_a_shrunk_copy() -> None:
+    """Llama 2 7B's config: the check runs on a two-block copy with tiny widths; the model
+    itself is only ever built on the meta device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from resihp.trainer_hooks.usermodel.hf_check import shrunk_config
+
+    factory = Recording(lambda: LlamaForCausalLM(LlamaConfig()))
+    recipe = UserModelRecipe(factory)
+    assert (recipe.spec.hidden, recipe.num_layers, factory.devices) == (4096, 32, ["meta"])
+    small = shrunk_config(LlamaConfig())
+    assert (small.num_hidden_layers, small.hidden_size, small.intermediate_size, small.vocab_size) == (2, 256, 16, 128)
+
+
+def test_a_model_the_check_cannot_copy_is_used_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import LlamaForCausalLM
+
+    class NeedsMore(LlamaForCausalLM):
+        def __init__(self, config: Any, vocab_file: str) -> None:  # a class the check cannot rebuild from its config
+            super().__init__(config)
+
+    config = llama_factory()().config
+    with caplog.at_level("WARNING"):
+        recipe = UserModelRecipe(lambda: NeedsMore(config, "vocab.txt"))
+    assert recipe.num_layers == 4
+    assert "could not check resihp's reading of NeedsMore against its own forward (TypeError" in caplog.text
+
+
+def test_hugging_face_tp_styles_map_to_what_resihp_builds() -> None:
+    """colwise_rep replicates the output (HF): it is the gathering form, not a split output."""
+    from resihp.trainer_hooks.usermodel.spec import known_style
+
+    assert [known_style(s) for s in ("colwise", "colwise_rep", "colwise_gather_output", "rowwise_split_input",
+                                     "rowwise_rep", "replicated_with_grad_allreduce", "grouped_gemm")] == [
+        "colwise", "colwise_gather", "colwise_gather", "rowwise_split", "rowwise_split", "replicated_grad", None]
+
+
+def test_a_declared_style_resihp_does_not_build_allows_tp_1_only() -> None:
+    def factory() -> nn.Module:
+        model = llama_factory()()
+        model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.mlp.gate_proj": "packed_colwise"}
+        return model
+
+    recipe = UserModelRecipe(factory)
+    assert recipe.layout_spec.tp_unsupported == ("mlp.gate_proj = packed_colwise",)
+    recipe.validate([1])
+    with pytest.raises(SpecError, match=r"declares TP styles resihp does not build \(mlp.gate_proj = packed_colwise\), "
+                                        r"so it cannot be split over TP size 2; run it with TP 1"):
+        recipe.validate([2])
+
+
+def test_replicated_modules_that_see_a_tp_shard_are_found_from_the_shapes_they_get() -> None:
+    """Apertus's MLP activation has parameters and runs on the column-parallel layer's split
+    output: its gradient is partial on each TP rank, though its plan does not say so. Norms on
+    the whole hidden state (every Llama module outside the plan) are not."""
+    from usermodel_models import recipe
+
+    assert recipe("apertus").sharded_input_modules(2) == ("mlp.act_fn",)
+    assert recipe("llama").sharded_input_modules(2) == ()
+    assert recipe("qwen3").sharded_input_modules(2) == ()  # its q/k norms are declared (replicated_with_grad_allreduce)

@@ -1,7 +1,8 @@
 """A user's model split over TP 2 on two real gloo processes computes what the unsharded model
 computes: logits, loss and every gradient (each rank's shard against the same slice of the
-unsharded model's gradient), for nanoGPT and a Hugging Face Llama (packed: two documents in
-one row, against each document run alone)."""
+unsharded model's gradient), for nanoGPT, a Hugging Face Llama and four other Hugging Face
+families read from their declared plans (packed: two documents in one row, against each
+document run alone)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from usermodel_models import MODELS
+from usermodel_models import HF_FAMILIES, MODELS
 
 WORKER = Path(__file__).with_name("_usermodel_tp_worker.py")
 
@@ -23,7 +24,7 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + HF_FAMILIES)
 def test_tp2_forward_and_backward_equal_the_unsharded_model(model: str, tmp_path: Path) -> None:
     port = _port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}

@@ -8,6 +8,13 @@ column-parallel layer, whose input gradient is partial on every rank), ``g`` is 
 all-reduce forward and the identity backward (after a row-parallel layer). With a TP group
 of one both are the identity and no collective runs.
 
+Hugging Face plans name two more forms, for models whose code between the layers needs
+whole tensors (Phi-3's fused qkv split by sizes, OLMo-2's norm over all heads): a
+column-parallel layer that gathers its output (``colwise_gather_output``) and a row-parallel
+one that takes a whole input and uses its own slice (``rowwise_split_input``). A replicated
+module whose gradient is partial per rank (Qwen3's per-head ``q_norm``) has its gradient
+summed over the group (``sum_grad_over_tp``).
+
 Every TP collective adds its wall time to a process-wide counter (``collective_seconds``),
 or on a GPU a pair of CUDA events around it to a list the op takes (``take_cuda_spans``):
 the pipeline records, per F or B op, how much of the op was spent inside them, so the
@@ -52,18 +59,33 @@ def take_cuda_spans(first: int) -> list[tuple[Any, Any]]:
     return spans
 
 
+def _timed(t: torch.Tensor, name: str, run: Any) -> None:
+    """Run the TP collective ``run()`` on ``t``'s device, its time counted (see the module doc)."""
+    if t.is_cuda:
+        before = cuda_mark()
+        run()
+        _CUDA_SPANS.append((before, cuda_mark()))  # the compute stream waits for the collective there
+        return
+    start = time.perf_counter()
+    with CURSOR.op("collective", name):
+        run()
+    _COLLECTIVE_S[0] += time.perf_counter() - start
+
+
 def _timed_all_reduce(t: torch.Tensor, group: Any) -> None:
     if t.is_meta:  # a shape check of a sharded module (usermodel's spec validation): nothing to sum
         return
-    if t.is_cuda:
-        before = cuda_mark()
-        dist.all_reduce(t, group=group)
-        _CUDA_SPANS.append((before, cuda_mark()))  # the compute stream waits for the all-reduce there
-        return
-    start = time.perf_counter()
-    with CURSOR.op("collective", "TP all-reduce"):
-        dist.all_reduce(t, group=group)
-    _COLLECTIVE_S[0] += time.perf_counter() - start
+    _timed(t, "TP all-reduce", lambda: dist.all_reduce(t, group=group))
+
+
+def _all_gather_last(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """The TP group's ``x`` side by side on the last dimension (rank order)."""
+    if x.is_meta:
+        return torch.cat([x] * size, dim=-1)
+    local = x.contiguous()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    _timed(local, "TP all-gather", lambda: dist.all_gather(parts, local, group=group))
+    return torch.cat(parts, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -142,6 +164,67 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather of the last dimension forward (a column-parallel layer's output made whole);
+    backward, this rank's slice of the gradient: what follows runs replicated, so every rank
+    holds the same whole gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        ctx.width = x.shape[-1]
+        return _all_gather_last(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        w, i = ctx.width, ctx.tp.index
+        return grad[..., i * w:(i + 1) * w].contiguous(), None
+
+
+class _SplitToTP(torch.autograd.Function):
+    """This rank's slice of the last dimension forward (a whole input to a row-parallel layer);
+    backward, the slices' gradients gathered: the input was whole on every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        w = _split(x.shape[-1], tp, "input features")
+        return x[..., tp.index * w:(tp.index + 1) * w]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_last(grad, ctx.tp.group, ctx.tp.size), None
+
+
+def gather_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return x if tp.size == 1 else _GatherFromTP.apply(x, tp)
+
+
+def split_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return x if tp.size == 1 else _SplitToTP.apply(x, tp)
+
+
+def sum_grad_over_tp(module: nn.Module, tp: TPContext) -> None:
+    """A replicated module whose parameters' gradients are partial on each TP rank (a per-head
+    norm between a column- and a row-parallel layer sees this rank's heads only): each
+    gradient is summed over the group as it is computed, before it is accumulated, so
+    micro-batches accumulate whole gradients. The module holds its TP place (``bind_tp``
+    gives it the real group later)."""
+    object.__setattr__(module, "tp", tp)
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        place: TPContext = module.tp  # pyright: ignore[reportAssignmentType]  # set above, rebound by bind_tp
+        if place.size == 1:
+            return grad
+        out = grad.contiguous().clone()
+        _timed_all_reduce(out, place.group)
+        return out
+
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(summed)
+
+
 def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return x if tp.size == 1 else _CopyToTP.apply(x, tp.group)
 
@@ -159,32 +242,39 @@ def _split(n: int, tp: TPContext, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y_t = x · W_tᵀ + b_t, W_t = rows of W for TP rank t (output split)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = True,
+                 gather_output: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
+        self.gather_output = gather_output  # the output made whole again (colwise_gather_output)
         local = _split(out_features, tp, "output features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """y = Σ_t x_t · W_tᵀ + b, W_t = columns of W for TP rank t (input split); b added once."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = True,
+                 split_input: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
+        self.split_input = split_input  # takes a whole input, uses its own slice (rowwise_split_input)
         local = _split(in_features, tp, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = split_to_tp(x, self.tp)
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 

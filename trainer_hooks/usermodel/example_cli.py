@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,8 +18,12 @@ from resihp.trainer_hooks.runtime.autolayout import LAYOUT_ENV, AutoLayout
 from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
 
-def parse(doc: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse(doc: str, argv: list[str] | None = None,
+          own: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
+    """The examples' options; ``own`` adds an example's own."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if own is not None:
+        own(p)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)

@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from resihp.coordinator.model.spec import SpecError
-from resihp.trainer_hooks.usermodel.spec import CallContext, LayoutSpec, block_relative
+from resihp.trainer_hooks.usermodel.spec import CallContext, LayoutSpec, block_relative, known_style
 
 
 def _plan(obj: Any, name: str) -> Mapping[str, Any]:
@@ -47,7 +49,18 @@ def hf_layout(model: Any) -> LayoutSpec:
     head = [n for n in _plan(type(model), "_pp_plan") if n not in names] or ["lm_head"]  # the class's own plan: the head
     shared = [f"{prefix}.{n}" for n, m in base.named_children() if n not in names and not list(m.parameters())]
     rotary = next((s for s in shared if "rotary" in s), "")
-    layer_plan = {block_relative(k, blocks): v for k, v in tp_plan.items() if block_relative(k, blocks)}
+    layer_plan: dict[str, object] = {}
+    unsupported: list[str] = []
+    block0 = dict(getattr(base, blocks)[0].named_modules())
+    for key, style in tp_plan.items():
+        path = block_relative(key, blocks)
+        if path and path not in block0:
+            continue  # declared for blocks of another kind (Qwen3-MoE's dense MLP layers), not this model's
+        if path and known_style(style) is not None:
+            layer_plan[path] = style
+        elif path:
+            unsupported.append(f"{path} = {style}")
+    embed_scale, logit_scale, softcap = _scalars(config)
     tied: dict[str, str] = {}
     if getattr(config, "tie_word_embeddings", False):
         tied = {str(k): str(v) for k, v in _plan(model, "_tied_weights_keys").items()}
@@ -55,9 +68,15 @@ def hf_layout(model: Any) -> LayoutSpec:
     norm_paths = after
 
     def embed(stage: Any, ids: Any, ctx: CallContext) -> Any:
-        return stage.get_submodule(embed_path)(ids)
+        hidden = stage.get_submodule(embed_path)(ids)
+        return hidden if embed_scale == 1.0 else hidden * embed_scale
 
     def prepare(stage: Any, hidden: Any, ctx: CallContext) -> dict[str, Any]:
+        if ctx.mask is not None and ctx.mask.dtype == torch.bool:
+            # additive (0 / the dtype's lowest): eager attention (Gemma 2's, with soft-capping)
+            # adds the mask to its scores, where a bool mask would add 0 / 1; SDPA takes either
+            ctx.mask = torch.zeros(ctx.mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                ~ctx.mask, torch.finfo(hidden.dtype).min)
         if not rotary:
             return {}
         return {"position_embeddings": stage.get_submodule(rotary)(hidden, ctx.positions)}
@@ -71,13 +90,36 @@ def hf_layout(model: Any) -> LayoutSpec:
             hidden = stage.get_submodule(path)(hidden)
         for path in head:
             hidden = stage.get_submodule(path)(hidden)
+        if logit_scale != 1.0:
+            hidden = hidden * logit_scale
+        if softcap is not None:
+            hidden = torch.tanh(hidden / softcap) * softcap
         return hidden
 
     return LayoutSpec(
         blocks=f"{prefix}.{blocks}", pre=tuple(before), post=tuple(after + head), shared=tuple(shared),
         embed=embed, head=run_head, call_block=call_block, prepare=prepare, tp_plan=layer_plan, tied=tied,
         packed=True, max_positions=getattr(config, "max_position_embeddings", None), name=kind,
+        tp_unsupported=tuple(unsupported),
     )
+
+
+def _scalars(config: Any) -> tuple[float, float, float | None]:
+    """What the decoder families' own forwards do around the modules their plans name, read
+    from the config: (embedding multiplier — Granite, Falcon-H1; logit multiplier — Cohere's
+    ``logit_scale``, Granite's 1 / ``logits_scaling``; final logit soft-cap — Gemma 2/3).
+    A family doing something else is caught by ``check_hf_forward``."""
+    def number(name: str) -> float | None:
+        value = getattr(config, name, None)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    embed_scale = number("embedding_multiplier") or 1.0
+    logit_scale = number("logit_scale") or 1.0
+    divide = number("logits_scaling")
+    if divide:
+        logit_scale /= divide
+    softcap = number("final_logit_softcapping")
+    return embed_scale, logit_scale, softcap or None
 
 
 def is_hf_model(model: Any) -> bool:

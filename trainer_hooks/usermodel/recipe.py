@@ -38,9 +38,11 @@ from resihp.trainer_hooks.runtime.tp_layers import (
     RowParallelLinear,
     TPContext,
     pending_tp,
+    sum_grad_over_tp,
 )
 from resihp.trainer_hooks.usermodel.hf import hf_layout, is_hf_model
-from resihp.trainer_hooks.usermodel.spec import CallContext, LayoutSpec
+from resihp.trainer_hooks.usermodel.hf_check import check_hf_forward
+from resihp.trainer_hooks.usermodel.spec import COLWISE_FORMS, ROWWISE_FORMS, CallContext, LayoutSpec
 
 ModelSource = nn.Module | Callable[[], nn.Module]
 
@@ -90,9 +92,11 @@ class UserModelRecipe:
                     "pre=..., post=..., embed=..., head=..., tp_plan=...) (docs/your-model.md). Hugging Face models "
                     "need none: they declare base_model_tp_plan / base_model_pp_plan")
             layout = hf_layout(probe)
+            check_hf_forward(probe)  # the reading against the model's own forward (a shrunk copy)
         self.layout_spec = layout
         self.spec = spec or spec_from_module(probe, layout.name)
         self._valid_tp: set[int] = set()
+        self._partial: dict[int, tuple[str, ...]] = {}  # sharded_input_modules(tp), once worked out
         self._probe = probe
         self._read_layout(probe)
 
@@ -119,10 +123,15 @@ class UserModelRecipe:
                 _module(probe, path, f"{what} module")
         block0 = blocks[0]
         linears = _linear_paths(block0)
-        for path in ls.tp_plan:
+        for path, form in ls.styles().items():
             if path not in dict(block0.named_modules()):
                 raise SpecError(f"layout spec: tp_plan names {path!r}, which block 0 ({ls.blocks}.0, a "
                                 f"{type(block0).__name__}) does not have; its linear layers: {', '.join(linears) or 'none'}")
+            if form == "replicated_grad":
+                if not list(block0.get_submodule(path).parameters()):
+                    raise SpecError(f"layout spec: tp_plan[{path!r}] = replicated_with_grad_allreduce names a module "
+                                    "with no parameters; leave it out of the plan")
+                continue
             if not isinstance(block0.get_submodule(path), nn.Linear):
                 raise SpecError(f"layout spec: tp_plan[{path!r}] is a {type(block0.get_submodule(path)).__name__}; "
                                 "resihp splits nn.Linear layers only")
@@ -196,14 +205,16 @@ class UserModelRecipe:
         if style is None:
             return TensorRule(leaf, shape)
         parts = int(self.layout_spec.fused.get(path, 1))
-        if style == "colwise":
+        if style in COLWISE_FORMS:
             if parts > 1:
                 if shape[0] % parts:
                     raise SpecError(f"layout spec: {leaf} has {shape[0]} outputs, not {parts} equal parts")
                 self.fused_names[leaf] = parts
                 return TensorRule(leaf, (parts, shape[0] // parts, *shape[1:]), 1)
             return TensorRule(leaf, shape, 0)
-        return TensorRule(leaf, shape, 1) if kind == "weight" else TensorRule(leaf, shape)
+        if style in ROWWISE_FORMS and kind == "weight":
+            return TensorRule(leaf, shape, 1)
+        return TensorRule(leaf, shape)  # a row-parallel bias (added once), a replicated module
 
     def check_plan(self, plan: Any) -> None:
         """``validate`` for every TP size ``plan`` uses (a re-plan's too: cached per size)."""
@@ -217,16 +228,23 @@ class UserModelRecipe:
         for tp in sorted(set(tp_sizes)):
             if tp == 1 or tp in self._valid_tp:
                 continue
+            if ls.tp_unsupported:
+                raise SpecError(f"layout spec: {ls.name or 'the model'} declares TP styles resihp does not build "
+                                f"({'; '.join(ls.tp_unsupported)}), so it cannot be split over TP size {tp}; run it "
+                                "with TP 1 (pipeline and data parallel), or pass layout= a LayoutSpec whose tp_plan "
+                                "uses colwise / rowwise")
             for heads, what in ((self.spec.num_heads, "attention heads"), (self.spec.kv_heads, "key/value heads")):
                 if heads % tp:
                     raise SpecError(f"layout spec: TP size {tp} does not divide the model's {heads} {what}; "
                                     "use a TP size that divides both head counts")
             for path, style in ls.styles().items():
+                if style == "replicated_grad":
+                    continue
                 lin = block0.get_submodule(path)
-                n = lin.out_features if style == "colwise" else lin.in_features
+                n = lin.out_features if style in COLWISE_FORMS else lin.in_features
                 parts = int(ls.fused.get(path, 1))
                 if n % (parts * tp):
-                    raise SpecError(f"layout spec: {path} has {n} {'outputs' if style == 'colwise' else 'inputs'}"
+                    raise SpecError(f"layout spec: {path} has {n} {'outputs' if style in COLWISE_FORMS else 'inputs'}"
                                     f"{f' in {parts} parts' if parts > 1 else ''}, which TP size {tp} cannot split")
             for attr in ls.tp_divide:
                 owner, _, name = attr.rpartition(".")
@@ -236,14 +254,59 @@ class UserModelRecipe:
             self._trial(tp)
             self._valid_tp.add(tp)
 
-    def _trial(self, tp: int) -> None:
+    def _meta_stage(self, tp: int, probing: bool = False) -> tuple[UserStage, torch.Tensor, PackedMeta]:
+        """Block 0 with both ends, TP-sharded for ``tp`` on the meta device, and a row to run."""
         with torch.device("meta"):
-            stage = self._stage_from(self._probe, (0, 1), True, True, pending_tp(0, tp), copy_weights=False)
+            stage = self._stage_from(self._probe, (0, 1), True, True, pending_tp(0, tp), copy_weights=False,
+                                     probing=probing)
             stage = stage.to("meta")  # a model the user built is real: its copied modules too
-            tokens = torch.zeros(min(8, self.layout_spec.max_positions or 8), dtype=torch.long)
+        tokens = torch.zeros(min(8, self.layout_spec.max_positions or 8), dtype=torch.long, device="meta")
+        real = PackedMeta.from_seqlens([tokens.numel()])  # (built on the CPU: it reads lengths)
+        return stage, tokens, PackedMeta(real.mask.to("meta"), real.positions.to("meta"))
+
+    def sharded_input_modules(self, tp: int) -> tuple[str, ...]:
+        """Block-relative paths of the replicated modules with parameters (no split linear) that see
+        a TP shard of the activations: inputs of another shape under TP ``tp`` than unsplit (a per-head
+        norm, a learnable activation between the column- and the row-parallel layer). Their
+        gradients are partial on each TP rank, declared or not (Apertus's xIELU ``act_fn`` is
+        not), so they are summed over the group (``sum_grad_over_tp``). Worked out once, on the
+        meta device; () where the block cannot run split (``validate`` says why)."""
+        if tp in self._partial:
+            return self._partial[tp]
+        ls = self.layout_spec
+        split = set(ls.styles())
+        seen: dict[int, dict[str, list[tuple[int, ...]]]] = {}
+        for size in (1, tp):
+            shapes = seen[size] = {}
+            stage, tokens, meta = self._meta_stage(size, probing=True)
+            block = stage.get_submodule(f"{ls.blocks}.0")
+            handles = []
+            for path, mod in block.named_modules():
+                if path in split or not list(mod.parameters(recurse=False)):
+                    continue
+
+                def record(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], path: str = path,
+                           shapes: dict[str, list[tuple[int, ...]]] = shapes) -> None:
+                    shapes.setdefault(path, []).extend(
+                        tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+                handles.append(mod.register_forward_pre_hook(record, with_kwargs=True))
             try:
-                real = PackedMeta.from_seqlens([tokens.numel()])  # (built on the CPU: it reads lengths)
-                out = stage(tokens, PackedMeta(real.mask.to("meta"), real.positions.to("meta")))
+                with torch.device("meta"):
+                    stage(tokens, meta)
+            except Exception:  # noqa: BLE001 - a block that cannot run split: validate names it
+                self._partial[tp] = ()
+                return ()
+            finally:
+                for h in handles:
+                    h.remove()
+        self._partial[tp] = tuple(sorted(p for p in seen[1] if seen[tp].get(p) != seen[1][p]))
+        return self._partial[tp]
+
+    def _trial(self, tp: int) -> None:
+        stage, tokens, meta = self._meta_stage(tp)
+        with torch.device("meta"):
+            try:
+                out = stage(tokens, meta)
             except Exception as exc:  # noqa: BLE001 - the user's forward, named with its error
                 raise SpecError(
                     f"layout spec: one block of {self.layout_spec.blocks!r} does not run split over TP size {tp}: "
@@ -289,7 +352,7 @@ class UserModelRecipe:
         return stage.to(device) if device is not None and device.type != "cpu" else stage
 
     def _stage_from(self, root: nn.Module, layer_range: tuple[int, int], first: bool, last: bool, tp: TPContext,
-                    copy_weights: bool) -> UserStage:
+                    copy_weights: bool, probing: bool = False) -> UserStage:
         ls = self.layout_spec
         start, end = layer_range
         if not 0 <= start < end <= self.num_layers:
@@ -297,10 +360,12 @@ class UserModelRecipe:
         keep = [f"{ls.blocks}.{i}" for i in range(start, end)] + list(ls.shared)
         keep += list(ls.pre) if first else []
         keep += list(ls.post) if last else []
+        # (probing: sharded_input_modules itself, which compares shapes only)
+        partial = self.sharded_input_modules(tp.size) if tp.size > 1 and not probing else ()
         shell = _prune(root, "", set(keep), {})
         stage = UserStage(self, shell, layer_range, first, last, tp)
         for i in range(start, end):
-            _shard_block(stage.get_submodule(f"{ls.blocks}.{i}"), ls, tp, copy_weights)
+            _shard_block(stage.get_submodule(f"{ls.blocks}.{i}"), ls, tp, copy_weights, partial)
         return stage
 
     def full_tensor(self, name: str) -> torch.Tensor:
@@ -341,13 +406,23 @@ def _prune(module: nn.Module, prefix: str, keep: set[str], memo: dict[int, Any])
 
 
 @torch.no_grad()
-def _shard_block(block: nn.Module, ls: LayoutSpec, tp: TPContext, copy_weights: bool) -> None:
+def _shard_block(block: nn.Module, ls: LayoutSpec, tp: TPContext, copy_weights: bool,
+                 partial: Sequence[str] = ()) -> None:
     """Replace the block's planned linear layers by parallel ones holding TP rank ``tp.index``'s
-    slice (of the weights they replace, when ``copy_weights``), and divide its per-rank attributes."""
-    for path, style in ls.styles().items():
+    slice (of the weights they replace, when ``copy_weights``), sum the gradients of the
+    replicated modules that see a shard (``partial``: UserModelRecipe.sharded_input_modules),
+    and divide its per-rank attributes."""
+    styles = ls.styles()
+    for path in partial:
+        if styles.get(path) is None:  # a declared replicated_with_grad_allreduce is summed below
+            sum_grad_over_tp(block.get_submodule(path), tp)
+    for path, style in styles.items():
         owner_path, _, attr = path.rpartition(".")
         owner = block.get_submodule(owner_path) if owner_path else block
         lin = getattr(owner, attr)
+        if style == "replicated_grad":
+            sum_grad_over_tp(lin, tp)
+            continue
         has_bias = lin.bias is not None
         parts = int(ls.fused.get(path, 1))
         new: nn.Module
@@ -357,14 +432,14 @@ def _shard_block(block: nn.Module, ls: LayoutSpec, tp: TPContext, copy_weights: 
                 new.weight.copy_(shard_of(lin.weight.reshape(parts, -1, lin.in_features), 1, tp))
                 if has_bias:
                     new.bias.copy_(shard_of(lin.bias.reshape(parts, -1), 1, tp))  # pyright: ignore[reportOptionalMemberAccess]
-        elif style == "colwise":
-            new = ColumnParallelLinear(lin.in_features, lin.out_features, tp, has_bias)
+        elif style in COLWISE_FORMS:
+            new = ColumnParallelLinear(lin.in_features, lin.out_features, tp, has_bias, style == "colwise_gather")
             if copy_weights:
                 new.weight.copy_(shard_of(lin.weight, 0, tp))
                 if has_bias:
                     new.bias.copy_(shard_of(lin.bias, 0, tp))  # pyright: ignore[reportOptionalMemberAccess]
         else:
-            new = RowParallelLinear(lin.in_features, lin.out_features, tp, has_bias)
+            new = RowParallelLinear(lin.in_features, lin.out_features, tp, has_bias, style == "rowwise_split")
             if copy_weights:
                 new.weight.copy_(shard_of(lin.weight, 1, tp))
                 if has_bias:

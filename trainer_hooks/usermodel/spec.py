@@ -34,24 +34,40 @@ from resihp.coordinator.model.spec import SpecError
 # a user's hook: (the stage module, a tensor, the micro-batch's CallContext) -> a tensor
 StageFn = Callable[[Any, Any, Any], Any]
 
-_COLWISE = {"colwise", "colwiseparallel", "colwise_rep", "local_colwise"}
-_ROWWISE = {"rowwise", "rowwiseparallel", "local_rowwise"}
+# torch / Hugging Face names -> the form resihp builds (trainer_hooks/runtime/tp_layers.py)
+_STYLES = {
+    **dict.fromkeys(("colwise", "colwiseparallel", "local_colwise"), "colwise"),  # outputs split
+    **dict.fromkeys(("rowwise", "rowwiseparallel", "local_rowwise"), "rowwise"),  # inputs split, sums reduced
+    # outputs split, then gathered whole (HF's colwise_rep is the same: output replicated)
+    **dict.fromkeys(("colwise_gather_output", "colwise_rep"), "colwise_gather"),
+    # a whole input, this rank's slice of it used (HF's rowwise_rep: input replicated)
+    **dict.fromkeys(("rowwise_split_input", "rowwise_rep"), "rowwise_split"),
+    "replicated_with_grad_allreduce": "replicated_grad",  # replicated; gradients summed over TP
+}
+COLWISE_FORMS = ("colwise", "colwise_gather")  # weight rows split (dimension 0)
+ROWWISE_FORMS = ("rowwise", "rowwise_split")  # weight columns split (dimension 1)
+
+
+def known_style(value: object) -> str | None:
+    """The form resihp builds for a plan entry (a string of torch / Hugging Face names, or a
+    ``torch.distributed.tensor.parallel`` style object, read by its class name); None if it
+    builds none."""
+    text = value if isinstance(value, str) else type(value).__name__
+    return _STYLES.get(text.strip().lower())
 
 
 def tp_style(value: object, where: str) -> str:
-    """``"colwise"`` or ``"rowwise"`` from a plan entry: a string (torch / Hugging Face names) or
-    a ``torch.distributed.tensor.parallel`` style object (read by its class name)."""
-    text = value if isinstance(value, str) else type(value).__name__
-    key = text.strip().lower()
-    if key in _COLWISE:
-        return "colwise"
-    if key in _ROWWISE:
-        return "rowwise"
-    raise SpecError(
-        f"layout spec: tp_plan[{where!r}] = {text!r} is not a style resihp shards; use 'colwise' "
-        "(ColwiseParallel: outputs split) or 'rowwise' (RowwiseParallel: inputs split), or leave the module "
-        "out of the plan to replicate it"
-    )
+    """The form resihp builds for a plan entry (``known_style``), or a SpecError naming the entry."""
+    form = known_style(value)
+    if form is None:
+        text = value if isinstance(value, str) else type(value).__name__
+        raise SpecError(
+            f"layout spec: tp_plan[{where!r}] = {text!r} is not a style resihp shards; use 'colwise' "
+            "(ColwiseParallel: outputs split), 'rowwise' (RowwiseParallel: inputs split), 'colwise_gather_output', "
+            "'rowwise_split_input' or 'replicated_with_grad_allreduce', or leave the module out of the plan to "
+            "replicate it"
+        )
+    return form
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,9 @@ class LayoutSpec:
     packed: bool = False
     max_positions: int | None = None  # the longest row the model takes (a position table's size)
     name: str = ""
+    # plan entries a model declares in a style resihp does not build ("path = style"): nothing
+    # is split at TP 1, so they matter only to a plan with TP > 1, which ``validate`` refuses
+    tp_unsupported: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, str) or not self.blocks.strip():
@@ -106,7 +125,8 @@ class LayoutSpec:
                 raise SpecError(f"layout spec: tied[{alias!r}] names itself")
 
     def styles(self) -> dict[str, str]:
-        """Block-relative module path -> 'colwise' | 'rowwise'."""
+        """Block-relative module path -> the form resihp builds ('colwise', 'rowwise',
+        'colwise_gather', 'rowwise_split', 'replicated_grad')."""
         return {k: tp_style(v, k) for k, v in self.tp_plan.items()}
 
 

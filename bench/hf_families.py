@@ -3,7 +3,7 @@
     python bench/hf_families.py [--families Llama,Qwen3,...]
 
 For each family a tiny random config (vocabulary 256, hidden 64, 4 blocks, 8 heads, 4 KV heads,
-rows of 32 tokens) is read by ``hf_layout`` (its declared TP and pipeline plans, nothing
+rows of 32 tokens, a sliding window of 8 where the family has one) is read by ``hf_layout`` (its declared TP and pipeline plans, nothing
 written by hand; ``init``'s check against the model's own forward included) and run as one
 stage split over TP 2 on two gloo processes: one row of two packed documents, forward and
 backward, against the unsharded ``transformers`` model on each document alone. Prints a table
@@ -47,6 +47,8 @@ def factory(family: str) -> Any:
     if family in ("Mixtral", "Qwen3Moe"):
         shape.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
     cfg = getattr(transformers, f"{family}Config")(**shape)
+    if isinstance(getattr(cfg, "sliding_window", None), int):
+        cfg.sliding_window = 8  # shorter than the documents: the sliding layers' masks matter
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = None, 1, 2  # ids inside the tiny vocabulary
     model_class = getattr(transformers, f"{family}ForCausalLM")
     return lambda: model_class(cfg)

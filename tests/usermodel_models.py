@@ -46,6 +46,8 @@ def hf_factory(family: str) -> Callable[[], Any]:
 
     cls = {"qwen3": "Qwen3", "phi3": "Phi3", "gemma2": "Gemma2", "cohere": "Cohere", "apertus": "Apertus"}[family]
     extra: dict[str, Any] = {"head_dim": 16} if family == "qwen3" else {}
+    if family == "gemma2":
+        extra["sliding_window"] = 8  # its sliding layers (every other one) then see less than a document
     cfg = getattr(transformers, f"{cls}Config")(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=SEQ, pad_token_id=None, bos_token_id=1, eos_token_id=2, **extra)

@@ -61,6 +61,7 @@ def hf_layout(model: Any) -> LayoutSpec:
         elif path:
             unsupported.append(f"{path} = {style}")
     embed_scale, logit_scale, softcap = _scalars(config)
+    window, layer_types = _sliding(config)
     tied: dict[str, str] = {}
     if getattr(config, "tie_word_embeddings", False):
         tied = {str(k): str(v) for k, v in _plan(model, "_tied_weights_keys").items()}
@@ -73,16 +74,20 @@ def hf_layout(model: Any) -> LayoutSpec:
 
     def prepare(stage: Any, hidden: Any, ctx: CallContext) -> dict[str, Any]:
         if ctx.mask is not None and ctx.mask.dtype == torch.bool:
-            # additive (0 / the dtype's lowest): eager attention (Gemma 2's, with soft-capping)
-            # adds the mask to its scores, where a bool mask would add 0 / 1; SDPA takes either
-            ctx.mask = torch.zeros(ctx.mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
-                ~ctx.mask, torch.finfo(hidden.dtype).min)
+            if window is not None:
+                t = ctx.mask.shape[-1]
+                pos = torch.arange(t, device=ctx.mask.device)
+                near = (pos[:, None] - pos[None, :]) < window  # key j within the window of query i
+                ctx.masks["sliding_attention"] = additive(ctx.mask & near, hidden)
+            ctx.mask = additive(ctx.mask, hidden)
         if not rotary:
             return {}
         return {"position_embeddings": stage.get_submodule(rotary)(hidden, ctx.positions)}
 
     def call_block(block: Any, hidden: Any, ctx: CallContext) -> Any:
-        out = block(hidden, attention_mask=ctx.mask, position_ids=ctx.positions, use_cache=False, **ctx.extras)
+        kind = layer_types[ctx.layer] if layer_types is not None else "sliding_attention" if window else ""
+        mask = ctx.masks.get(kind, ctx.mask)
+        out = block(hidden, attention_mask=mask, position_ids=ctx.positions, use_cache=False, **ctx.extras)
         return out[0] if isinstance(out, tuple) else out
 
     def run_head(stage: Any, hidden: Any, ctx: CallContext) -> Any:
@@ -102,6 +107,27 @@ def hf_layout(model: Any) -> LayoutSpec:
         packed=True, max_positions=getattr(config, "max_position_embeddings", None), name=kind,
         tp_unsupported=tuple(unsupported),
     )
+
+
+def additive(mask: Any, like: Any) -> Any:
+    """A bool mask (True = may attend) as an additive one, 0 / the dtype's lowest: eager
+    attention (Gemma 2's, with soft-capping) adds the mask to its scores, where a bool mask
+    would add 0 / 1; SDPA takes either."""
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, torch.finfo(like.dtype).min)
+
+
+def _sliding(config: Any) -> tuple[int | None, list[str] | None]:
+    """(the sliding window, the per-layer attention kinds) as the families' forwards choose
+    masks: with ``config.layer_types`` each layer by its kind (Gemma 2, Cohere 2, Qwen2 …);
+    without, every layer slides when ``sliding_window`` is set (Mistral, Phi-3, Mixtral …);
+    none when ``use_sliding_window`` is False. A key j is in query i's window when
+    i − j < window, as ``transformers``' sliding-window mask has it."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False or not isinstance(window, int) or window <= 0:
+        window = None
+    kinds = getattr(config, "layer_types", None)
+    layer_types = [str(k) for k in kinds] if isinstance(kinds, (list, tuple)) else None
+    return window, layer_types
 
 
 def _scalars(config: Any) -> tuple[float, float, float | None]:

@@ -24,12 +24,14 @@ from resihp.coordinator.model.spec import SpecError
 log = logging.getLogger(__name__)
 
 HEAD_DIM = 8  # the shrunk copy's attention head width
+WINDOW = 4  # the shrunk copy's sliding window, where the family has one (rows of 16 tokens)
 TOLERANCE = 1e-3  # of the logits' largest magnitude: float32 reduction-order noise is ~1e-6
 
 
 def shrunk_config(config: Any) -> Any:
-    """The config with two blocks, head width ``HEAD_DIM``, MLP widths of 16 and a vocabulary
-    of at most 128 (head counts, scalars, attention kind and RoPE settings kept)."""
+    """The config with two blocks, head width ``HEAD_DIM``, MLP widths of 16, a sliding window
+    (where it has one) of ``WINDOW`` and a vocabulary of at most 128 (head counts, scalars,
+    attention kind and RoPE settings kept)."""
     cfg = copy.deepcopy(config)
     layers = min(2, int(cfg.num_hidden_layers))
     cfg.num_hidden_layers = layers
@@ -43,6 +45,8 @@ def shrunk_config(config: Any) -> Any:
                         ("shared_expert_intermediate_size", 8)):
         if isinstance(getattr(cfg, name, None), int):
             setattr(cfg, name, width)
+    if isinstance(getattr(cfg, "sliding_window", None), int):
+        cfg.sliding_window = WINDOW  # shorter than the check's rows: the window's mask is exercised
     vocab = min(int(cfg.vocab_size), 128)
     cfg.vocab_size = vocab
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -503,7 +503,8 @@ class UserStage(nn.Module):
         if ls.prepare is not None:
             ctx.extras.update(ls.prepare(self, h, ctx))
         call = ls.call_block
-        for block in self._blocks:
+        for layer, block in zip(range(*self.layer_range), self._blocks, strict=True):
+            ctx.layer = layer
             h = call(block, h, ctx) if call is not None else block(h)
         if self.last:
             h = ls.head(self, h, ctx)

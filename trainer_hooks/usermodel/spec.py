@@ -134,13 +134,17 @@ class LayoutSpec:
 class CallContext:
     """What the hooks of a spec get for one micro-batch: ``positions`` [1, T] (0..T-1, or
     restarting per document for a ``packed`` model), ``mask`` ([1, 1, T, T] bool, True = may
-    attend; None for a model without document masking), the documents' lengths, and what
-    ``prepare`` computed."""
+    attend; None for a model without document masking), the documents' lengths, what
+    ``prepare`` computed (``extras``: passed to every block), the index in the whole model of
+    the block being called (``layer``), and masks a spec keeps for some of its blocks
+    (``masks``, e.g. a sliding window's: not passed on)."""
 
     positions: Any
     mask: Any
     seqlens: tuple[int, ...]
     extras: dict[str, Any] = field(default_factory=dict)
+    layer: int = -1
+    masks: dict[str, Any] = field(default_factory=dict)
 
 
 def block_relative(path: str, blocks: str) -> str:

@@ -213,3 +213,12 @@ def test_replicated_modules_that_see_a_tp_shard_are_found_from_the_shapes_they_g
     assert recipe("apertus").sharded_input_modules(2) == ("mlp.act_fn",)
     assert recipe("llama").sharded_input_modules(2) == ()
     assert recipe("qwen3").sharded_input_modules(2) == ()  # its q/k norms are declared (replicated_with_grad_allreduce)
+
+
+def test_a_fused_gate_and_up_projection_is_read_as_a_gated_mlp() -> None:
+    """Phi-3 computes its SwiGLU's gate and up in one ``gate_up_proj``: the cost model prices
+    three MLP matrices, not two."""
+    from usermodel_models import recipe
+
+    assert recipe("phi3").spec.gated_mlp
+    assert not recipe("nanogpt").spec.gated_mlp

@@ -88,12 +88,16 @@ def _lookup(sources: tuple[object, ...], names: tuple[str, ...]) -> tuple[int | 
     return None, ""
 
 
+_GATED = ("gate_proj", "gate_up_proj", "w3", "gate")  # a gated MLP's sub-module names
+
+
 def spec_from_module(module: object, name: str = "") -> ModelSpec:
     """Read a transformer's shape from common attribute names on ``module.config`` (or the module).
 
     nanoGPT: ``n_layer``, ``n_embd``, ``n_head``, ``vocab_size`` (FFN 4×n_embd); Hugging Face:
     ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
-    ``vocab_size`` (and ``num_key_value_heads``); a ``gate_proj`` sub-module means a gated MLP."""
+    ``vocab_size`` (and ``num_key_value_heads``); a ``gate_proj`` (or fused ``gate_up_proj``, as
+    Phi-3 and GLM have) sub-module means a gated MLP."""
     config = getattr(module, "config", None)
     sources = (config, module) if config is not None else (module,)
     found: dict[str, Any] = {}
@@ -117,7 +121,7 @@ def spec_from_module(module: object, name: str = "") -> ModelSpec:
     if callable(named):
         try:
             modules: Any = named()
-            found["gated_mlp"] = any(str(n).rsplit(".", 1)[-1] in ("gate_proj", "w3", "gate") for n, _ in modules)
+            found["gated_mlp"] = any(str(n).rsplit(".", 1)[-1] in _GATED for n, _ in modules)
         except (TypeError, ValueError):
             pass
     label = name or str(getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or "")

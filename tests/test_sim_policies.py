@@ -237,3 +237,39 @@ def test_resihp_launches_with_its_planners_layout_and_the_given_variant_with_the
     assert res.avg_tps == pytest.approx(perf.tokens_per_s(auto.plan, healthy), rel=1e-9)
     with pytest.raises(ValueError, match="unknown policy 'resihp@nowhere'"):
         make("resihp@nowhere", job, perf, SETTINGS)
+
+
+def test_resihp_acts_on_a_slowdown_by_what_it_costs_this_job_not_the_probe() -> None:
+    """The detector reports a slowdown as ``degraded`` (not acted on) when it costs the running
+    plan less than its impact floor. The detection probe runs its own fault (one P2P link of a
+    2 x 2 proxy job): a node's congested NIC also slows the job's DP ring, so the verdict is
+    the job's own — its slowed iteration against the same world without the fault."""
+    job = JobSpec(preset("llama2-7b"), tp=8, pp=1, dp=2, microbatches=16, gpus_per_node=8)
+    perf = PerfModel(job)
+    pol = make(GIVEN_LAYOUT, job, perf, SETTINGS)
+    floor = pol.detector_config.impact_floor
+    kinds = set()
+    for fid, fault in enumerate([FailSlow(100.0, tuple(range(8)), 3.0, 600.0, "communication"),
+                                 FailSlow(100.0, (3,), 1.5, 600.0, "compute"),
+                                 FailSlow(100.0, tuple(range(8)), 1.25, 600.0, "communication")]):
+        healthy, slowed = World(job.world_size, job.gpus_per_node), World(job.world_size, job.gpus_per_node)
+        slowed.apply(WorldEvent(100.0, fault, fid, True))
+        t0, t1 = perf.iteration_s(pol.plan, healthy), perf.iteration_s(pol.plan, slowed)
+        cheap = (t1 - t0) / t1 < floor
+        reaction = pol.on_world(WorldEvent(100.0, fault, fid, True), 100.0)
+        assert ("degraded" in reaction.note) == cheap, (fault, (t1 - t0) / t1, reaction.note)
+        assert bool(reaction.timers) == (not cheap)
+        kinds.add(cheap)
+    assert kinds == {True, False}, "both verdicts are exercised"
+
+
+def test_the_detectors_factor_estimate_follows_the_slowdown_not_its_probe_bucket() -> None:
+    """The probe runs the grid point at or below a slowdown (2.58x -> 2.0x); the estimate the
+    planner gets is the probe's relative error applied to the slowdown itself."""
+    from resihp.sim.detection import DetectionOracle
+
+    oracle = DetectionOracle(preset("llama2-7b"), tp=8)
+    det = oracle.failslow("compute", 2.58)
+    assert oracle.bucket(2.58) == 2.0
+    assert oracle.estimated_factor(det, 2.58) == pytest.approx(2.58 * det.factor / 2.0)
+    assert abs(oracle.estimated_factor(det, 2.58) / 2.58 - 1.0) < 0.1 < abs(det.factor / 2.58 - 1.0)

@@ -112,6 +112,20 @@ def test_torch_parallel_style_objects_are_accepted() -> None:
     recipe.validate([2, 4])
 
 
+def test_torch_style_objects_are_read_by_their_layouts() -> None:
+    """A torch ColwiseParallel that replicates its output is the gathering form, a RowwiseParallel
+    taking a replicated input the splitting one; a sequence-parallel output is not built."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from resihp.trainer_hooks.usermodel.spec import known_style
+
+    assert [known_style(s) for s in (ColwiseParallel(), ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(),
+                                     RowwiseParallel(input_layouts=Replicate()),
+                                     RowwiseParallel(output_layouts=Shard(1)))] == [
+        "colwise", "colwise_gather", "rowwise", "rowwise_split", None]
+
+
 def test_a_hugging_face_model_needs_no_spec() -> None:
     recipe = UserModelRecipe(llama_factory())
     ls = recipe.layout_spec

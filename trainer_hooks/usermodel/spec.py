@@ -48,12 +48,30 @@ COLWISE_FORMS = ("colwise", "colwise_gather")  # weight rows split (dimension 0)
 ROWWISE_FORMS = ("rowwise", "rowwise_split")  # weight columns split (dimension 1)
 
 
+def _placement(style: object, attr: str) -> str:
+    """'replicate', 'shard-last' or 'other': a torch style object's single input or output
+    layout (read by class name and ``dim``: this module does not import torch)."""
+    layouts = getattr(style, attr, None)
+    one = layouts[0] if isinstance(layouts, tuple) and len(layouts) == 1 else layouts
+    kind = type(one).__name__
+    if kind == "Replicate":
+        return "replicate"
+    return "shard-last" if kind == "Shard" and getattr(one, "dim", None) == -1 else "other"
+
+
 def known_style(value: object) -> str | None:
     """The form resihp builds for a plan entry (a string of torch / Hugging Face names, or a
-    ``torch.distributed.tensor.parallel`` style object, read by its class name); None if it
-    builds none."""
-    text = value if isinstance(value, str) else type(value).__name__
-    return _STYLES.get(text.strip().lower())
+    ``torch.distributed.tensor.parallel`` style object, read by its class and its layouts:
+    ``ColwiseParallel(output_layouts=Replicate())`` gathers its output, ``RowwiseParallel(
+    input_layouts=Replicate())`` splits a whole input); None if it builds none."""
+    if isinstance(value, str):
+        return _STYLES.get(value.strip().lower())
+    name = type(value).__name__
+    if name == "ColwiseParallel" and _placement(value, "input_layouts") == "replicate":
+        return {"shard-last": "colwise", "replicate": "colwise_gather"}.get(_placement(value, "output_layouts"))
+    if name == "RowwiseParallel" and _placement(value, "output_layouts") == "replicate":
+        return {"shard-last": "rowwise", "replicate": "rowwise_split"}.get(_placement(value, "input_layouts"))
+    return _STYLES.get(name.lower()) if name not in ("ColwiseParallel", "RowwiseParallel") else None
 
 
 def tp_style(value: object, where: str) -> str:

@@ -204,12 +204,12 @@ def split_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return x if tp.size == 1 else _SplitToTP.apply(x, tp)
 
 
-def sum_grad_over_tp(module: nn.Module, tp: TPContext) -> None:
+def sum_grad_over_tp(module: nn.Module, tp: TPContext, recurse: bool = True) -> None:
     """A replicated module whose parameters' gradients are partial on each TP rank (a per-head
     norm between a column- and a row-parallel layer sees this rank's heads only): each
     gradient is summed over the group as it is computed, before it is accumulated, so
     micro-batches accumulate whole gradients. The module holds its TP place (``bind_tp``
-    gives it the real group later)."""
+    gives it the real group later). ``recurse``: its sub-modules' parameters too."""
     object.__setattr__(module, "tp", tp)
 
     def summed(grad: torch.Tensor) -> torch.Tensor:
@@ -220,7 +220,7 @@ def sum_grad_over_tp(module: nn.Module, tp: TPContext) -> None:
         _timed_all_reduce(out, place.group)
         return out
 
-    for p in module.parameters():
+    for p in module.parameters(recurse=recurse):
         if p.requires_grad:
             p.register_hook(summed)
 

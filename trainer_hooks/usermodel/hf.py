@@ -62,6 +62,7 @@ def hf_layout(model: Any) -> LayoutSpec:
             unsupported.append(f"{path} = {style}")
     embed_scale, logit_scale, softcap = _scalars(config)
     window, layer_types = _sliding(config)
+    eager = getattr(config, "_attn_implementation", None) in (None, "eager")
     tied: dict[str, str] = {}
     if getattr(config, "tie_word_embeddings", False):
         tied = {str(k): str(v) for k, v in _plan(model, "_tied_weights_keys").items()}
@@ -74,12 +75,15 @@ def hf_layout(model: Any) -> LayoutSpec:
 
     def prepare(stage: Any, hidden: Any, ctx: CallContext) -> dict[str, Any]:
         if ctx.mask is not None and ctx.mask.dtype == torch.bool:
+            # eager attention adds the mask to its scores (Gemma 2's, for its soft-capping): it
+            # needs an additive one; SDPA takes the bool mask, a quarter of the memory at T x T
+            form = (lambda m: additive(m, hidden)) if eager else (lambda m: m)
             if window is not None:
                 t = ctx.mask.shape[-1]
                 pos = torch.arange(t, device=ctx.mask.device)
                 near = (pos[:, None] - pos[None, :]) < window  # key j within the window of query i
-                ctx.masks["sliding_attention"] = additive(ctx.mask & near, hidden)
-            ctx.mask = additive(ctx.mask, hidden)
+                ctx.masks["sliding_attention"] = form(ctx.mask & near)
+            ctx.mask = form(ctx.mask)
         if not rotary:
             return {}
         return {"position_embeddings": stage.get_submodule(rotary)(hidden, ctx.positions)}
@@ -111,8 +115,7 @@ def hf_layout(model: Any) -> LayoutSpec:
 
 def additive(mask: Any, like: Any) -> Any:
     """A bool mask (True = may attend) as an additive one, 0 / the dtype's lowest: eager
-    attention (Gemma 2's, with soft-capping) adds the mask to its scores, where a bool mask
-    would add 0 / 1; SDPA takes either."""
+    attention adds the mask to its scores, where a bool mask would add 0 / 1."""
     return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, torch.finfo(like.dtype).min)
 
 

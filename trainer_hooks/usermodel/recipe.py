@@ -415,7 +415,8 @@ def _shard_block(block: nn.Module, ls: LayoutSpec, tp: TPContext, copy_weights: 
     styles = ls.styles()
     for path in partial:
         if styles.get(path) is None:  # a declared replicated_with_grad_allreduce is summed below
-            sum_grad_over_tp(block.get_submodule(path), tp)
+            # its own parameters only: a sub-module that sees a shard is in ``partial`` itself
+            sum_grad_over_tp(block.get_submodule(path), tp, recurse=False)
     for path, style in styles.items():
         owner_path, _, attr = path.rpartition(".")
         owner = block.get_submodule(owner_path) if owner_path else block

@@ -42,6 +42,7 @@ from resihp.trainer_hooks.runtime.tp_layers import (
 )
 from resihp.trainer_hooks.usermodel.hf import hf_layout, is_hf_model
 from resihp.trainer_hooks.usermodel.hf_check import check_hf_forward
+from resihp.trainer_hooks.usermodel.shard_probe import modules_seeing_a_shard
 from resihp.trainer_hooks.usermodel.spec import COLWISE_FORMS, ROWWISE_FORMS, CallContext, LayoutSpec
 
 ModelSource = nn.Module | Callable[[], nn.Module]
@@ -265,41 +266,11 @@ class UserModelRecipe:
         return stage, tokens, PackedMeta(real.mask.to("meta"), real.positions.to("meta"))
 
     def sharded_input_modules(self, tp: int) -> tuple[str, ...]:
-        """Block-relative paths of the replicated modules with parameters (no split linear) that see
-        a TP shard of the activations: inputs of another shape under TP ``tp`` than unsplit (a per-head
-        norm, a learnable activation between the column- and the row-parallel layer). Their
-        gradients are partial on each TP rank, declared or not (Apertus's xIELU ``act_fn`` is
-        not), so they are summed over the group (``sum_grad_over_tp``). Worked out once, on the
-        meta device; () where the block cannot run split (``validate`` says why)."""
-        if tp in self._partial:
-            return self._partial[tp]
-        ls = self.layout_spec
-        split = set(ls.styles())
-        seen: dict[int, dict[str, list[tuple[int, ...]]]] = {}
-        for size in (1, tp):
-            shapes = seen[size] = {}
-            stage, tokens, meta = self._meta_stage(size, probing=True)
-            block = stage.get_submodule(f"{ls.blocks}.0")
-            handles = []
-            for path, mod in block.named_modules():
-                if path in split or not list(mod.parameters(recurse=False)):
-                    continue
-
-                def record(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], path: str = path,
-                           shapes: dict[str, list[tuple[int, ...]]] = shapes) -> None:
-                    shapes.setdefault(path, []).extend(
-                        tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-                handles.append(mod.register_forward_pre_hook(record, with_kwargs=True))
-            try:
-                with torch.device("meta"):
-                    stage(tokens, meta)
-            except Exception:  # noqa: BLE001 - a block that cannot run split: validate names it
-                self._partial[tp] = ()
-                return ()
-            finally:
-                for h in handles:
-                    h.remove()
-        self._partial[tp] = tuple(sorted(p for p in seen[1] if seen[tp].get(p) != seen[1][p]))
+        """Block-relative paths of the replicated modules that see a TP shard under TP ``tp``
+        (``shard_probe.modules_seeing_a_shard``), worked out once per size."""
+        if tp not in self._partial:
+            self._partial[tp] = modules_seeing_a_shard(
+                lambda size: self._meta_stage(size, probing=True), self.layout_spec, tp)
         return self._partial[tp]
 
     def _trial(self, tp: int) -> None:

@@ -29,7 +29,7 @@ from resihp.coordinator.model.spec import ModelSpec
 from resihp.coordinator.model.trace import ExitEvent, HeartbeatEvent, IterationRecord
 from resihp.sim.detect_baselines import BocdBaseline
 from resihp.sim.workload import Fault as WorkloadFault
-from resihp.sim.workload import WorkloadConfig, generate, make_header
+from resihp.sim.workload import Hardware, WorkloadConfig, generate, make_header
 
 # slowdown factors are snapped down to this grid before the detector is asked
 FACTOR_GRID = (1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
@@ -62,6 +62,14 @@ class DetectionOracle:
     def _proxy_plan(self) -> Plan:
         return Plan.uniform(self.tp, 2, 2, self.model.num_layers, 8)
 
+    def _proxy_hardware(self) -> Hardware:
+        """The proxy's nodes: at most one replica per node, so that its DP rings cross a NIC
+        as every full job's do. (Its 4·TP GPUs on one 8-GPU node — TP ≤ 2 — left a slow NIC
+        nothing to carry: the probe never found a communication fault and the simulator never
+        acted on one.)"""
+        per_node = Hardware().gpus_per_node
+        return Hardware(gpus_per_node=min(per_node, 2 * self.tp))
+
     @staticmethod
     def bucket(factor: float) -> float:
         best = FACTOR_GRID[0]
@@ -84,7 +92,7 @@ class DetectionOracle:
         wf = WorkloadFault("compute" if kind == "compute" else "link", victim, start, fb, end)
         cfg = WorkloadConfig(
             self.model, plan, budget=self.tokens_per_microbatch, seed=self.seed, iterations=end + self.window + 4,
-            faults=(wf,), heartbeats=False,
+            faults=(wf,), heartbeats=False, hardware=self._proxy_hardware(),
         )
         det = Detector(make_header(cfg), self.config)
         bocd = BocdBaseline()
@@ -128,7 +136,8 @@ class DetectionOracle:
         if silent in self._stop_cache:
             return self._stop_cache[silent]
         plan = self._proxy_plan()
-        header = make_header(WorkloadConfig(self.model, plan, budget=self.tokens_per_microbatch, iterations=1))
+        header = make_header(WorkloadConfig(self.model, plan, budget=self.tokens_per_microbatch, iterations=1,
+                                            hardware=self._proxy_hardware()))
         det = Detector(header, self.config)
         self.runs += 1
         victim = plan.ranks()[1]

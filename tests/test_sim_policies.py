@@ -274,3 +274,16 @@ def test_the_detectors_factor_estimate_follows_the_slowdown_not_its_probe_bucket
     assert oracle.bucket(2.58) == 2.0
     assert oracle.estimated_factor(det, 2.58) == pytest.approx(2.58 * det.factor / 2.0)
     assert abs(oracle.estimated_factor(det, 2.58) / 2.58 - 1.0) < 0.1 < abs(det.factor / 2.58 - 1.0)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_the_detection_probe_finds_a_slow_nic_at_any_tensor_parallel_degree(tp: int) -> None:
+    # the proxy job must put its DP rings across nodes: at TP <= 2 all its ranks fitted on one
+    # node, its slow NIC carried nothing and the simulator never acted on a network fault
+    from resihp.sim.detection import DetectionOracle
+
+    oracle = DetectionOracle(preset("llama2-7b"), tp=tp)
+    det = oracle.failslow("communication", 4.0)
+    assert det.detect_iters is not None and det.detect_iters <= 3
+    assert det.cause == "communication"
+    assert det.factor == pytest.approx(4.0, rel=0.1)

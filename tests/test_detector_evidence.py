@@ -224,3 +224,31 @@ def test_a_slow_nic_seen_only_by_its_dp_ring_is_named_with_the_whole_ring_once(
     assert set(about_ring[0].ranks) == ring
     assert "cannot be told apart" in about_ring[0].reason
     assert about_ring[0].iteration >= 30
+
+
+_NOISY = Noise(op_jitter=0.04, device_spread=0.02, drift=0.01, os_noise_prob=0.01, gc_prob=0.1,
+               loader_prob=0.1, comm_jitter=0.3, comm_spike_prob=0.05, comm_spike_max=2.0, cotenant_prob=0.05)
+
+
+def test_a_tp_mate_of_a_slow_rank_is_not_reported_for_the_wait_left_in_its_spans() -> None:
+    """TP8 x PP4 x DP2, noisy timings: rank 63 runs 2x slow, a NIC elsewhere 3x. Rank 62, 63's
+    TP mate on a healthy device, read 1.046x after 26 iterations — the part of its wait for
+    63 that the wait estimate left in its compute spans — and was reported `degraded`."""
+    cfg = WorkloadConfig(MODEL, Plan.uniform(8, 4, 2, 32, 16), budget=16384, packing="greedy", seed=1312,
+                         iterations=60, noise=_NOISY, heartbeats=False, hardware=Hardware(gpus_per_node=2),
+                         faults=(Fault("compute", 63, 30, 2.0), Fault("link", 31, 33, 3.0)))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
+    slow = [(f.ranks, f.cause) for f in found if f.kind in ("fail-slow", "degraded")]
+    assert slow == [((63,), "compute"), ((31,), "communication")], slow
+
+
+@pytest.mark.parametrize("second", [1.25, 1.5])
+def test_a_second_slow_device_in_one_tp_group_is_still_found(second: float) -> None:
+    # what a wait-for-a-partner excess may be is bounded by a share of the partner's: a device
+    # slow in its own right beside a 2x one is more than that
+    plan = Plan.uniform(8, 4, 2, 32, 16)
+    cfg = WorkloadConfig(MODEL, plan, budget=16384, packing="greedy", seed=7, iterations=60, noise=Noise(),
+                         heartbeats=False, faults=(Fault("compute", 63, 30, 2.0), Fault("compute", 60, 30, second)))
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), DetectorConfig()))
+    named = sorted(r for f in found if f.kind in ("fail-slow", "degraded") for r in f.ranks)
+    assert named == [60, 63], [(f.kind, f.ranks, f.factor) for f in found]

@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
 
-# how much of a slow TP partner's excess may show in a member's own compute: the wait for the
-# partner is taken off its spans by an estimate (``tp_wait_share``) whose error grows with the
-# wait. In the noisy sweep a 2.08x rank's TP mate read 1.046x after 26 iterations, and was
-# reported `degraded` though its own device was healthy: 4 % of the partner's excess.
+# a member's compute excess this small beside a far slower TP partner is not confirmed: it costs
+# the job nothing while the partner is there (a TP group's op lasts as long as its slowest
+# member), and the partner confounds it — the wait for it left in the member's spans, or a
+# co-tenant's load on a 2-GPU host that the host correction cannot measure when the host's other
+# GPU is the slow one (in the noisy sweep a 2.08x rank's host and TP mate read 1.046x after 26
+# iterations and was reported `degraded` on a healthy device). Capped: a larger excess beside a
+# very slow partner is found, so that its baseline does not learn it.
 TP_LEAK_SHARE = 0.1
+TP_LEAK_CAP = 0.1
 
 
 @dataclass
@@ -347,11 +351,10 @@ class IterationJudge(AdaptiveJudging):
 
     def _tp_leak(self, confirm_c: npt.NDArray[np.bool_], score: FloatArray) -> npt.NDArray[np.bool_]:
         """Compute suspects (``confirm_c``) whose excess is within ``TP_LEAK_SHARE`` of a TP
-        partner's — one slow in compute already, or confirmed with them — and so may be the
-        part of their wait for it that the wait estimate left in their spans. Not confirmed
-        (they stay suspect and go on learning); once a re-plan moves the partner off, their
-        own timings judge them again. A second slow device of one group, at 1.5x beside a 2x
-        one, is still found."""
+        partner's (at most ``TP_LEAK_CAP``) — one slow in compute already, or confirmed with
+        them (see TP_LEAK_SHARE). Not confirmed: they stay suspect; once a re-plan moves the
+        partner off, their own timings judge them. A second slow device of one group, at 1.25x
+        beside a 2x one, is still found."""
         ix = self.index
         partners = ((self.state == RankState.SLOW) & (self.cause_code == 0)) | confirm_c
         if not confirm_c.any() or int(ix.tp_size.max(initial=1)) < 2 or int(partners.sum()) < 1:
@@ -361,8 +364,8 @@ class IterationJudge(AdaptiveJudging):
                                                              1.0)[partners])
         partner_excess = worst[ix.group_of] - 1.0
         own_excess = fill_nan(score, 1.0) - 1.0
-        return np.asarray(confirm_c & (partner_excess > 0.0) & (own_excess < TP_LEAK_SHARE * partner_excess),
-                          dtype=np.bool_)
+        bound = np.minimum(TP_LEAK_SHARE * partner_excess, TP_LEAK_CAP)
+        return np.asarray(confirm_c & (partner_excess > 0.0) & (own_excess < bound), dtype=np.bool_)
 
     def _ring_mates(self, found: npt.NDArray[np.bool_], watched: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """The other watched members of the DP rings of ``found`` (ranks only their ring's

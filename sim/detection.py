@@ -21,7 +21,9 @@ Adaptra-like policies detect. Pure apart from the cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
 from resihp.coordinator.model.plan import Plan
@@ -44,6 +46,17 @@ class SlowDetection:
     ranks_found: tuple[int, ...] = ()
     bocd_iters: int | None = None  # the Greyhound-style BOCD baseline on the same iteration times
     degraded: bool = False  # found, but costing less than the impact floor: reported, never acted on
+    # found within the slowed iteration from the heartbeats' op states (compute faults; jobs
+    # whose iteration hears IN_FLIGHT_BEATS beats): when, as a share of that iteration, and
+    # the factor estimated then (None: not found in flight)
+    in_flight_share: float | None = None
+    in_flight_factor: float | None = None
+
+
+# beats per iteration the in-flight probe hears: a 10 s iteration under the hooks' 1 s heartbeats.
+# A job with shorter iterations is judged by its records (detect_iters)
+IN_FLIGHT_BEATS = 10
+HEARTBEAT_S = 1.0
 
 
 @dataclass
@@ -113,16 +126,39 @@ class DetectionOracle:
                 elif f.kind == "recovered" and found is not None and recovered_at is None:
                     recovered_at = rec.iteration
         bocd_iters = None if bocd_at is None else bocd_at - start + 1
+        share, flight_factor = self._in_flight(cfg, victim, start) if kind == "compute" else (None, None)
         if found is None:
             out = SlowDetection(None, 1.0, "unknown", None, (), bocd_iters)
         else:
             out = SlowDetection(
                 found.iteration - start + 1, float(found.factor), found.cause,
                 None if recovered_at is None else recovered_at - end + 1, tuple(found.ranks), bocd_iters,
-                degraded=found.kind == "degraded",
+                degraded=found.kind == "degraded", in_flight_share=share, in_flight_factor=flight_factor,
             )
         self._cache[key] = out
         return out
+
+    def _in_flight(self, cfg: WorkloadConfig, victim: int, start: int) -> tuple[float | None, float | None]:
+        """The same fault with heartbeats that name each rank's op, ``IN_FLIGHT_BEATS`` per
+        healthy iteration: (seconds from the slowed iteration's start to an in-flight finding,
+        over that iteration's time; its factor), or (None, None)."""
+        run = replace(cfg, heartbeats=False, iterations=start + 3)
+        spans = {r.iteration: (r.start_s, r.time_s) for r in generate(run) if isinstance(r, IterationRecord)}
+        beat_s = float(np.median([spans[i][1] for i in range(min(start, 8))])) / IN_FLIGHT_BEATS
+        run = replace(run, heartbeats=True, op_beats_s=beat_s)
+        det = Detector(make_header(run), self.config)
+        self.runs += 1
+        for rec in generate(run):
+            now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+            if isinstance(rec, IterationRecord) and rec.iteration > start:
+                break
+            for f in det.observe(rec, now):
+                if victim in f.ranks and f.kind in ("fail-slow", "degraded") and "in flight" in f.reason:
+                    if f.iteration != start:
+                        return None, None  # not within the slowed iteration
+                    t0, dur = spans[start]
+                    return (now - t0) / dur, float(f.factor)
+        return None, None
 
     def estimated_factor(self, det: SlowDetection, factor: float) -> float:
         """The detector's estimate of a slowdown by ``factor``: the probe's relative estimation
@@ -130,6 +166,11 @@ class DetectionOracle:
         the grid point at or below the factor: its estimate taken as is reported a 2.58× rank
         as 2.01× and the planner built for that.)"""
         return max(1.0, factor * det.factor / self.bucket(factor))
+
+    def estimated_in_flight_factor(self, det: SlowDetection, factor: float) -> float:
+        """As ``estimated_factor``, for the estimate an in-flight finding gives."""
+        got = det.in_flight_factor if det.in_flight_factor is not None else det.factor
+        return max(1.0, factor * got / self.bucket(factor))
 
     def failstop_delay_s(self, silent: bool) -> float:
         """Seconds from the failure to the fail-stop finding: an exit event, or silence."""

@@ -20,6 +20,7 @@ fail-stops (an exit event, or just silence: heartbeats stop).
 """
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -238,6 +239,9 @@ class WorkloadConfig:
     heartbeats: bool = True
     heartbeat_timeout_s: float = 30.0  # how long the trace runs on after a silent stop
     heartbeat_interval_s: float = 1.0  # a rank's heartbeats while the job hangs (the hooks beat every second)
+    # heartbeats within every iteration, this many seconds apart, naming the op each rank is in
+    # (0: none). The runtime's hooks beat every second: a 30 s iteration hears 30 of each rank
+    op_beats_s: float = 0.0
     documents: tuple[int, ...] | None = None  # document lengths to pack (default: the stdlib's .py files)
 
     def __post_init__(self) -> None:
@@ -268,6 +272,7 @@ def generate(cfg: WorkloadConfig) -> Iterator[IterationRecord | HeartbeatEvent |
     truth = GroundTruth(cfg)
     stop = next((f for f in sorted(cfg.faults, key=lambda f: f.start_iter) if f.kind == "stop"), None)
     ranks = cfg.plan.ranks()
+    ops_done = {r: 0 for r in ranks}  # compute ops each rank entered so far (its op counter)
     now = 0.0
     for it in range(cfg.iterations):
         if stop is not None and it == stop.start_iter:
@@ -286,10 +291,64 @@ def generate(cfg: WorkloadConfig) -> Iterator[IterationRecord | HeartbeatEvent |
             return
         rec = truth.iteration(it, now)
         now = rec.start_s + rec.time_s
+        if cfg.heartbeats and cfg.op_beats_s > 0:
+            yield from _op_beats(cfg, rec, ops_done)
         yield rec
         if cfg.heartbeats:
             for r in ranks:
                 yield HeartbeatEvent(r, now)
+
+
+_BUSY = ("F", "B", "W", "OPT")
+
+
+def _op_beats(cfg: WorkloadConfig, rec: IterationRecord, ops_done: dict[int, int]) -> Iterator[HeartbeatEvent]:
+    """The heartbeats of the iteration ``rec`` (on the job's grid of ``op_beats_s``), each naming
+    the op its rank is in, as the runtime's op cursor does: inside one of its compute spans it
+    computes; a stage-0 rank before its first op loads data (between ops: it waits for nobody);
+    in its DP span it waits in the all-reduce; anywhere else for a pipeline peer or a TP
+    partner. Counts each rank's compute ops into ``ops_done``."""
+    step = cfg.op_beats_s
+    end = rec.start_s + rec.time_s
+    first = math.floor(rec.start_s / step) + 1
+    times = np.arange(first, math.ceil(end / step)) * step
+    times = times[(times > rec.start_s) & (times < end)]
+    if not len(times):
+        for r in ops_done:
+            ops_done[r] += sum(1 for c in rec.chunks if c.rank == r and c.kind in _BUSY)
+        return
+    by_rank: dict[int, list[tuple[float, float, str]]] = {r: [] for r in ops_done}
+    dp: dict[int, tuple[float, float]] = {}
+    for c in rec.chunks:
+        if c.rank not in by_rank:
+            continue
+        if c.kind in _BUSY:
+            by_rank[c.rank].append((rec.start_s + c.start_s, rec.start_s + c.end_s, f"{c.kind} mb{c.microbatch}"))
+        elif c.kind == "DP":
+            dp[c.rank] = (rec.start_s + c.start_s, rec.start_s + c.end_s)
+    stage0 = {r for rep in cfg.plan.replicas for r in rep.stages[0]}
+    states: dict[int, list[OpState]] = {}
+    for r, spans in by_rank.items():
+        spans.sort()
+        starts = np.array([a for a, _, _ in spans])
+        ends = np.array([b for _, b, _ in spans])
+        j = np.searchsorted(starts, times, side="right") - 1
+        base = ops_done[r]
+        out = []
+        for t, k in zip(times.tolist(), j.tolist()):
+            if k >= 0 and t < ends[k]:
+                out.append(OpState("compute", spans[k][2], False, base + k + 1))
+            elif k < 0 and r in stage0:
+                out.append(OpState("compute", "load batch", True, base))
+            elif r in dp and dp[r][0] <= t < dp[r][1]:
+                out.append(OpState("collective", "DP all-reduce", False, base + k + 1))
+            else:
+                out.append(OpState("p2p", "wait", False, base + max(k, 0) + 1 if k >= 0 else base))
+        states[r] = out
+        ops_done[r] += len(spans)
+    for b, t in enumerate(times.tolist()):
+        for r in by_rank:
+            yield HeartbeatEvent(r, t, states[r][b])
 
 
 def _stuck_ops(cfg: WorkloadConfig, stuck: int) -> dict[int, OpState]:

@@ -287,3 +287,31 @@ def test_the_detection_probe_finds_a_slow_nic_at_any_tensor_parallel_degree(tp: 
     assert det.detect_iters is not None and det.detect_iters <= 3
     assert det.cause == "communication"
     assert det.factor == pytest.approx(4.0, rel=0.1)
+
+
+def test_the_detection_probe_finds_a_severe_compute_slowdown_within_its_first_iteration() -> None:
+    # with heartbeats that name each rank's op (detection.IN_FLIGHT_BEATS per iteration) the
+    # real detector finds a 3x GPU before that iteration's record; a 1.25x one only by records
+    from resihp.sim.detection import DetectionOracle
+
+    oracle = DetectionOracle(preset("llama2-7b"), tp=2)
+    severe, mild = oracle.failslow("compute", 3.0), oracle.failslow("compute", 1.25)
+    assert severe.in_flight_share is not None and 0.3 < severe.in_flight_share < 1.0
+    assert severe.in_flight_factor == pytest.approx(3.0, rel=0.15)
+    assert severe.detect_iters == 2  # by records: the second slowed iteration
+    assert mild.in_flight_share is None and mild.detect_iters is not None
+
+
+@pytest.mark.parametrize("microbatches, in_flight", [(512, True), (16, False)])
+def test_resihp_finds_a_severe_slowdown_of_a_long_iteration_within_it(microbatches: int, in_flight: bool) -> None:
+    # a job whose iteration hears ten heartbeats or more is re-planned before the slowed
+    # iteration ends; a short one when the second slowed iteration's record comes
+    from resihp.sim.detection import IN_FLIGHT_BEATS
+
+    job = JobSpec(preset("llama2-7b"), tp=2, pp=1, dp=4, microbatches=microbatches, gpus_per_node=8)
+    t_iter = PerfModel(job).iteration_s(job.initial_plan(), World(job.world_size, job.gpus_per_node))
+    assert (t_iter >= IN_FLIGHT_BEATS) == in_flight, t_iter
+    res, _ = run("resihp", job, [FailSlow(500.0, (5,), 3.0, 20_000.0)], 500.0 + 6 * t_iter * 3.0)
+    found = next(e for e in res.log if "fail-slow" in e.note and "detected" in e.note)
+    slowed = t_iter * 3.0 * 0.9  # the job at about the slow GPU's pace (a lower bound)
+    assert (found.time_s - 500.0 < slowed) == in_flight, (found.time_s, t_iter)

@@ -71,6 +71,10 @@ class DetectorConfig:
     # consecutive iterations — quick on a quiet, well-calibrated cluster, but on shared hosts and
     # busy fabrics (spans that swing by tens of per cent) a source of false alarms
     adaptive: bool = True
+    # a compute slowdown found within the iteration it slows, from the op states the heartbeats
+    # carry (coordinator/detector/inflight.py): for long iterations, where waiting for the
+    # second slowed iteration's record costs minutes
+    in_flight: bool = True
     noise_level: float = 6.0  # the shift test's level, in spreads of a √w-window mean
     noise_window: int = 64  # healthy ratios kept per key
     noise_clip: float = 3.0  # one iteration moves the test by at most this many spreads

@@ -53,6 +53,7 @@ from resihp.coordinator.detector.evidence import (
     timings_from_record,
 )
 from resihp.coordinator.detector.idle import IdleRankVerdicts
+from resihp.coordinator.detector.inflight import InFlight
 from resihp.coordinator.detector.judge import IterationJudge, JobTrack
 from resihp.coordinator.detector.noise import NoiseModel
 from resihp.coordinator.detector.predictor import Predictor
@@ -182,6 +183,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         # rank -> the op its latest beat named, that beat's time, the first beat's that named it
         self._ops: dict[int, tuple[OpState, float, float]] = {}
         self._beats_on = False
+        self._inflight = InFlight(self._replica_of())
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1
@@ -204,6 +206,9 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._alloc()
 
     # --- plan -----------------------------------------------------------------------------
+    def _replica_of(self) -> dict[int, int]:
+        return {r: int(self.index.rep[i]) for i, r in enumerate(self.index.ranks)}
+
     def _alloc(self) -> None:
         n = self.index.n
         ranks = self.index.ranks
@@ -253,6 +258,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
             self.predictor.seed_rewarm(self._shapes)  # priced from the earlier fits meanwhile
         self._alloc()
         self._job = JobTrack()
+        if changed:  # other iterations, other ops per iteration
+            self._inflight.reset(self._replica_of())
 
     # --- inputs ---------------------------------------------------------------------------
     def observe(self, record: Record, now: float) -> list[Finding]:
@@ -273,11 +280,13 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._progress_at = now
         if np.isfinite(time_s) and time_s > 0:
             self._iter_times.append(float(time_s))
+        self._inflight.progress(now, time_s)
 
     def _beat(self, rank: int, t: float, op: OpState | None = None) -> None:
         if op is not None:
             was = self._ops.get(rank)
             self._ops[rank] = (op, t, was[2] if was is not None and was[0] == op else t)
+            self._inflight.beat(rank, t, op)
         if not self._beats_on:  # heartbeats are on for this job: every rank starts its clock now
             self._beats_on = True
             for r in self.index.ranks:
@@ -293,6 +302,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         if not self._beats_on:
             return out
         out += self._no_progress(now)
+        if self.config.in_flight:
+            out += self._in_flight(now)
         timeout = self.config.heartbeat_timeout_s
         for i, r in enumerate(self.index.ranks):
             last = self._last_beat.get(r)
@@ -343,6 +354,45 @@ class Detector(IterationJudge, IdleRankVerdicts):
                 f"peers' go on (last {usual:.1f} s ago): a stopped process or frozen host holds the job up",
                 {"stalled_s": stalled, "silence_s": quiet[r], "peers_silence_s": usual, "hang_after_s": wait}))
         return out
+
+    def _in_flight(self, now: float) -> list[Finding]:
+        """A compute slowdown found within the iteration it slows (``inflight.py``): the rank
+        turns slow at once, as a confirmed finding of its records would make it, and the
+        finding carries its cost like every other."""
+        gone = {r for i, r in enumerate(self.index.ranks) if self.state[i] in (RankState.SLOW, RankState.DEAD)}
+        v = self._inflight.judge(now, gone)
+        if v is None:
+            return []
+        i = self.index.pos[v.rank]
+        self.state[i] = RankState.SLOW
+        self.score[i] = v.factor
+        self.cause_code[i] = 0
+        self.run[i] = self.run_m[i] = self.ok_run[i] = 0
+        self._slow_at[v.rank] = now
+        rows = np.zeros(self.index.n, dtype=np.bool_)
+        rows[i] = True
+        self.noise.forget(rows)
+        self.floor_noise.forget(rows)
+        stage, replica, group, where = self._where(v.rank)
+        ev = {"elapsed_s": v.elapsed_s, "usual_iteration_s": v.usual_s, "busy_per_op_s": v.busy_per_op_s,
+              "usual_busy_per_op_s": v.usual_busy_per_op_s,
+              "free_share": v.free_share, "peers_waiting_share": v.peers_waiting_share,
+              "waiting_peers": float(v.waiting_peers)}
+        reason = (f"rank {v.rank} (replica {replica}, stage {stage}, TP group {list(group or ())}): compute, in flight: "
+                  f"the iteration has run {v.elapsed_s:.1f} s against its usual {v.usual_s:.1f} s while rank {v.rank} "
+                  f"computed op after op ({v.free_share:.0%} of its latest beats; {v.busy_per_op_s * 1e3:.0f} ms of "
+                  f"compute per op against its usual {v.usual_busy_per_op_s * 1e3:.0f} ms) and {v.waiting_peers} peers "
+                  f"waited for it: {v.factor:.2f}x slower")
+        kind: FindingKind = "fail-slow"
+        cost = self._impact([i], v.factor, "compute", False)
+        if cost is not None:
+            ev["cost_s"], ev["cost_share"] = cost
+            reason += f"; it costs the job {cost[0] * 1e3:.1f} ms per iteration ({cost[1]:.1%})"
+            if cost[1] < self.config.impact_floor:
+                kind = "degraded"
+                reason += f", below the {self.config.impact_floor:.0%} floor: degraded, not worth a re-plan"
+        log.info("%d -> SLOW: %s", v.rank, reason)
+        return [Finding(self._last_iter + 1, kind, (v.rank,), stage, replica, group, v.factor, "compute", reason, ev, now)]
 
     def _stuck(self, now: float, stalled: float, wait: float, live: Mapping[int, float],
                held: Mapping[int, float]) -> list[Finding]:

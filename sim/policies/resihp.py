@@ -77,6 +77,7 @@ class ResiHP(Policy):
         self.oracle = oracle or oracle_for(job)
         self.known_dead: set[int] = set()
         self.known_slow: dict[int, tuple[tuple[int, ...], float, str]] = {}  # fault id -> (ranks, factor, cause)
+        self._in_flight: set[int] = set()  # fail-slows whose finding comes within their first slowed iteration
         self.verdict_at: dict[int, float] = {}  # fault id -> when its fail-slow was found
         # a slow rank the plan leaves idle is judged by its compute probes (None: no probes);
         # a verdict no probe renews lapses after spare_verdict_s
@@ -222,12 +223,19 @@ class ResiHP(Policy):
                 # idle devices: their probes find it (confirm_iters slow probes)
                 confirm = self.detector_config.confirm_iters
                 return self.steady(timers=((now + confirm * self.probe_every_s, f"slow:{ev.fault_id}"),))
-            if self._under_impact_floor(ev):  # reported as degraded, the planner is not asked
+            slowed, base = self._with_and_without(ev)
+            if self._under_impact_floor(slowed, base):  # reported as degraded, the planner is not asked
                 return self.steady(f"{ev.label}: degraded (costs under the impact floor), keeps the plan")
             t_iter = self.perf.iteration_s(self.plan, self.world)
             if not math.isfinite(t_iter):
                 t_iter = self.perf.iteration_s(self.job.initial_plan(), self.world.__class__(self.world.world_size, self.world.gpus_per_node))
-            return self.steady(timers=((now + det.detect_iters * t_iter, f"slow:{ev.fault_id}"),))
+            delay = det.detect_iters * t_iter
+            # found within the slowed iteration where it hears enough beats (detection.IN_FLIGHT_BEATS)
+            if (det.in_flight_share is not None and math.isfinite(base)
+                    and base >= detection.IN_FLIGHT_BEATS * detection.HEARTBEAT_S):
+                delay = min(delay, det.in_flight_share * t_iter)
+                self._in_flight.add(ev.fault_id)
+            return self.steady(timers=((now + delay, f"slow:{ev.fault_id}"),))
         if ev.fault_id not in self.known_slow:
             return self.steady()
         if not any(self.plan.has_rank(r) for r in self.known_slow[ev.fault_id][0]):
@@ -237,19 +245,24 @@ class ResiHP(Policy):
         wait = iters * (t_iter if math.isfinite(t_iter) else 60.0)
         return self.steady(timers=((now + wait, f"recovered:{ev.fault_id}"),))
 
-    def _under_impact_floor(self, ev: WorldEvent) -> bool:
-        """Whether the slowdown costs the running plan less than the detector's impact floor: its
-        iteration against the same world without this fault, as the detector's schedule
-        simulation prices a finding on the real job. (The detection probe's own verdict prices
-        the probe's fault — one P2P link of a 2 × 2 proxy job —, not this one: a node's
-        congested NIC also slows its DP ring, which cost a whole job 17 % while the probe
-        called a 3.5× link slowdown under the floor.)"""
+    def _with_and_without(self, ev: WorldEvent) -> tuple[float, float]:
+        """The running plan's iteration in the world with the fault ``ev`` and without it
+        (applying is idempotent)."""
         worlds = []
-        for start in (True, False):  # the world with and without it (applying is idempotent)
+        for start in (True, False):
             w = copy.deepcopy(self.world)
             w.apply(WorldEvent(ev.time_s, ev.fault, ev.fault_id, start))
             worlds.append(w)
         slowed, base = (self.perf.iteration_s(self.plan, w) for w in worlds)
+        return slowed, base
+
+    def _under_impact_floor(self, slowed: float, base: float) -> bool:
+        """Whether the slowdown costs the running plan less than the detector's impact floor: its
+        iteration against the same world without this fault (``_with_and_without``), as the
+        detector's schedule simulation prices a finding on the real job. (The detection
+        probe's own verdict prices the probe's fault — one P2P link of a 2 × 2 proxy job —, not
+        this one: a node's congested NIC also slows its DP ring, which cost a whole job 17 %
+        while the probe called a 3.5× link slowdown under the floor.)"""
         if not (math.isfinite(slowed) and math.isfinite(base)) or slowed <= 0.0:
             return False
         return (slowed - base) / slowed < self.detector_config.impact_floor
@@ -276,7 +289,9 @@ class ResiHP(Policy):
             det = self.oracle.failslow("compute" if ev.slow_kind == "compute" else "communication", ev.factor)
             ranks = ev.ranks if ev.slow_kind == "compute" else tuple(
                 r for n in sorted({self.world.node_of(x) for x in ev.ranks}) for r in node_ranks(self.job, n))
-            factor = self.oracle.estimated_factor(det, ev.factor)
+            factor = (self.oracle.estimated_in_flight_factor(det, ev.factor) if fid in self._in_flight
+                      else self.oracle.estimated_factor(det, ev.factor))
+            self._in_flight.discard(fid)
             self.known_slow[fid] = (tuple(ranks), factor, det.cause)
             self.verdict_at[fid] = now
             finding = self._finding("fail-slow", ranks, factor, det.cause, now)

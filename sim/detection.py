@@ -146,7 +146,9 @@ class DetectionOracle:
         spans = {r.iteration: (r.start_s, r.time_s) for r in generate(run) if isinstance(r, IterationRecord)}
         beat_s = float(np.median([spans[i][1] for i in range(min(start, 8))])) / IN_FLIGHT_BEATS
         run = replace(run, heartbeats=True, op_beats_s=beat_s)
-        det = Detector(make_header(run), self.config)
+        # the proxy's short iterations stand for the job's long ones, beats scaled alike: the
+        # floor that keeps short real iterations out is the policy's to apply (on the full job)
+        det = Detector(make_header(run), replace(self.config, in_flight_min_iteration_s=0.0))
         self.runs += 1
         for rec in generate(run):
             now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s

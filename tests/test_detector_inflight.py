@@ -24,11 +24,16 @@ def _usual_s(seed: int) -> float:
     return float(np.median([r.time_s for r in generate(cfg) if isinstance(r, IterationRecord)]))
 
 
-def _run(faults: tuple[Fault, ...], seed: int = 0, iterations: int = 40, in_flight: bool = True
-         ) -> tuple[list[Finding], dict[int, tuple[float, float]]]:
+# these jobs' 3 s iterations stand for 10 s ones, their heartbeats scaled alike: the floor
+# that keeps short real iterations out (in_flight_min_iteration_s) is off
+SCALED = 0.0
+
+
+def _run(faults: tuple[Fault, ...], seed: int = 0, iterations: int = 40, in_flight: bool = True,
+         min_iteration_s: float = SCALED) -> tuple[list[Finding], dict[int, tuple[float, float]]]:
     cfg = WorkloadConfig(MODEL, PLAN, budget=8192, seed=seed, iterations=iterations, faults=faults,
                          op_beats_s=_usual_s(seed) / BEATS_PER_ITERATION, noise=Noise.everything())
-    det = Detector(make_header(cfg), DetectorConfig(in_flight=in_flight))
+    det = Detector(make_header(cfg), DetectorConfig(in_flight=in_flight, in_flight_min_iteration_s=min_iteration_s))
     found: list[Finding] = []
     spans: dict[int, tuple[float, float]] = {}
     for rec in generate(cfg):
@@ -52,10 +57,12 @@ def test_a_slow_gpu_is_found_within_the_first_iteration_it_slows(factor: float) 
     assert f.evidence["cost_share"] > 0.01
 
 
-def test_without_in_flight_judging_the_same_slowdown_waits_for_the_records() -> None:
-    found, spans = _run((Fault("compute", VICTIM, ONSET, 2.0),), in_flight=False)
+@pytest.mark.parametrize("in_flight, min_iteration_s", [(False, SCALED), (True, DetectorConfig().in_flight_min_iteration_s)])
+def test_without_in_flight_judging_the_same_slowdown_waits_for_the_records(in_flight: bool, min_iteration_s: float) -> None:
+    # switched off, or a job whose usual iteration is under the floor (5 s by default)
+    found, spans = _run((Fault("compute", VICTIM, ONSET, 2.0),), in_flight=in_flight, min_iteration_s=min_iteration_s)
     f = next(f for f in found if f.kind == "fail-slow")
-    assert f.ranks == (VICTIM,) and f.time_s >= spans[ONSET][1]
+    assert f.ranks == (VICTIM,) and f.time_s >= spans[ONSET][1] and "in flight" not in f.reason
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -75,6 +75,9 @@ class DetectorConfig:
     # carry (coordinator/detector/inflight.py): for long iterations, where waiting for the
     # second slowed iteration's record costs minutes
     in_flight: bool = True
+    # ... for jobs whose usual iteration lasts at least this long: a shorter one's records find a
+    # slowdown within seconds, and on shared CPU hosts a sub-second iteration swings by multiples
+    in_flight_min_iteration_s: float = 5.0
     noise_level: float = 6.0  # the shift test's level, in spreads of a √w-window mean
     noise_window: int = 64  # healthy ratios kept per key
     noise_clip: float = 3.0  # one iteration moves the test by at most this many spreads
@@ -108,7 +111,7 @@ class DetectorConfig:
         if not isinstance(self.pause_every, int) or isinstance(self.pause_every, bool) or self.pause_every < 0:
             raise ValueError(f"DetectorConfig.pause_every must be an integer >= 0 (0: learn only when asked), got "
                              f"{self.pause_every!r}")
-        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("hang_iters", 1.0, 1000.0), ("hang_floor_s", 0.0, 3600.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
+        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("in_flight_min_iteration_s", 0.0, 86400.0), ("hang_iters", 1.0, 1000.0), ("hang_floor_s", 0.0, 3600.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
                              ("prior_spread", 1e-4, 10.0), ("min_spread", 0.0, 10.0)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi):

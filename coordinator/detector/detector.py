@@ -183,7 +183,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         # rank -> the op its latest beat named, that beat's time, the first beat's that named it
         self._ops: dict[int, tuple[OpState, float, float]] = {}
         self._beats_on = False
-        self._inflight = InFlight(self._replica_of())
+        self._inflight = InFlight(self._replica_of(), c.in_flight_min_iteration_s)
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1

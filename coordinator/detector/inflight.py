@@ -11,8 +11,9 @@ replicas in the DP all-reduce.
 
 The rule (``InFlight.judge``), all of:
 
-- the running iteration has lasted more than (1 + over) x the usual one (the median of the
-  latest ``HISTORY``), with over = max(``OVER_MIN``, ``OVER_SPREADS`` x their relative
+- the usual iteration (the median of the latest ``HISTORY``) lasts at least
+  ``min_iteration_s`` (DetectorConfig.in_flight_min_iteration_s, 5 s), and the running one has
+  lasted more than (1 + over) x it, with over = max(``OVER_MIN``, ``OVER_SPREADS`` x their relative
   spread), and every rank has beaten ``MIN_BEATS`` times in it: a heavy batch, a GC pause
   or a data-loader stall is shorter, and a short iteration is judged by its record anyway;
 - over each rank's latest ``MIN_BEATS`` beats (by then the other replicas have finished
@@ -78,7 +79,8 @@ class InFlight:
     """Per-rank beats of the running iteration (``beat``), reset when an iteration ends
     (``progress``) or the plan changes (``reset``)."""
 
-    def __init__(self, replica_of: Mapping[int, int]) -> None:
+    def __init__(self, replica_of: Mapping[int, int], min_iteration_s: float = 0.0) -> None:
+        self.min_iteration_s = min_iteration_s  # a job whose usual iteration is shorter is not judged
         self._replica = dict(replica_of)
         self._ranks: dict[int, _Beats] = {r: _Beats() for r in self._replica}
         self._times: deque[float] = deque(maxlen=HISTORY)
@@ -131,7 +133,7 @@ class InFlight:
         spread = 1.4826 * float(np.median(np.abs(times - usual))) / usual if usual > 0 else 0.0
         elapsed = now - self._start
         over = max(OVER_MIN, OVER_SPREADS * spread)
-        if usual <= 0 or elapsed <= (1.0 + over) * usual:
+        if usual <= 0 or usual < self.min_iteration_s or elapsed <= (1.0 + over) * usual:
             return None
         heard = {r: b for r, b in self._ranks.items() if b.beats > 0}
         if len(heard) < len(self._ranks) or min(b.beats for b in heard.values()) < MIN_BEATS:

@@ -231,8 +231,9 @@ class ResiHP(Policy):
                 t_iter = self.perf.iteration_s(self.job.initial_plan(), self.world.__class__(self.world.world_size, self.world.gpus_per_node))
             delay = det.detect_iters * t_iter
             # found within the slowed iteration where it hears enough beats (detection.IN_FLIGHT_BEATS)
-            if (det.in_flight_share is not None and math.isfinite(base)
-                    and base >= detection.IN_FLIGHT_BEATS * detection.HEARTBEAT_S):
+            dc = self.detector_config
+            if (det.in_flight_share is not None and dc.in_flight and math.isfinite(base)
+                    and base >= max(detection.IN_FLIGHT_BEATS * detection.HEARTBEAT_S, dc.in_flight_min_iteration_s)):
                 delay = min(delay, det.in_flight_share * t_iter)
                 self._in_flight.add(ev.fault_id)
             return self.steady(timers=((now + delay, f"slow:{ev.fault_id}"),))

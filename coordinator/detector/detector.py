@@ -383,14 +383,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
                   f"computed op after op ({v.free_share:.0%} of its latest beats; {v.busy_per_op_s * 1e3:.0f} ms of "
                   f"compute per op against its usual {v.usual_busy_per_op_s * 1e3:.0f} ms) and {v.waiting_peers} peers "
                   f"waited for it: {v.factor:.2f}x slower")
-        kind: FindingKind = "fail-slow"
-        cost = self._impact([i], v.factor, "compute", False)
-        if cost is not None:
-            ev["cost_s"], ev["cost_share"] = cost
-            reason += f"; it costs the job {cost[0] * 1e3:.1f} ms per iteration ({cost[1]:.1%})"
-            if cost[1] < self.config.impact_floor:
-                kind = "degraded"
-                reason += f", below the {self.config.impact_floor:.0%} floor: degraded, not worth a re-plan"
+        kind, reason = self._priced("fail-slow", self._impact([i], v.factor, "compute", False), reason, ev)
         log.info("%d -> SLOW: %s", v.rank, reason)
         return [Finding(self._last_iter + 1, kind, (v.rank,), stage, replica, group, v.factor, "compute", reason, ev, now)]
 

@@ -420,17 +420,23 @@ class IterationJudge(AdaptiveJudging):
                     reason += (f"; iteration {t.time_s:.2f} s vs {self.last['predicted_iteration_s']:.2f} s predicted "
                                f"with every device healthy")
                 cost = self._impact(members, factor, cause, rep_opt is None, evidence.get("dp_ratio", 1.0))
-                said: FindingKind = kind
-                if cost is not None:
-                    evidence["cost_s"], evidence["cost_share"] = cost
-                    reason += f"; it costs the job {cost[0] * 1e3:.1f} ms per iteration ({cost[1]:.1%})"
-                    if cost[1] < self.config.impact_floor:
-                        said = "degraded"
-                        reason += f", below the {self.config.impact_floor:.0%} floor: degraded, not worth a re-plan"
+                said, reason = self._priced(kind, cost, reason, evidence)
                 f = Finding(t.iteration, said, ranks, stage, rep_opt, group_opt, factor, cause, reason, evidence, now)
             log.info("%s -> %s: %s", ranks, "SLOW" if kind == "fail-slow" else "HEALTHY", f.reason)
             out.append(f)
         return out
+
+    def _priced(self, kind: FindingKind, cost: tuple[float, float] | None, reason: str,
+                evidence: dict[str, float]) -> tuple[FindingKind, str]:
+        """A slow finding with its cost (``_impact``) in its evidence and reason: `degraded`
+        below the impact floor."""
+        if cost is None:
+            return kind, reason
+        evidence["cost_s"], evidence["cost_share"] = cost
+        reason += f"; it costs the job {cost[0] * 1e3:.1f} ms per iteration ({cost[1]:.1%})"
+        if cost[1] < self.config.impact_floor:
+            return "degraded", reason + f", below the {self.config.impact_floor:.0%} floor: degraded, not worth a re-plan"
+        return kind, reason
 
     def _impact(self, members: list[int], factor: float, cause: str, ring: bool,
                 dp_ratio: float = 1.0) -> tuple[float, float] | None:

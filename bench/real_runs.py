@@ -36,8 +36,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
-LAYOUTS = {"pp2dp2": (1, 2, 2), "tp2pp2dp2": (2, 2, 2)}
-SLOW_RANK = {"pp2dp2": 2, "tp2pp2dp2": 5}  # a stage-1 rank of replica 0 / a TP member of replica 1
+LAYOUTS = {"pp2dp2": (1, 2, 2), "tp2pp2dp2": (2, 2, 2), "pp2dp2-long": (1, 2, 2)}
+SLOW_RANK = {"pp2dp2": 2, "tp2pp2dp2": 5, "pp2dp2-long": 2}  # a stage-0 rank of replica 1 / a TP member of replica 1
+# pp2dp2-long: 96 micro-batches of 512 tokens, iterations of about 8 s on 2 cores: long enough
+# for the detector's in-flight judging (docs/detector.md, "In flight"); not in the default set
+EXAMPLE_ARGS = {"pp2dp2-long": ("--microbatches", "96", "--seq", "512")}
+DEFAULT_LAYOUTS = ("pp2dp2", "tp2pp2dp2")
 
 
 @dataclass
@@ -51,12 +55,13 @@ class RealRun:
     reconfigs: int = 0
     slow_at: int | None = None
     detect_iters: int | None = None
+    in_flight: bool = False  # the throttle was found within an iteration (from the heartbeats' op states)
     found_ranks: list[int] = field(default_factory=list)
     run_dir: Path | None = None
 
     def row(self) -> str:
         kinds = ",".join(f"{f['kind']}:{f.get('ranks')}@{f.get('iteration')}" for f in self.findings) or "-"
-        det = "" if self.kind != "slow" else f" detect {self.detect_iters} it"
+        det = "" if self.kind != "slow" else f" detect {self.detect_iters} it" + (" (in flight)" if self.in_flight else "")
         return (f"{self.layout:10s} {self.kind:10s} rc {self.rc:3d} {self.steps:4d} steps {self.wall_s:6.1f} s "
                 f"reconfigs {self.reconfigs}  findings {kinds}{det}")
 
@@ -89,7 +94,8 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
     run.mkdir(parents=True)
     cmd = _resihp("launch", "-n", str(n), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--nodes", "2",
                   "--run-dir", str(run), "--", sys.executable, str(EXAMPLE), "--tp", str(tp), "--pp", str(pp),
-                  "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000", "--compute-clock", clock)
+                  "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000", "--compute-clock", clock,
+                  *EXAMPLE_ARGS.get(layout, ()))
     t0 = time.monotonic()
     with open(run / "launch.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -132,6 +138,7 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
         hit = next((f for f in after if SLOW_RANK[layout] in f.get("ranks", [])), None)
         out.found_ranks = sorted({r for f in after for r in f.get("ranks", [])})
         out.detect_iters = int(hit["iteration"]) - injected + 1 if hit is not None else None
+        out.in_flight = hit is not None and "in flight" in str(hit.get("reason", ""))
     return out
 
 
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="healthy runs per layout (the last with a co-tenant)")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {sorted(LAYOUTS)}")
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"of {sorted(LAYOUTS)}")
     ap.add_argument("--slow-at", type=int, default=60, help="step of the throttle in the slow runs")
     ap.add_argument("--slow-steps", type=int, default=120, help="steps of a throttled run")
     ap.add_argument("--factor", type=float, default=1.3)
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "real_slow_localised": all(r.found_ranks == [SLOW_RANK[r.layout]] for r in slow) if slow else None,
         "runs": [{"layout": r.layout, "kind": r.kind, "rc": r.rc, "steps": r.steps, "wall_s": round(r.wall_s, 1),
                   "findings": [[f["kind"], f.get("ranks"), f.get("iteration")] for f in r.findings],
-                  "reconfigs": r.reconfigs, "detect_iters": r.detect_iters} for r in runs],
+                  "reconfigs": r.reconfigs, "detect_iters": r.detect_iters, "in_flight": r.in_flight} for r in runs],
     }))
     return 0
 

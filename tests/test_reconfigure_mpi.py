@@ -330,3 +330,29 @@ def test_a_readmission_planned_past_the_end_is_acknowledged_unapplied_and_the_jo
     for step, recs in members.items():  # every sample once, whoever trained it
         assert sorted(i for ids in {tuple(r["samples"]) for r in recs} for i in ids) == \
             list(range(step * 8, (step + 1) * 8)), step
+
+
+# --- a peer slower than the failure timeout: a delay, not a death ----------------------------
+# tests/mpi_scripts/reconfig_slow_peer.py: PP2×DP2, failure timeout 1 s, rank 3 throttled 60x
+# from step 2 (its replica's step takes seconds: the other replica waits in the DP all-reduce)
+SP_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def slow_peer(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    return _survivor_reports(tmp_path_factory.mktemp("slow_peer"), "reconfig_slow_peer.py", ["3:60@2"], [0, 1, 2, 3],
+                             n=4)
+
+
+def test_a_peer_slower_than_the_failure_timeout_is_waited_for_not_redone_for_ever(slow_peer: dict[int, Any]) -> None:
+    for rank, rep in slow_peer.items():
+        # recoveries that lost nobody lengthened the groups' timeout until the step fitted
+        assert rep["failures"] >= 1, rank
+        assert all(h["reason"].startswith("lost ranks []") for h in rep["history"]), rep["history"]
+        assert rep["group_timeout_s"] >= 2.0, rep["group_timeout_s"]
+    by_step = _committed(slow_peer)
+    ref = slow_peer[0]["ref_losses"]
+    for step in range(SP_STEPS):
+        values = {r["loss"] for r in by_step[step] if r["loss"] is not None}
+        assert len(values) == 1, (step, values)
+        assert abs(values.pop() - ref[step]) <= 1e-5 * abs(ref[step]), step

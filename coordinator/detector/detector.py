@@ -183,7 +183,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         # rank -> the op its latest beat named, that beat's time, the first beat's that named it
         self._ops: dict[int, tuple[OpState, float, float]] = {}
         self._beats_on = False
-        self._inflight = InFlight(self._replica_of(), c.in_flight_min_iteration_s)
+        self._inflight = InFlight(self.index.ranks, c.in_flight_min_iteration_s)
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1
@@ -206,9 +206,6 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._alloc()
 
     # --- plan -----------------------------------------------------------------------------
-    def _replica_of(self) -> dict[int, int]:
-        return {r: int(self.index.rep[i]) for i, r in enumerate(self.index.ranks)}
-
     def _alloc(self) -> None:
         n = self.index.n
         ranks = self.index.ranks
@@ -259,7 +256,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._alloc()
         self._job = JobTrack()
         if changed:  # other iterations, other ops per iteration
-            self._inflight.reset(self._replica_of())
+            self._inflight.reset(self.index.ranks)
 
     # --- inputs ---------------------------------------------------------------------------
     def observe(self, record: Record, now: float) -> list[Finding]:

@@ -34,8 +34,8 @@ Pure and deterministic: times are the beats' own.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,16 +50,7 @@ FREE_SHARE = 0.7
 WAIT_SHARE = 0.5
 MIN_OPS = 2
 MAX_FACTOR = 20.0
-
-
-@dataclass
-class _Beats:
-    beats: int = 0
-    recent: deque[tuple[bool, int]] = field(default_factory=lambda: deque(maxlen=MIN_BEATS))  # (free, counter)
-    seq0: int | None = None  # the op counter when the iteration began (the latest before it)
-    seq: int | None = None
-    busy: int = 0  # beats of this iteration that found it inside a compute op
-    busy_per_op: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # latest iterations' seconds per op
+HISTORY_OPS = 8  # iterations whose compute per op makes a rank's usual one
 
 
 @dataclass(frozen=True)
@@ -77,45 +68,66 @@ class InFlightVerdict:
 
 class InFlight:
     """Per-rank beats of the running iteration (``beat``), reset when an iteration ends
-    (``progress``) or the plan changes (``reset``)."""
+    (``progress``) or the plan changes (``reset``). Arrays over the ranks: an iteration's end
+    costs a few vector operations, not a loop over thousands of ranks."""
 
-    def __init__(self, replica_of: Mapping[int, int], min_iteration_s: float = 0.0) -> None:
+    def __init__(self, ranks: Sequence[int], min_iteration_s: float = 0.0) -> None:
         self.min_iteration_s = min_iteration_s  # a job whose usual iteration is shorter is not judged
-        self._replica = dict(replica_of)
-        self._ranks: dict[int, _Beats] = {r: _Beats() for r in self._replica}
         self._times: deque[float] = deque(maxlen=HISTORY)
         self._start: float | None = None
         self._judged = False  # one verdict per iteration
         self._since = 0  # beats since the latest judgement: judged once per round of beats
+        self._heard = False  # an op state has arrived at all (most traces have none)
+        self._alloc(ranks, None)
 
-    def reset(self, replica_of: Mapping[int, int]) -> None:
-        """A new plan: its iterations and each rank's ops per iteration are learnt afresh."""
-        self._replica = dict(replica_of)
-        self._ranks = {r: _Beats(seq0=self._ranks[r].seq if r in self._ranks else None,
-                                 seq=self._ranks[r].seq if r in self._ranks else None) for r in self._replica}
+    def _alloc(self, ranks: Sequence[int], old: dict[int, int] | None) -> None:
+        self.ranks = list(ranks)
+        self.pos = {r: i for i, r in enumerate(self.ranks)}
+        n = len(self.ranks)
+        self.beats = np.zeros(n, dtype=np.int64)
+        self.busy = np.zeros(n, dtype=np.int64)  # beats of this iteration inside a compute op
+        self.seq = np.full(n, -1, dtype=np.int64)  # the latest op counter (-1: none yet)
+        if old is not None:
+            self.seq[:] = [old.get(r, -1) for r in self.ranks]
+        self.seq0 = self.seq.copy()  # the counter when the iteration began (the latest before it)
+        self.recent_free = np.zeros((n, MIN_BEATS), dtype=np.bool_)  # the latest beats, a ring per rank
+        self.recent_seq = np.zeros((n, MIN_BEATS), dtype=np.int64)
+        self.per_op = np.full((n, HISTORY_OPS), np.nan)  # latest iterations' compute seconds per op
+        self.per_op_at = 0
+
+    def reset(self, ranks: Sequence[int]) -> None:
+        """A new plan: its iterations and each rank's compute per op are learnt afresh."""
+        self._alloc(ranks, {r: int(self.seq[i]) for i, r in enumerate(self.ranks)})
         self._times.clear()
 
     def beat(self, rank: int, t: float, op: OpState) -> None:
-        b = self._ranks.get(rank)
-        if b is None:
+        i = self.pos.get(rank)
+        if i is None:
             return
+        self._heard = True
         self._since += 1
         if self._start is not None and t > self._start:
-            b.beats += 1
-            b.busy += op.kind == "compute" and not op.done
-            b.recent.append((not op.waiting, op.seq))
-        elif b.seq0 is None or op.seq >= b.seq0:
-            b.seq0 = op.seq  # a beat from before the iteration began: where its counter started
-        b.seq = op.seq
+            k = int(self.beats[i]) % MIN_BEATS
+            self.beats[i] += 1
+            self.busy[i] += op.kind == "compute" and not op.done
+            self.recent_free[i, k] = not op.waiting
+            self.recent_seq[i, k] = op.seq
+        elif op.seq >= self.seq0[i]:
+            self.seq0[i] = op.seq  # a beat from before the iteration began: where its counter started
+        self.seq[i] = op.seq
 
     def progress(self, now: float, time_s: float) -> None:
         """An iteration ended at ``now`` after ``time_s`` seconds."""
-        for b in self._ranks.values():
-            ops = (b.seq or 0) - (b.seq0 or 0)
-            if self._start is not None and b.beats >= MIN_BEATS and ops > 0 and b.busy > 0:
-                b.busy_per_op.append(b.busy * (now - self._start) / b.beats / ops)
-            b.seq0, b.beats, b.busy = b.seq, 0, 0
-            b.recent.clear()
+        if self._heard and self._start is not None:
+            ops = self.seq - self.seq0
+            ok = (self.beats >= MIN_BEATS) & (ops > 0) & (self.busy > 0) & (self.seq0 >= 0)
+            if ok.any():
+                got = self.busy * (now - self._start) / np.maximum(self.beats, 1) / np.maximum(ops, 1)
+                self.per_op[:, self.per_op_at] = np.where(ok, got, np.nan)
+                self.per_op_at = (self.per_op_at + 1) % HISTORY_OPS
+            self.seq0[:] = self.seq
+            self.beats[:] = 0
+            self.busy[:] = 0
         if np.isfinite(time_s) and time_s > 0:
             self._times.append(float(time_s))
         self._start = now
@@ -123,9 +135,10 @@ class InFlight:
 
     def judge(self, now: float, exclude: Collection[int] = ()) -> InFlightVerdict | None:
         """The rank holding this iteration up, slow but moving; None (most of the time)."""
-        if self._judged or self._start is None or len(self._times) < MIN_HISTORY or len(self._ranks) < 3:
+        n = len(self.ranks)
+        if self._judged or not self._heard or self._start is None or len(self._times) < MIN_HISTORY or n < 3:
             return None
-        if self._since < len(self._ranks):  # (at 4096 ranks a judgement per beat cost seconds per second)
+        if self._since < n:  # (at 4096 ranks a judgement per beat cost seconds per second)
             return None
         self._since = 0
         times = np.asarray(self._times)
@@ -135,35 +148,35 @@ class InFlight:
         over = max(OVER_MIN, OVER_SPREADS * spread)
         if usual <= 0 or usual < self.min_iteration_s or elapsed <= (1.0 + over) * usual:
             return None
-        heard = {r: b for r, b in self._ranks.items() if b.beats > 0}
-        if len(heard) < len(self._ranks) or min(b.beats for b in heard.values()) < MIN_BEATS:
-            return None
-        free = {r: sum(f for f, _ in b.recent) / len(b.recent) for r, b in heard.items()}
-        moved = {r: b.recent[-1][1] - b.recent[0][1] for r, b in heard.items()}
-        busy = [r for r in heard if free[r] >= FREE_SHARE and moved[r] >= MIN_OPS]
-        if len(busy) != 1 or busy[0] in exclude:
+        if int(self.beats.min()) < MIN_BEATS:
+            return None  # some rank has not beaten enough in this iteration
+        free = self.recent_free.mean(axis=1)
+        moved = self.recent_seq.max(axis=1) - self.recent_seq.min(axis=1)
+        busy = np.nonzero((free >= FREE_SHARE) & (moved >= MIN_OPS))[0]
+        if len(busy) != 1 or self.ranks[int(busy[0])] in exclude:
             return None  # none, or several (a whole replica busy: a heavy batch, or no single culprit)
-        culprit = busy[0]
-        others = [1.0 - free[r] for r in heard if r != culprit]
+        i = int(busy[0])
+        others = np.delete(1.0 - free, i)
         waiting = float(np.median(others))
         if waiting < WAIT_SHARE:
             return None
-        b = heard[culprit]
-        if len(b.busy_per_op) < MIN_HISTORY - 1:
+        history = self.per_op[i][np.isfinite(self.per_op[i])]
+        if len(history) < MIN_HISTORY - 1:
             return None
-        usual_per_op = float(np.median(b.busy_per_op))
-        ops = (b.seq or 0) - (b.seq0 or 0)
+        usual_per_op = float(np.median(history))
+        ops = int(self.seq[i] - self.seq0[i])
         if usual_per_op <= 0 or ops <= 0:
             return None
         # the op it is in counts whole but is half done (a whole iteration's ops are all done)
-        done = ops - 0.5 if b.recent and b.recent[-1][0] else ops
-        per_op = b.busy * elapsed / b.beats / max(done, 0.5)
+        latest = (int(self.beats[i]) - 1) % MIN_BEATS
+        done = ops - 0.5 if self.recent_free[i, latest] else ops
+        per_op = int(self.busy[i]) * elapsed / int(self.beats[i]) / max(done, 0.5)
         factor = min(MAX_FACTOR, per_op / usual_per_op)
         if factor < 1.0 + over:
             return None  # it computes at its usual pace: something else held the iteration up (a stall)
         self._judged = True
-        return InFlightVerdict(culprit, factor, elapsed, usual, per_op, usual_per_op, free[culprit], waiting,
-                               sum(1 for o in others if o >= WAIT_SHARE))
+        return InFlightVerdict(self.ranks[i], factor, elapsed, usual, per_op, usual_per_op, float(free[i]), waiting,
+                               int(np.sum(others >= WAIT_SHARE)))
 
 
 __all__ = ["InFlight", "InFlightVerdict"]

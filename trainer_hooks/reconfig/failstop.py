@@ -170,6 +170,26 @@ class Recovery:
     shrink_s: float
 
 
+# the longest the groups' timeout grows to after waits that every peer survived (torch's NCCL
+# default): a failure beyond it is still found, by the coordinator's notice if nothing sooner
+MAX_TIMEOUT_S = 600.0
+
+
+def lengthen_timeouts(rc: LiveReconfigurer) -> None:
+    """A recovery in which nobody died: a wait of the step outlasted the groups' short failure
+    timeout while every peer lived — a replica or stage slow enough that its peers wait longer
+    than the timeout for it (a 3x slow rank of an 8 s iteration keeps the other replica in the
+    DP all-reduce for 16 s). Redone with the same timeout, the step would time out again, for
+    ever (seen: 60 recoveries of one step in 3 minutes). The next groups get twice the timeout,
+    up to ``MAX_TIMEOUT_S``; the coordinator meanwhile finds the slow rank and re-plans."""
+    before = rc.group_timeout_s if rc.group_timeout_s is not None else rc.timeout_s
+    after = min(MAX_TIMEOUT_S, 2.0 * before)
+    rc.group_timeout_s = after
+    rc.timeout_s = max(rc.timeout_s, after)
+    log.warning("rank %d: a wait outlasted the %.0f s failure timeout while every peer lived (a slow peer, not a "
+                "dead one): the groups' timeout is now %.0f s", rc.rank, before, after)
+
+
 def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGuard,
             detected_at: float | None = None,
             choose_plan: Callable[[MpiWorld], Plan] | None = None,
@@ -189,6 +209,8 @@ def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGu
     new_world = shrink(replace(world, epoch=rc.epoch), last_step if rc.runtime is not None else SPARE_STEP)
     shrink_s = time.perf_counter() - t_shrink
     agreed = new_world.agreed_step
+    if not new_world.failed:
+        lengthen_timeouts(rc)
     shards, adam_steps = guard.state_after(rc, agreed, last_step)
     plan = (choose_plan(new_world) if choose_plan is not None
             else survivor_plan(rc.plan, new_world.ranks, rc.spec, new_world.epoch, rc.config.budget))
@@ -199,5 +221,5 @@ def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGu
     return Recovery(new_world, plan, agreed + 1, report, time.perf_counter() - t0, shrink_s)
 
 
-__all__ = ["survivor_plan", "StepGuard", "Recovery", "recover", "abandon_groups", "release_frames"]
+__all__ = ["survivor_plan", "StepGuard", "Recovery", "recover", "abandon_groups", "release_frames", "lengthen_timeouts"]
 

@@ -24,7 +24,13 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement
-from resihp.trainer_hooks.reconfig.failstop import SPARE_STEP, StepGuard, abandon_groups, survivor_plan
+from resihp.trainer_hooks.reconfig.failstop import (
+    SPARE_STEP,
+    StepGuard,
+    abandon_groups,
+    lengthen_timeouts,
+    survivor_plan,
+)
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfig.reshard import ReshardError
 from resihp.trainer_hooks.reconfig.transfer import Shards
@@ -162,6 +168,7 @@ class FailStopRecovery:
         world = self.world
         before = self._snapshot()
         lost: set[int] = set()  # over every attempt of this recovery
+        lengthened = False
         for attempt in range(1, self.max_recoveries + 1):
             shrunk = False
             # this rank's seconds per phase of the attempt that succeeds (the progress log's
@@ -185,6 +192,9 @@ class FailStopRecovery:
                     agreed = world.agreed_step
                 plan = self._agree_plan(world)
                 plan = replace(plan, epoch=max(plan.epoch, world.epoch))  # past every epoch tried
+                if not lost and not lengthened:  # every peer lived: a wait outlasted the timeout
+                    lengthen_timeouts(self.rc)
+                    lengthened = True
                 self._tried_epoch = max(self._tried_epoch, plan.epoch)
                 lap("plan")
                 restored_from: int | None = None

@@ -1,0 +1,73 @@
+"""A peer slow enough that the others wait longer than the failure timeout: a delay, not a death.
+
+    RESIHP_STORE=host:port mpirun --with-ft ulfm ... -n 4 python reconfig_slow_peer.py OUT 3:FACTOR@AT
+
+Epoch 0: an uninterrupted PP2×DP2 reference of STEPS steps (its losses). Then the same job
+from the same seed runs resilient through ``hooks.init`` with a failure timeout of
+TIMEOUT_S, and rank 3 throttled (RESIHP_THROTTLE) from step AT so far that its replica's
+step takes several timeouts: the other replica waits for it in the DP all-reduce past the
+timeout. Every peer lives: each such "failure" is a recovery that loses nobody, and the
+groups' timeout doubles until the step fits (before: the step was redone with the same
+timeout, for ever). The throttle (RANK:FACTOR@STEP, as RESIHP_THROTTLE) is the second argument.
+Every rank writes OUT/RANK.json: its committed steps, the failures it
+went through and the groups' timeout at the end.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+from reconfig_common import (
+    CONFIG,
+    GLOBAL_MB,
+    SPEC,
+    ScriptedAgent,
+    reference_losses,
+    report_and_exit,
+    set_threads,
+    train_records,
+)
+
+from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks import hooks
+from resihp.trainer_hooks.launch.bootstrap import STORE_ENV
+from resihp.trainer_hooks.reconfig.ulfm import ft_world
+
+STEPS = 6
+TIMEOUT_S = 1.0
+START = Plan.uniform(1, 2, 2, SPEC.num_layers, GLOBAL_MB)
+
+
+class QuietAgent(ScriptedAgent):
+    def poll_commands(self) -> list[m.Command]:
+        return []
+
+
+def main() -> None:
+    out = sys.argv[1]
+    set_threads()
+    store = os.environ[STORE_ENV]
+    world = ft_world()
+    me, size = world.rank, world.size
+    if size != 4:
+        raise SystemExit(f"run with 4 ranks, got {size}")
+    ref_losses = reference_losses(world.comm, store, START, STEPS)
+    os.environ[hooks.THROTTLE_ENV] = sys.argv[2]  # for the resilient run only
+
+    tx = QuietAgent()
+    job = hooks.init(SPEC, replace(START, epoch=1), config=CONFIG, transport=tx, trace="", resilient=True,
+                     failure_timeout_s=TIMEOUT_S)
+    tx.job = job
+    res = job.resilience
+    assert res is not None
+    records = train_records(job, res, STEPS)
+    report = {"rank": me, "records": records, "ref_losses": ref_losses, "failures": res.failures,
+              "lost": [list(h.get("lost", [])) for h in res.history], "history": res.history,
+              "group_timeout_s": res.rc.group_timeout_s}
+    report_and_exit(out, me, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -103,3 +103,21 @@ def test_a_whole_busy_replica_is_no_culprit_but_one_busy_rank_is() -> None:
         v = w.judge(t)
         assert (v.rank if v else None) == want, (busy, v)
         assert v is None or (v.elapsed_s == pytest.approx(t - start) and v.factor == pytest.approx(2.0, rel=0.1))
+
+
+def test_the_coordinators_way_op_states_only_then_a_tick_finds_it_too() -> None:
+    # the coordinator keeps liveness itself: it hands the detector each beat's op
+    # (observe_op) and ticks, never a HeartbeatEvent
+    cfg = WorkloadConfig(MODEL, PLAN, budget=8192, seed=0, iterations=ONSET + 2,
+                         faults=(Fault("compute", VICTIM, ONSET, 3.0),),
+                         op_beats_s=_usual_s(0) / BEATS_PER_ITERATION, noise=Noise.everything())
+    det = Detector(make_header(cfg), DetectorConfig(in_flight_min_iteration_s=SCALED))
+    found: list[Finding] = []
+    for rec in generate(cfg):
+        if isinstance(rec, IterationRecord):
+            found += det.observe(rec, rec.start_s + rec.time_s)
+        elif rec.op is not None:
+            det.observe_op(rec.rank, rec.time_s, rec.op)
+            found += det.tick(rec.time_s)
+    slow = [f for f in found if f.kind == "fail-slow"]
+    assert [f.ranks for f in slow] == [(VICTIM,)] and "in flight" in slow[0].reason, found

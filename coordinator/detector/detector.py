@@ -290,17 +290,23 @@ class Detector(IterationJudge, IdleRankVerdicts):
                 self._last_beat.setdefault(r, t)
         self._last_beat[rank] = max(t, self._last_beat.get(rank, t))
 
+    def observe_op(self, rank: int, t: float, op: OpState) -> None:
+        """The op a rank's heartbeat names, for in-flight judging only (``tick`` judges): O(1).
+        The coordinator keeps liveness on its own clock and feeds no heartbeat events (a
+        per-beat timeout scan over every rank would dominate it at a thousand ranks)."""
+        self._inflight.beat(rank, t, op)
+
     def tick(self, now: float) -> list[Finding]:
         """Heartbeat timeouts as of ``now``, and spares whose slow verdict lapsed (``_left_slow``)
         as ``recovered`` findings: the coordinator re-plans on them as on any recovery."""
         self._set_clock(now)
         out = [self._lapse_finding(r, age, now) for r, age in self._lapsed]
         self._lapsed = []
+        if self.config.in_flight:
+            out += self._in_flight(now)
         if not self._beats_on:
             return out
         out += self._no_progress(now)
-        if self.config.in_flight:
-            out += self._in_flight(now)
         timeout = self.config.heartbeat_timeout_s
         for i, r in enumerate(self.index.ranks):
             last = self._last_beat.get(r)

@@ -25,6 +25,7 @@ from resihp.coordinator.model.trace import (
     ExitEvent,
     HeartbeatEvent,
     IterationRecord,
+    OpState,
     PlanChange,
     Record,
     TraceHeader,
@@ -63,6 +64,7 @@ class Engine(Protocol):
 
     def observe(self, record: Record, now: float) -> list[FindingInfo]: ...
     def tick(self, now: float) -> list[FindingInfo]: ...
+    def observe_op(self, rank: int, t: float, op: OpState) -> None: ...  # a heartbeat's op (in-flight judging)
     def suspects(self) -> dict[int, str]: ...  # rank -> healthy / suspect / slow / dead
     def rank_speed(self) -> dict[int, float]: ...
     def readmit(self, rank: int) -> bool: ...  # forget a slow verdict of a rank outside the plan
@@ -205,6 +207,9 @@ class RuleEngine:
             tokens = sum(sum(mb) for mb in rec.seqlens[rep]) or 1
             out[rank] = secs / tokens
         return out
+
+    def observe_op(self, rank: int, t: float, op: OpState) -> None:
+        return None  # the rule engine judges iterations only
 
     def tick(self, now: float) -> list[FindingInfo]:
         out = []

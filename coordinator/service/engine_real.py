@@ -25,6 +25,7 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.model.trace import (
     IterationRecord,
+    OpState,
     PlanChange,
     Record,
     TraceError,
@@ -176,6 +177,10 @@ class RealEngine:
             found = 0
         self.fitter.set_plan(plan)
         return found
+
+    def observe_op(self, rank: int, t: float, op: OpState) -> None:
+        if self.detection:
+            self.detector.observe_op(rank, t, op)
 
     def tick(self, now: float) -> list[FindingInfo]:
         return self._convert(self.detector.tick(now))

@@ -57,6 +57,8 @@ class LivenessFlow:
                 if rh.op is None or rh.op != info.op:
                     info.op_since = seen  # a new op (or none): how long one is held counts from here
                 info.op, info.op_at = rh.op, seen
+                if rh.op is not None:  # the detector's in-flight judging (one O(1) update a beat)
+                    self.engine.observe_op(rh.rank, seen, rh.op)
 
     def _silent(self, now: float, unjudged: set[int], found: list[m.FindingInfo]) -> list[m.FindingInfo]:
         """Fail-stop verdicts on ranks silent past the heartbeat timeout (not those whose agent is

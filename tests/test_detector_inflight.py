@@ -9,7 +9,7 @@ from resihp.coordinator.detector.detector import Detector, DetectorConfig, Findi
 from resihp.coordinator.detector.inflight import MIN_BEATS, InFlight
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import IterationRecord, OpState
+from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord, OpState
 from resihp.sim.workload import Fault, Noise, WorkloadConfig, generate, make_header
 
 MODEL = preset("llama2-13b")
@@ -116,7 +116,7 @@ def test_the_coordinators_way_op_states_only_then_a_tick_finds_it_too() -> None:
     for rec in generate(cfg):
         if isinstance(rec, IterationRecord):
             found += det.observe(rec, rec.start_s + rec.time_s)
-        elif rec.op is not None:
+        elif isinstance(rec, HeartbeatEvent) and rec.op is not None:
             det.observe_op(rec.rank, rec.time_s, rec.op)
             found += det.tick(rec.time_s)
     slow = [f for f in found if f.kind == "fail-slow"]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +52,7 @@ from resihp.coordinator.detector.evidence import (
     split_dp_wait,
     timings_from_record,
 )
+from resihp.coordinator.detector.hangs import hang_culprits, stuck_culprits, stuck_reason
 from resihp.coordinator.detector.idle import IdleRankVerdicts
 from resihp.coordinator.detector.inflight import InFlight
 from resihp.coordinator.detector.judge import IterationJudge, JobTrack
@@ -80,84 +81,10 @@ log = logging.getLogger(__name__)
 FloatArray = npt.NDArray[np.float64]
 
 
-def hang_culprits(stalled_s: float, wait_s: float, silence_s: Mapping[int, float],
-                  op_held_s: Mapping[int, float] | None = None) -> list[int]:
-    """The ranks that hold up a job with no iteration for ``stalled_s`` (a hang once it
-    exceeds ``wait_s``), from how long each live rank has been silent: silent for more than
-    max(1 s, half the wait) beyond the ranks' usual silence (their median: most beat on) and
-    for at least half the stall. None when the job is not stalled, when fewer than two ranks
-    are heard, or when as many as half are silent (that is not one rank holding the rest).
-    ``op_held_s`` (as in ``stuck_culprits``): none either while a rank that beats on still
-    enters new ops — the job is slow, not stopped (a rank many times slower makes iterations
-    outlast the wait, and a healthy rank's heartbeat thread, starved 1.7 s on a loaded host
-    meanwhile, was taken for a stopped process).
-    Pure: the detector and the coordinator's own liveness clock both use it."""
-    if stalled_s <= wait_s or len(silence_s) < 2:
-        return []
-    usual = float(np.median(list(silence_s.values())))
-    margin = max(1.0, 0.5 * wait_s)
-    held = sorted(r for r, q in silence_s.items() if q > usual + margin and q >= 0.5 * stalled_s)
-    if op_held_s is not None and moving(op_held_s, wait_s, exclude=held):
-        return []
-    return held if 2 * len(held) < len(silence_s) else []
-
-
-def moving(op_held_s: Mapping[int, float], wait_s: float, exclude: Collection[int] = ()) -> bool:
-    """Whether some rank (not in ``exclude``) has held the op it is in for less than
-    ``HELD_SHARE`` of the hang wait, by its beats: it still moves from op to op."""
-    return any(h < HELD_SHARE * wait_s for r, h in op_held_s.items() if r not in exclude)
-
-
-STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
-# a rank stuck in an op has held it since its iteration stopped: at least the hang wait less one
-# usual iteration (half of it at the default hang_iters of 2), less a beat's resolution; a rank
-# slowed even 10x enters ops far more often (a micro-batch's F or B is a few per cent of an
-# iteration). With beats a second apart and the 2 s floor: two beats that name the same op
-HELD_SHARE = 0.25
 # iterations a finding's cost is averaged over: a slowdown costs more on some batches than on
 # others (which replica is the longest changes with the batch), and a few batches can miss
 # the long-run cost by half
 COST_WINDOW = 32
-
-
-def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | None],
-                   op_age_s: Mapping[int, float], op_held_s: Mapping[int, float] | None = None) -> list[int]:
-    """The ranks that hold up a job with no iteration for ``stalled_s`` while every rank beats
-    on (a kernel or a collective that never returns, a rank stuck in its data loader): those
-    that wait for nobody — inside a compute op, or between ops — while the others wait inside
-    a p2p or collective op that needs them. The idea of torch's NCCL flight recorder, from the
-    last op each rank reported entering and completing. Only op states reported at least
-    ``STATE_SETTLE_S`` after the job stopped count (``op_age_s``: seconds since each was
-    reported); none unless every live rank has one, some wait, and fewer than half do not.
-    ``op_held_s``: seconds from the first to the latest beat of each rank that named the op it
-    is in (its ``seq``: beats are all we know of it, so a rank that moved on since its latest
-    beat is not taken as still in it); a culprit must have held it for ``HELD_SHARE`` of
-    ``wait_s``: a rank many times slower than usual (a severe fail-slow) still enters op
-    after op, and its peers wait for it meanwhile — it is slow, not stuck, and a no-progress
-    verdict would kill it.
-    Pure: the detector and the coordinator's liveness both use it."""
-    if stalled_s <= wait_s or len(ops) < 3:
-        return []
-    fresh = stalled_s - STATE_SETTLE_S
-    if any(o is None or op_age_s.get(r, float("inf")) > fresh for r, o in ops.items()):
-        return []
-    free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
-    if not free or 2 * len(free) >= len(ops):
-        return []
-    if op_held_s is not None and moving({r: op_held_s.get(r, 0.0) for r in free}, wait_s):
-        return []  # one of them is still moving on: the job is slow, not stuck (yet)
-    return free
-
-
-def stuck_reason(rank: int, ops: Mapping[int, OpState | None], stalled_s: float, wait_s: float) -> str:
-    """Why ``rank`` (one ``stuck_culprits`` named) holds the job up, for a finding's reason:
-    the op it is in and the ranks that wait for it (the first eight)."""
-    op = ops[rank]
-    waiting = sorted(r for r, o in ops.items() if o is not None and o.waiting)
-    shown = ", ".join(map(str, waiting[:8])) + (f" and {len(waiting) - 8} more" if len(waiting) > 8 else "")
-    return (f"no iteration for {stalled_s:.1f} s (hang after {wait_s:.1f} s) while every rank beats on; rank {rank} "
-            f"is {op.describe() if op is not None else 'in no op'} and waits for nobody, while ranks {shown} wait in "
-            f"p2p or collective ops: a stuck kernel, collective or data loader on rank {rank} holds the job up")
 
 
 class Detector(IterationJudge, IdleRankVerdicts):
@@ -367,25 +294,14 @@ class Detector(IterationJudge, IdleRankVerdicts):
         if v is None:
             return []
         i = self.index.pos[v.rank]
-        self.state[i] = RankState.SLOW
-        self.score[i] = v.factor
-        self.cause_code[i] = 0
-        self.run[i] = self.run_m[i] = self.ok_run[i] = 0
-        self._slow_at[v.rank] = now
         rows = np.zeros(self.index.n, dtype=np.bool_)
         rows[i] = True
-        self.noise.forget(rows)
-        self.floor_noise.forget(rows)
-        stage, replica, group, where = self._where(v.rank)
-        ev = {"elapsed_s": v.elapsed_s, "usual_iteration_s": v.usual_s, "busy_per_op_s": v.busy_per_op_s,
-              "usual_busy_per_op_s": v.usual_busy_per_op_s,
-              "free_share": v.free_share, "peers_waiting_share": v.peers_waiting_share,
-              "waiting_peers": float(v.waiting_peers)}
-        reason = (f"rank {v.rank} (replica {replica}, stage {stage}, TP group {list(group or ())}): compute, in flight: "
-                  f"the iteration has run {v.elapsed_s:.1f} s against its usual {v.usual_s:.1f} s while rank {v.rank} "
-                  f"computed op after op ({v.free_share:.0%} of its latest beats; {v.busy_per_op_s * 1e3:.0f} ms of "
-                  f"compute per op against its usual {v.usual_busy_per_op_s * 1e3:.0f} ms) and {v.waiting_peers} peers "
-                  f"waited for it: {v.factor:.2f}x slower")
+        self._mark_slow(rows, now, self.config.adaptive)
+        self.score[i], self.cause_code[i] = v.factor, 0
+        self.run[i] = self.run_m[i] = self.ok_run[i] = 0
+        stage, replica, group, _ = self._where(v.rank)
+        ev = v.evidence()
+        reason = f"rank {v.rank} (replica {replica}, stage {stage}, TP group {list(group or ())}): {v.describe()}"
         kind, reason = self._priced("fail-slow", self._impact([i], v.factor, "compute", False), reason, ev)
         log.info("%d -> SLOW: %s", v.rank, reason)
         return [Finding(self._last_iter + 1, kind, (v.rank,), stage, replica, group, v.factor, "compute", reason, ev, now)]

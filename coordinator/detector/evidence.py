@@ -317,6 +317,33 @@ def tp_wait_share(compute: FloatArray, tp_wait: FloatArray, index: PlanIndex) ->
     return share
 
 
+# a member's compute excess this small beside a far slower TP partner is not confirmed: it costs
+# the job nothing while the partner is there (a TP group's op lasts as long as its slowest
+# member), and the partner confounds it — the wait for it left in the member's spans, or a
+# co-tenant's load on a 2-GPU host that the host correction cannot measure when the host's other
+# GPU is the slow one (in the noisy sweep a 2.08x rank's host and TP mate read 1.046x after 26
+# iterations and was reported `degraded` on a healthy device). Capped: a larger excess beside a
+# very slow partner is found, so that its baseline does not learn it.
+TP_LEAK_SHARE = 0.1
+TP_LEAK_CAP = 0.1
+
+
+def shadowed_by_tp_partner(candidates: npt.NDArray[np.bool_], partners: npt.NDArray[np.bool_],
+                           factor: FloatArray, index: PlanIndex) -> npt.NDArray[np.bool_]:
+    """Per rank: a ``candidates`` rank whose excess (``factor`` - 1) is under ``TP_LEAK_SHARE``
+    of the largest excess among the ``partners`` of its TP group (at most ``TP_LEAK_CAP``).
+    Once a re-plan moves the partner off, the member's own timings judge it; a second slow
+    device of one group, at 1.25x beside a 2x one, is more than that."""
+    if not candidates.any() or int(index.tp_size.max(initial=1)) < 2:
+        return np.zeros(index.n, dtype=np.bool_)
+    f = np.where(np.isfinite(factor), factor, 1.0)
+    worst = np.ones(index.n_groups)
+    np.maximum.at(worst, index.group_of[partners], f[partners])
+    partner_excess = worst[index.group_of] - 1.0
+    bound = np.minimum(TP_LEAK_SHARE * partner_excess, TP_LEAK_CAP)
+    return np.asarray(candidates & (partner_excess > 0.0) & (f - 1.0 < bound), dtype=np.bool_)
+
+
 _GRID: dict[tuple[tuple[int, ...], int], tuple[IntArray, IntArray]] = {}
 
 

@@ -65,6 +65,18 @@ class InFlightVerdict:
     peers_waiting_share: float
     waiting_peers: int
 
+    def evidence(self) -> dict[str, float]:
+        return {"elapsed_s": self.elapsed_s, "usual_iteration_s": self.usual_s, "busy_per_op_s": self.busy_per_op_s,
+                "usual_busy_per_op_s": self.usual_busy_per_op_s, "free_share": self.free_share,
+                "peers_waiting_share": self.peers_waiting_share, "waiting_peers": float(self.waiting_peers)}
+
+    def describe(self) -> str:
+        return (f"compute, in flight: the iteration has run {self.elapsed_s:.1f} s against its usual "
+                f"{self.usual_s:.1f} s while rank {self.rank} computed op after op ({self.free_share:.0%} of its "
+                f"latest beats; {self.busy_per_op_s * 1e3:.0f} ms of compute per op against its usual "
+                f"{self.usual_busy_per_op_s * 1e3:.0f} ms) and {self.waiting_peers} peers waited for it: "
+                f"{self.factor:.2f}x slower")
+
 
 class InFlight:
     """Per-rank beats of the running iteration (``beat``), reset when an iteration ends

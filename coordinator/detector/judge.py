@@ -16,7 +16,15 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.adaptive import AdaptiveJudging
-from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, group_all, tp_wait_share
+from resihp.coordinator.detector.cost import FindingCost
+from resihp.coordinator.detector.evidence import (
+    BWD,
+    FWD,
+    IterationTimings,
+    group_all,
+    shadowed_by_tp_partner,
+    tp_wait_share,
+)
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, priced_ratio, trimmed_ratio
 from resihp.coordinator.detector.recovery_window import RecoveryWindow
@@ -26,16 +34,6 @@ from resihp.coordinator.detector.verdicts import Finding, FindingKind, RankState
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
-
-# a member's compute excess this small beside a far slower TP partner is not confirmed: it costs
-# the job nothing while the partner is there (a TP group's op lasts as long as its slowest
-# member), and the partner confounds it — the wait for it left in the member's spans, or a
-# co-tenant's load on a 2-GPU host that the host correction cannot measure when the host's other
-# GPU is the slow one (in the noisy sweep a 2.08x rank's host and TP mate read 1.046x after 26
-# iterations and was reported `degraded` on a healthy device). Capped: a larger excess beside a
-# very slow partner is found, so that its baseline does not learn it.
-TP_LEAK_SHARE = 0.1
-TP_LEAK_CAP = 0.1
 
 
 @dataclass
@@ -48,7 +46,7 @@ class JobTrack:
     factor: float = 1.0
 
 
-class IterationJudge(AdaptiveJudging):
+class IterationJudge(AdaptiveJudging, FindingCost):
     """The detector's judging of one iteration at its evidence level (module docstring)."""
 
     # the detector's state this part reads and writes (set by Detector.__init__ and _alloc)
@@ -324,12 +322,7 @@ class IterationJudge(AdaptiveJudging):
         self.score = np.where(slow & ~normal, 0.5 * self.score + 0.5 * score, self.score)
         out: list[Finding] = []
         if confirm.any():
-            st[confirm] = RankState.SLOW
-            if adaptive:
-                self.noise.forget(confirm)
-                self.floor_noise.forget(confirm)
-            for i in np.nonzero(confirm)[0]:
-                self._slow_at[self.index.ranks[int(i)]] = now
+            self._mark_slow(confirm, now, adaptive)
             self.score = np.where(confirm, score, self.score)
             if is_comm is not None:
                 self.cause_code = np.where(confirm, is_comm.astype(np.int64), self.cause_code)
@@ -350,22 +343,22 @@ class IterationJudge(AdaptiveJudging):
         return out
 
     def _tp_leak(self, confirm_c: npt.NDArray[np.bool_], score: FloatArray) -> npt.NDArray[np.bool_]:
-        """Compute suspects (``confirm_c``) whose excess is within ``TP_LEAK_SHARE`` of a TP
-        partner's (at most ``TP_LEAK_CAP``) — one slow in compute already, or confirmed with
-        them (see TP_LEAK_SHARE). Not confirmed: they stay suspect; once a re-plan moves the
-        partner off, their own timings judge them. A second slow device of one group, at 1.25x
-        beside a 2x one, is still found."""
-        ix = self.index
-        partners = ((self.state == RankState.SLOW) & (self.cause_code == 0)) | confirm_c
-        if not confirm_c.any() or int(ix.tp_size.max(initial=1)) < 2 or int(partners.sum()) < 1:
-            return np.zeros(ix.n, dtype=np.bool_)
-        worst = np.ones(ix.n_groups)
-        np.maximum.at(worst, ix.group_of[partners], fill_nan(np.where(self.state == RankState.SLOW, self.score, score),
-                                                             1.0)[partners])
-        partner_excess = worst[ix.group_of] - 1.0
-        own_excess = fill_nan(score, 1.0) - 1.0
-        bound = np.minimum(TP_LEAK_SHARE * partner_excess, TP_LEAK_CAP)
-        return np.asarray(confirm_c & (partner_excess > 0.0) & (own_excess < bound), dtype=np.bool_)
+        """Compute suspects (``confirm_c``) not to confirm beside a far slower TP partner — one
+        slow in compute already (its factor), or confirmed with them (this iteration's score):
+        ``evidence.shadowed_by_tp_partner``."""
+        slow_c = (self.state == RankState.SLOW) & (self.cause_code == 0)
+        factor = np.where(self.state == RankState.SLOW, self.score, score)
+        return shadowed_by_tp_partner(confirm_c, slow_c | confirm_c, factor, self.index)
+
+    def _mark_slow(self, rows: npt.NDArray[np.bool_], now: float, adaptive: bool) -> None:
+        """``rows`` turn slow at ``now``: their shift tests drop what they queued (a slow
+        rank's ratios teach no healthy baseline)."""
+        self.state[rows] = RankState.SLOW
+        if adaptive:
+            self.noise.forget(rows)
+            self.floor_noise.forget(rows)
+        for i in np.nonzero(rows)[0]:
+            self._slow_at[self.index.ranks[int(i)]] = now
 
     def _ring_mates(self, found: npt.NDArray[np.bool_], watched: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """The other watched members of the DP rings of ``found`` (ranks only their ring's
@@ -425,82 +418,6 @@ class IterationJudge(AdaptiveJudging):
             log.info("%s -> %s: %s", ranks, "SLOW" if kind == "fail-slow" else "HEALTHY", f.reason)
             out.append(f)
         return out
-
-    def _priced(self, kind: FindingKind, cost: tuple[float, float] | None, reason: str,
-                evidence: dict[str, float]) -> tuple[FindingKind, str]:
-        """A slow finding with its cost (``_impact``) in its evidence and reason: `degraded`
-        below the impact floor."""
-        if cost is None:
-            return kind, reason
-        evidence["cost_s"], evidence["cost_share"] = cost
-        reason += f"; it costs the job {cost[0] * 1e3:.1f} ms per iteration ({cost[1]:.1%})"
-        if cost[1] < self.config.impact_floor:
-            return "degraded", reason + f", below the {self.config.impact_floor:.0%} floor: degraded, not worth a re-plan"
-        return kind, reason
-
-    def _impact(self, members: list[int], factor: float, cause: str, ring: bool,
-                dp_ratio: float = 1.0) -> tuple[float, float] | None:
-        """(seconds per iteration the job loses to ``members`` running at ``factor``, that over
-        the iteration the job runs without it), averaged over the last ``COST_WINDOW`` judged
-        iterations' batches (which replica is the longest changes with the batch): the
-        compiled schedule over the predicted op and transfer times, each rank's DP all-reduce
-        and optimizer step after its own last op, with the members' ops (compute) or the
-        transfers their NIC carries (link: in and out across nodes, and their DP rings by the
-        ratio measured on them; DP ring: its all-reduce) stretched, against every device
-        healthy. The share's denominator is the observed iteration less that cost (never under
-        the healthy schedule): pauses and noise are part of the iteration a user waits for.
-        None without per-op predictions (coarser evidence)."""
-        if not self._recent or cause not in ("compute", "communication"):
-            return None
-        ix, pred = self.index, self.predictor
-        idx = np.asarray(members, dtype=np.int64)
-        # predictions are per TP group: a group's op lasts as long as its slowest member
-        grp = ix.group_of[idx]
-        dp, opt = np.nan_to_num(pred.dp()), np.nan_to_num(pred.opt())
-        rings = np.isin(ix.ring, ix.ring[idx])  # an all-reduce is as slow as its slowest member
-        link = self._link_transfers(idx)[:, None, :, None] if cause == "communication" and not ring else None
-        costs, shares = [], []
-        for p_comp, p_p2p, observed in self._recent:
-            healthy = pred.iteration_by_rank(p_comp, p_p2p, dp, opt)
-            if not np.isfinite(healthy) or healthy <= 0:
-                continue
-            if cause == "compute":
-                c2 = p_comp.copy()
-                c2[grp] *= factor
-                slow = pred.iteration_by_rank(c2, p_p2p, dp, opt)
-            elif link is None:
-                slow = pred.iteration_by_rank(p_comp, p_p2p, np.where(rings, dp * factor, dp), opt)
-            else:
-                # a slow NIC slows its rank's DP ring as well, by the ratio measured on it
-                ratio = dp_ratio if np.isfinite(dp_ratio) and dp_ratio > 1.0 else 1.0
-                slow = pred.iteration_by_rank(p_comp, np.where(link, p_p2p * factor, p_p2p),
-                                              np.where(rings, dp * ratio, dp), opt)
-            costs.append(max(0.0, slow - healthy))
-            runs = observed - costs[-1] if np.isfinite(observed) else healthy
-            shares.append(costs[-1] / max(healthy, runs))
-        if not costs:
-            return None
-        return float(np.mean(costs)), float(np.mean(shares))
-
-    def _link_transfers(self, idx: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        """(TP group, direction) of the inbound transfers a slow NIC of ``idx`` slows: those
-        that leave or enter its node, in and out (predictions are per TP group: a group's hop
-        lasts as long as its slowest member's). Transfers inside a node, and a neighbour's
-        transfers from its other side, keep their times. Every transfer of the members' groups
-        where none crosses a node."""
-        ix = self.index
-        hit = np.zeros((ix.n, 2), dtype=np.bool_)
-        # i receives forward from bwd_recv[i] and backward from fwd_recv[i]
-        hit[idx, FWD] = ix.cross_bwd[idx]
-        hit[idx, BWD] = ix.cross_fwd[idx]
-        for nbr, d, cross in ((ix.fwd_recv, FWD, ix.cross_fwd), (ix.bwd_recv, BWD, ix.cross_bwd)):
-            ok = (nbr[idx] >= 0) & cross[idx]
-            hit[nbr[idx][ok], d] = True
-        if not hit.any():
-            hit[idx] = True
-        rows = np.zeros((ix.n_groups, 2), dtype=np.bool_)
-        np.logical_or.at(rows, ix.group_of, hit)
-        return rows
 
     def _evidence_text(self, cause: str, members: list[int]) -> str:
         """What the finding rests on, named: compute (with TP collective waits taken off), the

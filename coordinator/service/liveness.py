@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from resihp.coordinator.detector.detector import hang_culprits, stuck_culprits, stuck_reason
+from resihp.coordinator.detector.hangs import hang_culprits, stuck_culprits, stuck_reason
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import ExitEvent
 from resihp.coordinator.protocol import messages as m

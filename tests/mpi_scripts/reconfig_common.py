@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -102,6 +103,20 @@ def first_loss(comm: Any, loss: float | None) -> float | None:
 def set_threads() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
+
+
+def ft_script_start(size: int) -> tuple[str, str, Any]:
+    """The ULFM scripts' start (``SCRIPT OUT``): one thread, the fault-tolerant world of
+    ``size`` ranks: (OUT, the store's address, the world)."""
+    from resihp.trainer_hooks.launch.bootstrap import STORE_ENV
+    from resihp.trainer_hooks.reconfig.ulfm import ft_world
+
+    out = sys.argv[1]
+    set_threads()
+    world = ft_world()
+    if world.size != size:
+        raise SystemExit(f"run with {size} ranks, got {world.size}")
+    return out, os.environ[STORE_ENV], world
 
 
 def four_rank_start(default_steps: int) -> tuple[argparse.Namespace, Bootstrap]:

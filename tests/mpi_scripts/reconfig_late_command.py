@@ -17,25 +17,21 @@ acknowledgements (command seq, iteration, ok).
 """
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 from reconfig_common import (
     GLOBAL_MB,
     SPEC,
     ScriptedAgent,
+    ft_script_start,
     reference_losses,
     report_and_exit,
-    set_threads,
     start_resilient,
     train_records,
 )
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
-from resihp.trainer_hooks.launch.bootstrap import STORE_ENV
-from resihp.trainer_hooks.reconfig.ulfm import ft_world
 
 STEPS = 14
 LATE_AT, LATE_ARRIVES = 4, 6
@@ -68,13 +64,8 @@ class ScriptedTransport(ScriptedAgent):
 
 
 def main() -> None:
-    out = sys.argv[1]
-    set_threads()
-    store = os.environ[STORE_ENV]
-    world = ft_world()
-    me, size = world.rank, world.size
-    if size != 4:
-        raise SystemExit(f"run with 4 ranks, got {size}")
+    out, store, world = ft_script_start(4)
+    me = world.rank
 
     ref_losses = reference_losses(world.comm, store, START, STEPS)  # the reference: uninterrupted
 

@@ -23,17 +23,15 @@ from reconfig_common import (
     GLOBAL_MB,
     SPEC,
     ScriptedAgent,
+    ft_script_start,
     reference_losses,
     report_and_exit,
-    set_threads,
     train_records,
 )
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks import hooks
-from resihp.trainer_hooks.launch.bootstrap import STORE_ENV
-from resihp.trainer_hooks.reconfig.ulfm import ft_world
 
 STEPS = 6
 TIMEOUT_S = 1.0
@@ -46,13 +44,8 @@ class QuietAgent(ScriptedAgent):
 
 
 def main() -> None:
-    out = sys.argv[1]
-    set_threads()
-    store = os.environ[STORE_ENV]
-    world = ft_world()
-    me, size = world.rank, world.size
-    if size != 4:
-        raise SystemExit(f"run with 4 ranks, got {size}")
+    out, store, world = ft_script_start(4)
+    me = world.rank
     ref_losses = reference_losses(world.comm, store, START, STEPS)
     os.environ[hooks.THROTTLE_ENV] = sys.argv[2]  # for the resilient run only
 

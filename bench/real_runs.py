@@ -14,6 +14,12 @@ is throttled: ``resihp admin inject slow --rank R --factor 1.3`` at ``--slow-at`
 iterations from the throttle to the first finding naming rank R are counted. Every job uses
 the coordinator's defaults (noise-adaptive detection), nothing tuned to this machine.
 
+With ``--ramp-to F2 --ramp-at N`` the throttled job's rank is throttled further, to ``F2``, at
+step ``N``: a slowdown that moves after its finding (a GPU heating up). The detector reports
+the rank again with its new factor (docs/detector.md, "A slowdown that moves") and the
+coordinator may re-plan for it; the JSON's runs say after how many iterations
+(``ramp_detect_iters``), with which factor, and whether a re-plan followed.
+
 Prints a table, then one JSON line: ``real_false_findings`` (fail-slow findings and
 reconfigurations over all healthy runs), ``real_slow_detect_iters`` (the worst throttled
 run; null where it was not found), per-run details. ``bench/detect.py`` runs it unless
@@ -58,10 +64,20 @@ class RealRun:
     in_flight: bool = False  # the throttle was found within an iteration (from the heartbeats' op states)
     found_ranks: list[int] = field(default_factory=list)
     run_dir: Path | None = None
+    # --ramp-to: the step the second throttle began, the finding that reported the moved
+    # slowdown (iterations after that step, its factor), and whether a re-plan answered it
+    ramp_at: int | None = None
+    ramp_detect_iters: int | None = None
+    ramp_factor: float | None = None
+    ramp_replanned: bool = False
 
     def row(self) -> str:
         kinds = ",".join(f"{f['kind']}:{f.get('ranks')}@{f.get('iteration')}" for f in self.findings) or "-"
         det = "" if self.kind != "slow" else f" detect {self.detect_iters} it" + (" (in flight)" if self.in_flight else "")
+        if self.ramp_at is not None:
+            det += (f"; throttled further at {self.ramp_at}: reported again after {self.ramp_detect_iters} it"
+                    + (f" (x{self.ramp_factor:.2f}{', re-planned' if self.ramp_replanned else ''})"
+                       if self.ramp_factor is not None else ""))
         return (f"{self.layout:10s} {self.kind:10s} rc {self.rc:3d} {self.steps:4d} steps {self.wall_s:6.1f} s "
                 f"reconfigs {self.reconfigs}  findings {kinds}{det}")
 
@@ -87,7 +103,7 @@ def _last_step(run: Path) -> int:
 
 
 def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor: float,
-            timeout_s: float, clock: str = "wall") -> RealRun:
+            timeout_s: float, clock: str = "wall", ramp: tuple[int, float] | None = None) -> RealRun:
     tp, pp, dp = LAYOUTS[layout]
     n = tp * pp * dp
     run = root / f"{layout}-{kind}-{time.monotonic_ns()}"
@@ -115,6 +131,10 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
                     subprocess.run(_resihp("admin", "inject", "slow", "--rank", str(SLOW_RANK[layout]), "--factor",
                                            str(factor), "--run-dir", str(run)), capture_output=True, timeout=60)
                     injected = _last_step(run) + 1  # the first step the throttle can slow
+                if kind == "slow" and ramp is not None and injected is not None and step + 1 >= ramp[0]:
+                    subprocess.run(_resihp("admin", "inject", "slow", "--rank", str(SLOW_RANK[layout]), "--factor",
+                                           str(ramp[1]), "--run-dir", str(run)), capture_output=True, timeout=60)
+                    ramp = None
                 time.sleep(0.2)
             proc.wait(60)
         finally:
@@ -139,7 +159,26 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
         out.found_ranks = sorted({r for f in after for r in f.get("ranks", [])})
         out.detect_iters = int(hit["iteration"]) - injected + 1 if hit is not None else None
         out.in_flight = hit is not None and "in flight" in str(hit.get("reason", ""))
+        starts = [int(x) for x in re.findall(rf"rank {SLOW_RANK[layout]} compute throttled to \S+ speed from iteration "
+                                               rf"(\d+)", (run / "launch.log").read_text(errors="replace"))]
+        if len(starts) > 1:
+            _ramp_result(out, events, SLOW_RANK[layout], starts[1])
     return out
+
+
+def _ramp_result(out: RealRun, events: list[dict[str, Any]], rank: int, began: int) -> None:
+    """The finding that reported ``rank``'s slowdown moved, once it was throttled further at
+    step ``began``, and whether a reconfiguration was commanded for it."""
+    out.ramp_at = began
+    moved = next((e for e in events if e.get("event") == "finding" and e.get("kind") in ("fail-slow", "degraded")
+                  and rank in e.get("ranks", []) and int(e.get("iteration", -1)) >= began
+                  and "reported_factor" in (e.get("evidence") or {})), None)
+    if moved is None:
+        return
+    out.ramp_detect_iters = int(moved["iteration"]) - began + 1
+    out.ramp_factor = float(moved["factor"])
+    out.ramp_replanned = any(e.get("event") == "command" and e.get("kind") == "reconfigure"
+                             and int(e.get("seq", -1)) > int(moved.get("seq", 0)) for e in events)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,12 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-at", type=int, default=60, help="step of the throttle in the slow runs")
     ap.add_argument("--slow-steps", type=int, default=120, help="steps of a throttled run")
     ap.add_argument("--factor", type=float, default=1.3)
+    ap.add_argument("--ramp-to", type=float, default=None,
+                    help="throttle the slow run's rank further, to this factor, at --ramp-at (a slowdown that moves)")
+    ap.add_argument("--ramp-at", type=int, default=None, help="step of the second throttle (with --ramp-to)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per job")
     ap.add_argument("--keep", default="", help="keep the run directories here (default: a temporary one)")
     ap.add_argument("--compute-clock", default="wall", choices=("wall", "cpu", "auto"),
                     help="the example's --compute-clock (cpu: compute ops in CPU time)")
     args = ap.parse_args(argv)
     layouts = [x for x in args.layouts.split(",") if x]
+    ramp = None
+    if args.ramp_to is not None or args.ramp_at is not None:
+        if args.ramp_to is None or args.ramp_at is None or not args.slow_at < args.ramp_at < args.slow_steps:
+            ap.error("--ramp-to and --ramp-at go together, with --slow-at < --ramp-at < --slow-steps")
+        ramp = (args.ramp_at, args.ramp_to)
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; known: {sorted(LAYOUTS)}")
@@ -169,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s, args.compute_clock))
             print(runs[-1].row(), flush=True)
         runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s,
-                            args.compute_clock))
+                            args.compute_clock, ramp))
         print(runs[-1].row(), flush=True)
     kept = [r.run_dir for r in runs if r.rc != 0 or (r.kind != "slow" and (r.findings or r.reconfigs))
             or (r.kind == "slow" and (r.detect_iters is None or r.found_ranks != [SLOW_RANK[r.layout]]))]
@@ -193,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         "real_slow_localised": all(r.found_ranks == [SLOW_RANK[r.layout]] for r in slow) if slow else None,
         "runs": [{"layout": r.layout, "kind": r.kind, "rc": r.rc, "steps": r.steps, "wall_s": round(r.wall_s, 1),
                   "findings": [[f["kind"], f.get("ranks"), f.get("iteration")] for f in r.findings],
-                  "reconfigs": r.reconfigs, "detect_iters": r.detect_iters, "in_flight": r.in_flight} for r in runs],
+                  "reconfigs": r.reconfigs, "detect_iters": r.detect_iters, "in_flight": r.in_flight,
+                  **({"ramp_at": r.ramp_at, "ramp_detect_iters": r.ramp_detect_iters, "ramp_factor": r.ramp_factor,
+                      "ramp_replanned": r.ramp_replanned} if r.ramp_at is not None else {})} for r in runs],
     }))
     return 0
 

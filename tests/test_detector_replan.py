@@ -354,3 +354,44 @@ def test_slow_verdict_of_a_rank_out_of_the_plan_lapses_after_spare_verdict_s() -
 def test_spare_verdict_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="spare_verdict_s must be > 0 seconds"):
         DetectorConfig(adaptive=False, spare_verdict_s=0.0)
+
+
+@pytest.mark.parametrize("then, settles_at", [(1.5, 3.0), (0.75, 1.5)])
+def test_a_slow_rank_whose_slowdown_moves_after_a_re_plan_is_reported_again_once(then: float,
+                                                                                  settles_at: float) -> None:
+    # rank 5 found 2x slow, the layout re-planned around it (dp-shares), then its slowdown
+    # grows to 3x (a GPU heating up) or eases to 1.5x: the planner sized its work for 2x
+    det = Detector(_header(), DetectorConfig(adaptive=False))
+    found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
+    assert _slow(found) == [(13, (5,))]
+    det.set_plan(SHARES)
+    mult = {4: 1.7, 5: 1.7 * 2.0, 6: 1.7, 7: 1.7}
+    moved_at = WINDOW_END + 10
+    found = _run(det, CHANGE, moved_at + 30, mult=mult, slow_from={5: (moved_at, then)})
+    again = [f for f in found if f.kind == "fail-slow"]
+    assert [f.ranks for f in again] == [(5,)], [(f.kind, f.ranks, f.iteration) for f in found]
+    f = again[0]
+    # both halves of the 8-iteration window past the step: at most 8 iterations after it
+    assert moved_at + 4 <= f.iteration <= moved_at + DetectorConfig().factor_drift_iters
+    assert f.factor == pytest.approx(settles_at, rel=0.05)
+    assert f.evidence["reported_factor"] == pytest.approx(2.0, rel=0.05)
+    assert "moved from 2.0" in f.reason and f"to {f.factor:.2f}x" in f.reason and f.cause == "compute"
+    assert det.rank_speed()[5] == pytest.approx(1 / settles_at, rel=0.05)
+    assert det.suspects()[5] == "slow"
+
+
+def test_a_steady_slowdown_is_not_reported_again_and_factor_drift_0_follows_nothing() -> None:
+    for drift in (0.3, 0.0):
+        det = Detector(_header(), DetectorConfig(adaptive=False, factor_drift=drift))
+        found = _run(det, 0, CHANGE, slow_from={5: (12, 2.0)})
+        det.set_plan(SHARES)
+        mult = {4: 1.7, 5: 1.7 * 2.0, 6: 1.7, 7: 1.7}
+        found += _run(det, CHANGE, WINDOW_END + 60, mult=mult, slow_from={5: (WINDOW_END + 10, 1.5 if not drift else 1.0)})
+        assert _slow(found) == [(13, (5,))], (drift, [(f.kind, f.ranks, f.iteration) for f in found])
+
+
+@pytest.mark.parametrize("bad", [{"factor_drift": -0.1}, {"factor_drift": float("nan")}, {"factor_drift_iters": 1},
+                                 {"factor_drift_iters": 2.5}, {"in_flight": "yes"}])
+def test_factor_drift_options_are_validated(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="DetectorConfig." + next(iter(bad))):
+        DetectorConfig(**bad)  # type: ignore[arg-type]

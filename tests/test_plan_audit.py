@@ -238,3 +238,36 @@ def test_a_restarted_coordinator_keeps_the_verdict_and_an_operator_clears_it(tmp
     again.admin.readmit(SLOW, "NIC replaced")
     _ack_all(again, conn2)
     assert again.audits.current is None  # an operator's switch is theirs: not audited
+
+
+def test_a_slowdown_that_moved_since_the_regret_is_planned_for_again_but_not_with_the_same_switch(
+        tmp_path: Path) -> None:
+    core, conn, _ = _core(tmp_path)
+    it = _slow_rank_switched_out(core, conn)
+    it = _records(core, 1, it, [0.9] * (WARMUP + WINDOW))  # the switch measured slower: undone
+    _ack_all(core, conn)
+    (regret,) = core.audits.regrets.values()
+    assert regret.kind == "fail-slow" and regret.factor == 2.0
+    # the detector reports rank 3 again, a little slower (2.4x: under MOVED): the layout is kept
+    core._findings([m.FindingInfo(it, "fail-slow", (SLOW,), "compute", 2.4, "rank 3 moved 2.0x -> 2.4x")], core.now())
+    assert conn.outbox.empty() and core.state_reason.startswith("keeping the layout for the fail-slow of ranks [3]")
+    # ... then at 4x: another trade-off. The planner is asked again; its answer is the very
+    # switch that measured slower, which stays refused
+    moved = m.FindingInfo(it + 8, "fail-slow", (SLOW,), "compute", 4.0, "rank 3 moved 2.0x -> 4.0x")
+    core._findings([moved], core.now())
+    assert conn.outbox.empty() and core.state_reason.startswith(
+        "keeping the layout: the planner's answer is the switch that measured slower"), core.state_reason
+    assert [r.kind for r in core.audits.regrets.values()] == ["switch"]
+    # another answer is commanded
+    other = Plan(replicas=(PipelinePlan(((0,), (1,)), (4, 4), 3), PipelinePlan(((2,), (3,)), (5, 3), 1)))
+    core.engine.decide = lambda *a: EngineDecision(True, other, "planner: less work for rank 3")  # type: ignore[method-assign]
+    core._findings([replace(moved, iteration=it + 9)], core.now())
+    cmd = _ack_all(core, conn)
+    assert cmd.plan.replicas == other.replicas and cmd.reason.startswith("planner: less work for rank 3")
+    # a restarted coordinator reads the factor back (and journals of before it, none: 0)
+    assert [e["regret"]["factor"] for e in read_jsonl(tmp_path / "journal.jsonl") if e["type"] == "regret"][0] == 2.0
+    from resihp.coordinator.service.audit import Regret
+
+    old = regret.to_json()
+    del old["factor"]
+    assert Regret.from_json(old).factor == 0.0 and not Regret.from_json(old).moved(moved)

@@ -78,6 +78,12 @@ class DetectorConfig:
     # ... for jobs whose usual iteration lasts at least this long: a shorter one's records find a
     # slowdown within seconds, and on shared CPU hosts a sub-second iteration swings by multiples
     in_flight_min_iteration_s: float = 5.0
+    # a slow rank whose slowdown has since moved by at least this share (both halves of its
+    # latest factor_drift_iters ratios against the factor last reported: 2.1x -> 3x, or 3x ->
+    # 1.5x) is reported again with its factor now, so the planner can size its work anew
+    # (coordinator/detector/drift.py; 0 = never)
+    factor_drift: float = 0.3
+    factor_drift_iters: int = 8
     noise_level: float = 6.0  # the shift test's level, in spreads of a √w-window mean
     noise_window: int = 64  # healthy ratios kept per key
     noise_clip: float = 3.0  # one iteration moves the test by at most this many spreads
@@ -111,14 +117,18 @@ class DetectorConfig:
         if not isinstance(self.pause_every, int) or isinstance(self.pause_every, bool) or self.pause_every < 0:
             raise ValueError(f"DetectorConfig.pause_every must be an integer >= 0 (0: learn only when asked), got "
                              f"{self.pause_every!r}")
-        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("in_flight_min_iteration_s", 0.0, 86400.0), ("hang_iters", 1.0, 1000.0), ("hang_floor_s", 0.0, 3600.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
+        for name, lo, hi in (("impact_floor", 0.0, 1.0), ("in_flight_min_iteration_s", 0.0, 86400.0), ("factor_drift", 0.0, 10.0), ("hang_iters", 1.0, 1000.0), ("hang_floor_s", 0.0, 3600.0), ("noise_level", 1.0, 100.0), ("noise_clip", 1.0, 100.0), ("effect_floor", 0.0, 10.0),
                              ("prior_spread", 1e-4, 10.0), ("min_spread", 0.0, 10.0)):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi):
                 raise ValueError(f"DetectorConfig.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        if not isinstance(self.factor_drift_iters, int) or isinstance(self.factor_drift_iters, bool) or \
+                self.factor_drift_iters < 2:
+            raise ValueError(f"DetectorConfig.factor_drift_iters must be an integer >= 2 (a window of two halves), got "
+                             f"{self.factor_drift_iters!r}")
         if not isinstance(self.noise_window, int) or isinstance(self.noise_window, bool) or self.noise_window < 16:
             raise ValueError(f"DetectorConfig.noise_window must be an integer >= 16, got {self.noise_window!r}")
-        for name in ("link_detection", "peer_relative", "peer_common_slowdown", "adaptive"):
+        for name in ("link_detection", "peer_relative", "peer_common_slowdown", "adaptive", "in_flight"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DetectorConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.peer_common_slowdown and not self.peer_relative:

@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig as DetectorConfig  # re-exported: its home for callers
+from resihp.coordinator.detector.drift import FactorDrift
 from resihp.coordinator.detector.evidence import (
     IterationTimings,
     PlanIndex,
@@ -111,6 +112,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._ops: dict[int, tuple[OpState, float, float]] = {}
         self._beats_on = False
         self._inflight = InFlight(self.index.ranks, c.in_flight_min_iteration_s)
+        self._drift = FactorDrift(c.factor_drift, c.factor_drift_iters)
         self._probes = ProbeBook()  # idle ranks' compute probes (coordinator/detector/probe.py)
         self._job = JobTrack()  # iteration-level (job-wide) evidence
         self._last_iter = -1
@@ -184,6 +186,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._job = JobTrack()
         if changed:  # other iterations, other ops per iteration
             self._inflight.reset(self.index.ranks)
+            self._drift.new_plan()
 
     # --- inputs ---------------------------------------------------------------------------
     def observe(self, record: Record, now: float) -> list[Finding]:
@@ -298,6 +301,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         rows[i] = True
         self._mark_slow(rows, now, self.config.adaptive)
         self.score[i], self.cause_code[i] = v.factor, 0
+        self._drift.start(v.rank, v.factor)
         self.run[i] = self.run_m[i] = self.ok_run[i] = 0
         stage, replica, group, _ = self._where(v.rank)
         ev = v.evidence()

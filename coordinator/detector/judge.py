@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector.adaptive import AdaptiveJudging
 from resihp.coordinator.detector.cost import FindingCost
+from resihp.coordinator.detector.drift import FactorDrift
 from resihp.coordinator.detector.evidence import (
     BWD,
     FWD,
@@ -70,6 +72,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
     _pending_pricing: tuple[int, bool] = (0, False)  # (pricing epoch, seeds pending) of _pending
     _level: str  # the evidence level being judged (chunks, rank_step, iteration)
     _recovery: RecoveryWindow | None = None  # a link-slow rank's recent evidence (fixed thresholds)
+    _drift: FactorDrift  # each slow rank's factor since its finding (drift.py)
 
     def _judge_chunks(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.compute is not None and t.p2p is not None
@@ -330,6 +333,8 @@ class IterationJudge(AdaptiveJudging, FindingCost):
                 self.cause_code = np.where(mates, 1, self.cause_code)
                 self.score = np.where(mates, fill_nan(ev["dp_ratio"], 1.0), self.score)
             out += self._group(t, np.nonzero(confirm)[0], "fail-slow", is_comm is None, ev, now)
+            for i in np.nonzero(confirm)[0].tolist():
+                self._drift.start(self.index.ranks[i], float(self.score[i]))
         if recover.any():
             st[recover] = RankState.HEALTHY
             if adaptive:
@@ -340,7 +345,35 @@ class IterationJudge(AdaptiveJudging, FindingCost):
             self.run[recover] = 0
             self.run_m[recover] = 0
             self.score = np.where(recover, 1.0, self.score)
+            for i in np.nonzero(recover)[0].tolist():
+                self._drift.stop(self.index.ranks[i])
+        out += self._drifted(t, slow & ~recover, score, is_comm, ev, now)
         return out
+
+    def _drifted(self, t: IterationTimings, slow: npt.NDArray[np.bool_], score: FloatArray,
+                 is_comm: npt.NDArray[np.bool_] | None, ev: dict[str, FloatArray], now: float) -> list[Finding]:
+        """Slow ranks (``slow``: not re-warming) whose slowdown moved far from the factor last
+        reported (``drift.py``; by ``SPREADS`` of its key's healthy spread at least): reported
+        again, with their factor now. An iteration whose evidence leans to the other cause (a
+        compute-slow rank's links this time) says nothing of the factor and is not counted."""
+        moved: dict[int, float] = {}
+        rows = np.nonzero(slow)[0]
+        if not len(rows):
+            return []
+        spread = self.noise.relative_spread()  # (n, 2): compute, communication
+        for i in rows.tolist():
+            if is_comm is not None and bool(is_comm[i]) != bool(self.cause_code[i]):
+                continue
+            rank = self.index.ranks[i]
+            was = self._drift.reported.get(rank)
+            now_f = self._drift.push(rank, float(score[i]), float(spread[i, 1 if self.cause_code[i] else 0]))
+            if now_f is not None and was is not None:
+                moved[i] = was
+                self.score[i] = now_f
+        if not moved:
+            return []
+        return self._group(t, np.asarray(sorted(moved), dtype=np.int64), "fail-slow", is_comm is None, ev, now,
+                           moved_from=moved)
 
     def _tp_leak(self, confirm_c: npt.NDArray[np.bool_], score: FloatArray) -> npt.NDArray[np.bool_]:
         """Compute suspects (``confirm_c``) not to confirm beside a far slower TP partner — one
@@ -369,8 +402,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         return np.asarray(watched & self._dp_only & np.isin(ix.ring, ix.ring[found]), dtype=np.bool_)
 
     def _group(self, t: IterationTimings, idx: npt.NDArray[np.int64], kind: FindingKind, coarse: bool,
-               ev: dict[str, FloatArray], now: float) -> list[Finding]:
-        """One finding per (replica, stage, cause) among the ranks that changed state."""
+               ev: dict[str, FloatArray], now: float, moved_from: Mapping[int, float] | None = None) -> list[Finding]:
+        """One finding per (replica, stage, cause) among the ranks that changed state.
+        ``moved_from``: ranks still slow whose factor moved, each with the factor reported before."""
         ix = self.index
         buckets: dict[tuple[int, int, int, int], list[int]] = {}
         for i in idx.tolist():
@@ -407,8 +441,15 @@ class IterationJudge(AdaptiveJudging, FindingCost):
                 f = Finding(t.iteration, kind, ranks, stage, rep_opt, group_opt, 1.0, cause, reason, evidence, now)
             else:
                 what = self._evidence_text(cause, members)
-                reason = (f"{who}: {what} {factor:.2f}x the time the calibrated cost model predicts for the "
-                          f"batches it ran, for {int(evidence['suspect_iterations'])} consecutive iterations")
+                if moved_from is not None:
+                    was = float(np.median([moved_from[i] for i in members]))
+                    evidence["reported_factor"] = was
+                    reason = (f"{who}, slow since an earlier finding: its slowdown moved from {was:.2f}x to "
+                              f"{factor:.2f}x — {what} {factor:.2f}x the predicted time in the median of its latest "
+                              f"{self.config.factor_drift_iters} judged iterations")
+                else:
+                    reason = (f"{who}: {what} {factor:.2f}x the time the calibrated cost model predicts for the "
+                              f"batches it ran, for {int(evidence['suspect_iterations'])} consecutive iterations")
                 if "predicted_iteration_s" in self.last:
                     reason += (f"; iteration {t.time_s:.2f} s vs {self.last['predicted_iteration_s']:.2f} s predicted "
                                f"with every device healthy")

@@ -15,7 +15,11 @@ the planner answers with the same layout). When the ranks recover, the fault's h
 but the switch stays refused (kind ``switch``): it measured slower than the old layout
 *with* the slow device in it, so it is slower still without (on shared CPUs the planner
 kept proposing the same 3x slower layout at every recovery). A death or an operator's
-exclude / readmit of its ranks ends that too. The coordinator journals these regrets, so a
+exclude / readmit of its ranks ends that too. So does a fail-slow finding on them whose factor
+moved by ``MOVED`` or more from the one the regretted re-plan answered (the detector reports
+a slow rank again when its slowdown moves: coordinator/detector/drift.py): the layout was
+kept for a 2x device, and a 4x one is another trade-off — the planner is asked again, and
+the switch that measured slower stays refused. The coordinator journals these regrets, so a
 restarted coordinator keeps them.
 """
 from __future__ import annotations
@@ -30,6 +34,9 @@ from resihp.coordinator.planner.audit import KEEP_BEFORE, AuditVerdict, PlanAudi
 from resihp.coordinator.protocol import messages as m
 
 AUDITED = ("fail-slow", "recovered")
+# a fail-slow whose factor moved this share from the one a regret's re-plan answered (either
+# way) is no longer the fault the regret judged (the detector's factor_drift default)
+MOVED = 0.3
 
 
 def layout(plan: Plan) -> Plan:
@@ -53,15 +60,23 @@ class Regret:
     before: Plan  # layouts (see ``layout``)
     after: Plan
     why: str
+    factor: float = 0.0  # the slowdown of the finding the switch answered (0: not known)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "ranks": list(self.ranks), "before": self.before.to_dict(),
-                "after": self.after.to_dict(), "reason": self.why}
+                "after": self.after.to_dict(), "reason": self.why, "factor": self.factor}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Regret:
+        # journals written before the factor was kept have none: 0, never moved from
         return cls(int(d["id"]), str(d["kind"]), tuple(int(r) for r in d["ranks"]), layout(Plan.from_dict(d["before"])),
-                   layout(Plan.from_dict(d["after"])), str(d["reason"]))
+                   layout(Plan.from_dict(d["after"])), str(d["reason"]), float(d.get("factor", 0.0)))
+
+    def moved(self, finding: m.FindingInfo) -> bool:
+        """Whether ``finding`` (a fail-slow on these ranks) reports a slowdown ``MOVED`` or
+        more away from the one this switch answered."""
+        old, new = self.factor, float(finding.factor)
+        return old > 0 and new > 0 and max(new / old, old / new) >= 1.0 + MOVED
 
 
 @dataclass
@@ -108,7 +123,8 @@ class Audits:
         return out
 
     def regret(self, cause: m.FindingInfo, before: Plan, after: Plan, why: str) -> Regret:
-        r = Regret(max(self.regrets, default=0) + 1, cause.kind, tuple(cause.ranks), layout(before), layout(after), why)
+        r = Regret(max(self.regrets, default=0) + 1, cause.kind, tuple(cause.ranks), layout(before), layout(after), why,
+                   float(cause.factor) if cause.kind == "fail-slow" else 0.0)
         self.regrets[r.id] = r
         return r
 
@@ -149,14 +165,16 @@ class Audits:
 
     def forget(self, finding: m.FindingInfo) -> tuple[list[int], list[Regret]]:
         """A fault is over: a recovery ends a fail-slow's hold on the layout (its switch stays
-        refused: kept as kind ``switch``), a death every kind. (The ids dropped, the regrets
+        refused: kept as kind ``switch``), and so does a fail-slow of the same ranks whose
+        factor moved (``Regret.moved``); a death ends every kind. (The ids dropped, the regrets
         that became ``switch``.)"""
         touched = set(finding.ranks)
         if finding.kind == "fail-stop":
             return self._drop(lambda r: bool(set(r.ranks) & touched)), []
-        if finding.kind != "recovered":
+        if finding.kind not in ("recovered", "fail-slow"):
             return [], []
-        kept = [replace(r, kind="switch") for r in self.regrets.values() if r.kind == "fail-slow" and set(r.ranks) & touched]
+        kept = [replace(r, kind="switch") for r in self.regrets.values() if r.kind == "fail-slow" and set(r.ranks) & touched
+                and (finding.kind == "recovered" or r.moved(finding))]
         for r in kept:
             self.regrets[r.id] = r
         return [], kept

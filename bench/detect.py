@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ms256, wall256, conv256 = detect_cost.time_detector(256, DETECTOR)
     ms4096, wall4096, conv4096 = detect_cost.time_detector(4096, DETECTOR)
     probe_us, idle_ms = detect_cost.time_probes(16384)
+    beat_us_1024 = detect_cost.time_heartbeats(1024)
     WARMUP_COST = detect_cost.WARMUP_COST
 
     print(f"{len(healthy)} healthy 32K-packed runs, {len(faulty)} fault runs "
@@ -391,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
           f"warm-up (first {DETECTOR.judged_from + 8} iterations): {WARMUP_COST[256]:.2f} / {WARMUP_COST[4096]:.2f} ms")
     print(f"compute probes at 16384 ranks (coordinator CPU): {probe_us:.1f} µs per start-up probe, "
           f"{idle_ms:.1f} ms per idle rank's judged probe")
+    print(f"a trace replayed with its heartbeats (resihp detect), 1024 ranks: {beat_us_1024:.0f} µs per heartbeat")
     for r in faulty:
         missed = [f for f in r.faults if not any(
             x.kind != "recovered" and (f.rank in x.ranks or not x.ranks) for x in r.findings)]
@@ -440,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "detect_ms_per_iter_4096_warmup": round(WARMUP_COST[4096], 3),
         "probe_startup_us_16k": round(probe_us, 2),
         "probe_idle_ms_16k": round(idle_ms, 2),
+        "heartbeat_replay_us_1024": round(beat_us_1024, 1),
         "detector": "fixed thresholds" if args.fixed else "adaptive",
         **worst,
         **flight,

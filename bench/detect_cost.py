@@ -1,6 +1,6 @@
 """bench/detect.py's cost measurements: the detector's online CPU time per iteration at 256 and
-4,096 ranks (LLaMA-2-70B, TP 8 x PP 8), and the coordinator's cost per compute probe at 16,384
-ranks. CPU time of this process: on a shared machine compare the two sizes within one run.
+4,096 ranks (LLaMA-2-70B, TP 8 x PP 8), per heartbeat of a trace replayed with its heartbeats
+(``resihp detect``), and the coordinator's cost per compute probe at 16,384 ranks. CPU time of this process: on a shared machine compare the two sizes within one run.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from resihp.coordinator.detector.detector import Detector, DetectorConfig
 from resihp.coordinator.detector.evidence import timings_from_record
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import preset
-from resihp.coordinator.model.trace import DeviceInfo, TraceHeader
-from resihp.sim.workload import WorkloadConfig, make_header
+from resihp.coordinator.model.trace import DeviceInfo, HeartbeatEvent, IterationRecord, TraceHeader
+from resihp.sim.workload import Noise, WorkloadConfig, generate, make_header
 from resihp.sim.workload_truth import GroundTruth, to_record
 
 WARMUP_COST: dict[int, float] = {}  # ranks -> CPU ms per iteration while the detector warms up
@@ -80,3 +80,27 @@ def time_probes(ranks_target: int, spares: int = 32) -> tuple[float, float]:
         det.observe_probe(ranks_target - 32 + i % 32, 0.010, now=2.0 + i)
     idle_ms = (time.process_time() - c) / spares * 1e3
     return startup_us, idle_ms
+
+
+def time_heartbeats(ranks_target: int, iterations: int = 4) -> float:
+    """CPU µs per heartbeat event of a trace replayed with its heartbeats, as ``resihp detect``
+    replays one (``observe`` then ``tick`` per record; LLaMA-2-70B, TP 8 x PP 8 x DP n, every
+    noise class on): a job of n ranks beats n times per second, so at 1,024 ranks 1 ms per
+    beat is a second of CPU per second of trace."""
+    model = preset("llama2-70b")
+    dp = ranks_target // 64
+    plan = Plan.uniform(8, 8, dp, model.num_layers, 16 * dp)
+    cfg = WorkloadConfig(model, plan, budget=8192, seed=1, iterations=iterations, heartbeats=True,
+                         noise=Noise.everything())
+    records = list(generate(cfg))
+    det = Detector(make_header(cfg))
+    spent, beats = 0.0, 0
+    for rec in records:
+        now = rec.start_s + rec.time_s if isinstance(rec, IterationRecord) else rec.time_s
+        c = time.process_time()
+        det.observe(rec, now)
+        det.tick(now)
+        if isinstance(rec, HeartbeatEvent):
+            spent += time.process_time() - c
+            beats += 1
+    return spent / max(1, beats) * 1e6

@@ -120,6 +120,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._recent: deque[tuple[FloatArray, FloatArray, float]] = deque(maxlen=COST_WINDOW)
         self._progress_at: float | None = None  # when the latest iteration was observed
         self._iter_times: deque[float] = deque(maxlen=16)  # the latest iterations' times
+        self._hang_after: float | None = None  # hang_after_s() of those (None: to work out)
         self.last: dict[str, float] = {}  # the latest iteration's predictions (for tools and benchmarks)
         # re-warming: each rank's work and calibration tag, the plan generation, the first
         # iteration re-warming keys learn from, the job-level key's learning iterations left
@@ -147,6 +148,12 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._severe_prev = np.zeros(n, dtype=bool)
         self._recovery = None  # a new plan's ranks sit at other positions
         self.cause_code = np.array([1 if self._cause.get(r) == "communication" else 0 for r in ranks], dtype=np.int64)
+        self._beat_at = self._beat_array()
+
+    def _beat_array(self) -> FloatArray:
+        """Each position's latest heartbeat (NaN: none yet, or heartbeats not on), from the
+        per-rank record that outlives plan changes."""
+        return np.array([self._last_beat.get(r, np.nan) for r in self.index.ranks], dtype=np.float64)
 
     def _sync_out(self) -> None:
         for i, r in enumerate(self.index.ranks):
@@ -207,6 +214,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._progress_at = now
         if np.isfinite(time_s) and time_s > 0:
             self._iter_times.append(float(time_s))
+            self._hang_after = None
         self._inflight.progress(now, time_s)
 
     def _beat(self, rank: int, t: float, op: OpState | None = None) -> None:
@@ -218,7 +226,11 @@ class Detector(IterationJudge, IdleRankVerdicts):
             self._beats_on = True
             for r in self.index.ranks:
                 self._last_beat.setdefault(r, t)
+            self._beat_at = self._beat_array()
         self._last_beat[rank] = max(t, self._last_beat.get(rank, t))
+        i = self.index.pos.get(rank)
+        if i is not None:
+            self._beat_at[i] = self._last_beat[rank]
 
     def observe_op(self, rank: int, t: float, op: OpState) -> None:
         """The op a rank's heartbeat names, for in-flight judging only (``tick`` judges): O(1).
@@ -238,10 +250,12 @@ class Detector(IterationJudge, IdleRankVerdicts):
             return out
         out += self._no_progress(now)
         timeout = self.config.heartbeat_timeout_s
-        for i, r in enumerate(self.index.ranks):
-            last = self._last_beat.get(r)
-            if last is None or self.state[i] == RankState.DEAD or now - last <= timeout:
-                continue
+        # one vectorised test per tick: a tick per heartbeat (a trace replay) scanned every rank
+        # in Python, 10 ms per beat at 256 ranks with the in-flight check below
+        late = (now - self._beat_at > timeout) & (self.state != int(RankState.DEAD))  # never beaten: NaN, not late
+        for i in np.flatnonzero(late).tolist():
+            r = self.index.ranks[i]
+            last = self._last_beat[r]
             self.state[i] = RankState.DEAD
             out.append(self._stop_finding(r, "heartbeat", now,
                                           f"no heartbeat from rank {r} for {now - last:.1f} s (timeout {timeout:g} s)",
@@ -254,7 +268,9 @@ class Detector(IterationJudge, IdleRankVerdicts):
         the first iteration (a job still starting up is not hung)."""
         if not self._iter_times:
             return float("inf")
-        return max(self.config.hang_iters * float(np.median(self._iter_times)), self.config.hang_floor_s)
+        if self._hang_after is None:  # asked on every tick, changed by an iteration
+            self._hang_after = max(self.config.hang_iters * float(np.median(self._iter_times)), self.config.hang_floor_s)
+        return self._hang_after
 
     def _no_progress(self, now: float) -> list[Finding]:
         """A job with no iteration for ``hang_after_s`` is stuck. In a synchronous job every
@@ -292,8 +308,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         """A compute slowdown found within the iteration it slows (``inflight.py``): the rank
         turns slow at once, as a confirmed finding of its records would make it, and the
         finding carries its cost like every other."""
-        gone = {r for i, r in enumerate(self.index.ranks) if self.state[i] in (RankState.SLOW, RankState.DEAD)}
-        v = self._inflight.judge(now, gone)
+        v = self._inflight.judge(now, _SlowOrDead(self))  # asked of one rank at most, not built per tick
         if v is None:
             return []
         i = self.index.pos[v.rank]
@@ -436,3 +451,15 @@ class Detector(IterationJudge, IdleRankVerdicts):
                if self.state[i] == RankState.SLOW and int(self.cause_code[i])}
         out.update({r: factor for r, (factor, comm) in self._left_slow().items() if comm})
         return out
+
+
+class _SlowOrDead:
+    """``rank in this``: whether the detector has ``rank`` slow or dead (what the in-flight
+    judgement leaves out), asked of one rank instead of a set built on every tick."""
+
+    def __init__(self, det: Detector) -> None:
+        self._det = det
+
+    def __contains__(self, rank: object) -> bool:
+        i = self._det.index.pos.get(rank) if isinstance(rank, int) else None
+        return i is not None and int(self._det.state[i]) in (RankState.SLOW, RankState.DEAD)

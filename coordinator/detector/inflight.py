@@ -34,7 +34,7 @@ Pure and deterministic: times are the beats' own.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,7 +145,7 @@ class InFlight:
         self._start = now
         self._judged = False
 
-    def judge(self, now: float, exclude: Collection[int] = ()) -> InFlightVerdict | None:
+    def judge(self, now: float, exclude: Container[int] = ()) -> InFlightVerdict | None:
         """The rank holding this iteration up, slow but moving; None (most of the time)."""
         n = len(self.ranks)
         if self._judged or not self._heard or self._start is None or len(self._times) < MIN_HISTORY or n < 3:

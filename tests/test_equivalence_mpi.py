@@ -163,6 +163,11 @@ def test_throttled_rank_is_found_in_its_trace(traces: Path) -> None:
     for f in compute:
         if f is throttled[0]:
             continue
+        if f["ranks"] == [THROTTLED_TRACE_RANK]:
+            # reported again, its slowdown moved (docs/detector.md, "A slowdown that moves"): on
+            # shared vCPUs the first factor is one noisy iteration's; still a 2x throttle's size
+            assert "slowdown moved from" in f["reason"] and 1.3 <= f["factor"] <= 3.5, f
+            continue
         for rank in f["ranks"]:
             rise = compute_rise(traces / "throttled.jsonl", rank, f["iteration"])
             assert rank != THROTTLED_TRACE_RANK and rise > 1 + DETECT_CONFIG["slow_threshold"], (f, rise)

@@ -149,18 +149,17 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
                   run_dir=run)
     if kind == "slow" and injected is not None:
         # the first iteration the rank ran throttled, as the rank logged it (the command takes
-        # a step or two to arrive); the step after the admin call where the log lacks it
-        began = re.search(rf"rank {SLOW_RANK[layout]} compute throttled to \S+ speed from iteration (\d+)",
-                          (run / "launch.log").read_text(errors="replace"))
-        injected = int(began.group(1)) if began else injected
+        # a step or two to arrive); the step after the admin call where the log lacks it. A
+        # second such line is --ramp-to's throttle
+        starts = [int(x) for x in re.findall(rf"rank {SLOW_RANK[layout]} compute throttled to \S+ speed from iteration "
+                                             rf"(\d+)", (run / "launch.log").read_text(errors="replace"))]
+        injected = starts[0] if starts else injected
         out.slow_at = injected
         after = [f for f in findings if f["kind"] == "fail-slow" and int(f.get("iteration", -1)) >= injected]
         hit = next((f for f in after if SLOW_RANK[layout] in f.get("ranks", [])), None)
         out.found_ranks = sorted({r for f in after for r in f.get("ranks", [])})
         out.detect_iters = int(hit["iteration"]) - injected + 1 if hit is not None else None
         out.in_flight = hit is not None and "in flight" in str(hit.get("reason", ""))
-        starts = [int(x) for x in re.findall(rf"rank {SLOW_RANK[layout]} compute throttled to \S+ speed from iteration "
-                                               rf"(\d+)", (run / "launch.log").read_text(errors="replace"))]
         if len(starts) > 1:
             _ramp_result(out, events, SLOW_RANK[layout], starts[1])
     return out

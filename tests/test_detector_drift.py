@@ -7,11 +7,14 @@ from resihp.coordinator.detector.drift import FactorDrift
 
 
 def _feed(d: FactorDrift, rank: int, ratios: list[float]) -> list[tuple[int, float]]:
+    """(index, new factor) of each report; each report also names the factor it moved from."""
     out = []
     for k, x in enumerate(ratios):
+        was = d.reported.get(rank)
         got = d.push(rank, x)
         if got is not None:
-            out.append((k, got))
+            assert got[0] == was
+            out.append((k, got[1]))
     return out
 
 

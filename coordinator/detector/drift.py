@@ -52,10 +52,11 @@ class FactorDrift:
         for recent in self._recent.values():
             recent.clear()
 
-    def push(self, rank: int, ratio: float, spread: float = 0.0) -> float | None:
-        """One iteration's ratio of slow ``rank``. Returns its factor now — the median of its
-        latest ``iters`` ratios — when that moved at least ``share`` from the one reported,
-        else None. A returned factor is the reported one from then on. ``spread``: the
+    def push(self, rank: int, ratio: float, spread: float = 0.0) -> tuple[float, float] | None:
+        """One iteration's ratio of slow ``rank``. Returns (the factor reported before, its
+        factor now — the median of its latest ``iters`` ratios) when that moved at least
+        ``share`` from the one reported, else None. The new factor is the reported one from
+        then on. ``spread``: the
         relative spread of one iteration's ratio of this key when healthy; a noisy key must
         move ``SPREADS`` of them (the factor reported first is one iteration's ratio: under
         30 % transfer jitter a 3x ring read 4.2, then 2.9, then 4.5 in medians of 8)."""
@@ -81,7 +82,7 @@ class FactorDrift:
         if not (up or (down and now >= bar)):
             return None
         self.start(rank, now)
-        return now
+        return old, now
 
 
 __all__ = ["FactorDrift"]

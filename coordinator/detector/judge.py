@@ -364,12 +364,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         for i in rows.tolist():
             if is_comm is not None and bool(is_comm[i]) != bool(self.cause_code[i]):
                 continue
-            rank = self.index.ranks[i]
-            was = self._drift.reported.get(rank)
-            now_f = self._drift.push(rank, float(score[i]), float(spread[i, 1 if self.cause_code[i] else 0]))
-            if now_f is not None and was is not None:
-                moved[i] = was
-                self.score[i] = now_f
+            got = self._drift.push(self.index.ranks[i], float(score[i]), float(spread[i, 1 if self.cause_code[i] else 0]))
+            if got is not None:
+                moved[i], self.score[i] = got
         if not moved:
             return []
         return self._group(t, np.asarray(sorted(moved), dtype=np.int64), "fail-slow", is_comm is None, ev, now,

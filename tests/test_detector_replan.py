@@ -214,6 +214,76 @@ def test_confirmed_slow_rank_alone_in_its_place_learns_it_at_healthy_speed() -> 
     assert {det.suspects()[r] for r in (0, 1, 2, 3, 4, 6, 7)} == {"healthy"}
 
 
+def _priced_over_true_f(det: Detector, it: int, rank: int, mult: float = 1.0) -> float:
+    """The detector's price for ``rank``'s forward ops of iteration ``it``'s batch over what
+    they cost at ``mult`` (the mean over its micro-batches)."""
+    ix = det.index
+    t = _timings(det, it, {})
+    tok, ssq = batch_features(t.seqlens, ix.M)
+    i = ix.ranks.index(rank)
+    p = ix.plan.position(rank)
+    lo, hi = ix.plan.replicas[p.replica].layer_ranges()[p.stage]
+    truth = ((hi - lo) * (ALPHA * tok[p.replica] + BETA * ssq[p.replica]) / p.tp_size + GAMMA) * mult
+    priced = det.predictor.compute(tok, ssq)[i, 0, 0]
+    have = np.isfinite(truth) & np.isfinite(priced)
+    return float(np.mean(priced[have] / truth[have]))
+
+
+# the same TP2 groups, the layers split 12 / 20 instead of 16 / 16: every key is new, and each
+# is seeded from the old fit of its own TP size
+SPLIT = Plan(replicas=tuple(replace(r, layers=(12, 20)) for r in OLD.replicas), epoch=1)
+# replica 0 drops TP: ranks 0 and 2 run its stages alone (1 and 3 idle); seeds across TP sizes
+NO_TP = Plan(replicas=(PipelinePlan(((0,), (2,)), (16, 16), 4), OLD.replicas[1]), spares=(1, 3), epoch=1)
+
+
+def test_a_seed_of_its_own_tp_size_is_not_replaced_by_a_fit_of_the_cold_first_iterations() -> None:
+    # the first three iterations after the switch run 2x slow (new buffers, cold caches),
+    # then at the FLOPs model's speed: a fit of the window's first samples priced the new
+    # keys 2x; the seed, scaled from the old fit, is right and stands until the window's fit
+    det = Detector(_header(), DetectorConfig(adaptive=False))
+    _warm(det)
+    det.set_plan(SPLIT)
+    cold = {r: 2.0 for r in range(8)}
+    _run(det, CHANGE, CHANGE + 4, mult=cold)  # the switch iteration, then three cold ones
+    _run(det, CHANGE + 4, WINDOW_END - 1)
+    assert det.predictor.rewarming  # still inside the window
+    for r in (0, 2, 4, 6):
+        assert _priced_over_true_f(det, WINDOW_END, r) == pytest.approx(1.0, abs=0.05)
+    _run(det, WINDOW_END - 1, WINDOW_END + 5)
+    assert not det.predictor.rewarming  # the window's robust fit (cold samples are its minority)
+    for r in (0, 2, 4, 6):
+        assert _priced_over_true_f(det, WINDOW_END + 5, r) == pytest.approx(1.0, abs=0.1)
+
+
+def test_a_seed_across_tp_sizes_above_its_first_samples_is_rescaled_at_once() -> None:
+    # on CPU a TP2 group ran 3-4x slower than FLOPs say: its TP1 replacement's seed, scaled
+    # from the TP2 fit, reads 1 / 0.35 = 2.9x the real time. The very first learning
+    # iteration (itself 1.5x cold) already shows the seed is too high: cold iterations only
+    # ever read slow, so it is rescaled then, not after three iterations priced 2.9x
+    det = Detector(_header(), DetectorConfig(adaptive=False))
+    _warm(det)
+    det.set_plan(NO_TP)
+    fast = {0: 0.35, 2: 0.35}
+    _run(det, CHANGE, CHANGE + 1, mult=fast)  # the switch iteration teaches nothing
+    assert _priced_over_true_f(det, CHANGE + 1, 0, 0.35) == pytest.approx(1 / 0.35, rel=0.1)  # the seed
+    _run(det, CHANGE + 1, CHANGE + 2, mult={0: 0.35 * 1.5, 2: 0.35 * 1.5})  # the first learning iteration
+    assert _priced_over_true_f(det, CHANGE + 2, 0, 0.35) == pytest.approx(1.5, rel=0.1)
+    assert _priced_over_true_f(det, CHANGE + 2, 2, 0.35) == pytest.approx(1.5, rel=0.1)
+
+
+def test_a_seed_across_tp_sizes_below_its_cold_first_samples_waits_for_three() -> None:
+    # the other way the first samples prove nothing (a cold iteration reads slow): a seed
+    # below them stands until three learning iterations, then is checked on all of them
+    det = Detector(_header(), DetectorConfig(adaptive=False))
+    _warm(det)
+    det.set_plan(NO_TP)
+    slow_tp1 = {0: 3.0, 2: 3.0}
+    _run(det, CHANGE, CHANGE + 2, mult=slow_tp1)
+    assert _priced_over_true_f(det, CHANGE + 2, 0, 3.0) == pytest.approx(1 / 3.0, rel=0.1)
+    _run(det, CHANGE + 2, CHANGE + 4, mult=slow_tp1)  # learning iterations 2 and 3
+    assert _priced_over_true_f(det, CHANGE + 4, 0, 3.0) == pytest.approx(1.0, rel=0.1)
+
+
 def test_readmitted_spare_rewarms_and_the_repeated_plan_change_record_restarts_nothing() -> None:
     det = Detector(_header(), DetectorConfig(adaptive=False))
     _warm(det)

@@ -132,3 +132,46 @@ def test_one_rule_for_the_detector_and_the_simulator(was_slow: bool, slow_probe:
     cfg = DetectorConfig(adaptive=False)  # confirm_iters 2, recover_iters 3, probe_threshold 0.10
     assert judge_probe(was_slow, slow_probe, run, cfg) == action
     assert is_slow_probe(1.11, cfg) and not is_slow_probe(1.10, cfg)
+
+
+def _lapsed_then_found_again(gap_s: float) -> tuple[Detector, float]:
+    """Rank 5's first verdict (t = 135 s) lapses at 235 s with no probe; its compute probes
+    ``gap_s`` after the lapse find it slow again. Returns the detector and that verdict's time."""
+    det = _excluded(DetectorConfig(adaptive=False, spare_verdict_s=100.0))
+    assert _kinds(det.tick(236.0)) == [("recovered", (5,), "unknown")]
+    k = det.config.confirm_iters
+    found = [f for i in range(k) for f in det.observe_probe(5, PROBE_S * 2, now=235.0 + gap_s + i)]
+    assert _kinds(found) == [("fail-slow", (5,), "compute")]
+    return det, 235.0 + gap_s + k - 1
+
+
+def test_a_verdict_that_lapsed_while_its_fault_went_on_holds_as_long_as_the_fault_has_lasted() -> None:
+    det, given = _lapsed_then_found_again(50.0)  # the fault outlasted the lapse
+    lasted = given - 135.0  # since its first verdict: 151 s
+    assert det.tick(given + lasted - 1.0) == [] and det.suspects()[5] == "slow"  # past 100 s: still held
+    back = det.tick(given + lasted + 1.0)
+    assert _kinds(back) == [("recovered", (5,), "unknown")]
+    assert "held as long as its fault had lasted" in back[0].reason, back[0].reason
+    # and a third verdict of the same fault holds longer still: it has lasted longer
+    k = det.config.confirm_iters
+    third = [f for i in range(k) for f in det.observe_probe(5, PROBE_S * 2, now=given + lasted + 30.0 + i)]
+    assert _kinds(third) == [("fail-slow", (5,), "compute")]
+    given3 = given + lasted + 30.0 + k - 1
+    assert det.tick(given3 + (given3 - 135.0) - 1.0) == []
+    assert _kinds(det.tick(given3 + (given3 - 135.0) + 1.0)) == [("recovered", (5,), "unknown")]
+
+
+def test_a_verdict_given_long_after_an_earlier_one_lapsed_holds_spare_verdict_s() -> None:
+    det, given = _lapsed_then_found_again(300.0)  # a new fault, not the old one going on
+    assert det.tick(given + 99.0) == []
+    assert _kinds(det.tick(given + 101.0)) == [("recovered", (5,), "unknown")]
+
+
+def test_normal_probes_end_the_longer_hold() -> None:
+    det, given = _lapsed_then_found_again(50.0)
+    k = det.config.recover_iters
+    found = [f for i in range(k) for f in det.observe_probe(5, PROBE_S, now=given + 10.0 + i)]
+    assert _kinds(found) == [("recovered", (5,), "compute")]  # evidence: the count is reset
+    again = [f for i in range(det.config.confirm_iters) for f in det.observe_probe(5, PROBE_S * 2, now=given + 20.0 + i)]
+    assert _kinds(again) == [("fail-slow", (5,), "compute")]
+    assert _kinds(det.tick(given + 21.0 + 101.0)) == [("recovered", (5,), "unknown")]

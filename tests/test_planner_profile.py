@@ -347,3 +347,32 @@ def test_profile_cli_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no healthy iteration with chunk timings" in done.stderr, done.stderr
     done = _cli("--trace", str(bare), "--window", "0")
     assert done.returncode == 2 and "--window must be >= 1" in done.stderr
+
+
+def test_the_engine_hands_the_planner_the_layouts_the_job_left() -> None:
+    # A -> B -> C -> B: the planner is offered the layouts left, most recent first, never the
+    # current one, at most EARLIER_PLANS of them
+    from types import SimpleNamespace
+
+    from resihp.coordinator.planner.decision import EARLIER_PLANS
+
+    a = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    b = Plan.uniform(1, 1, 4, SPEC.num_layers, 8)
+    c = Plan.uniform(1, 4, 1, SPEC.num_layers, 8)
+    eng = _engine(a)
+    offered: list[tuple[Plan, ...]] = []
+    real = eng._planner
+    assert real is not None
+
+    def decide(*args: object, earlier: tuple[Plan, ...] = (), **kw: object) -> object:
+        offered.append(earlier)
+        return real.decide(*args, earlier=earlier, **kw)
+
+    eng._planner = SimpleNamespace(decide=decide, PlannerConfig=real.PlannerConfig)
+    nodes = {r: f"n{r}" for r in range(4)}
+    eng.decide(a, None, frozenset(), 0.0, nodes)
+    for i, p in enumerate((b, c, b)):
+        eng.set_plan(p, 10 * (i + 1))
+        eng.decide(p, None, frozenset(), 0.0, nodes)
+    layouts = [[q.replicas for q in got] for got in offered]
+    assert layouts == [[], [a.replicas], [b.replicas, a.replicas], [c.replicas, a.replicas]] and EARLIER_PLANS == 2

@@ -131,3 +131,31 @@ def test_search_prices_a_slow_link_and_moves_off_dp_heavy_layouts() -> None:
     # a mild slowdown is not worth two moves
     mild = decide(cluster, spec, batch, current, finding("fail-slow", node0, 1.2, "communication"), 0.0)
     assert not mild.act
+
+
+def test_a_recovery_may_return_to_the_layout_the_fault_made_the_job_leave(job: tuple[Cluster, Plan]) -> None:
+    # node 1 lost, then node 5's NIC 4.5x slow: the job left the rebuilt layout for one
+    # around the NIC. Once the NIC recovers the rebuilt layout is a candidate again (the
+    # undo the ski rental charged for) and the fastest: it is the decision
+    cluster, start = job
+    cfg = PlannerConfig(document_shares=True)
+    lost = tuple(range(8, 16))
+    view = cluster.with_failed(lost)
+    rebuilt = decide(view, SPEC, BATCH, start, finding("fail-stop", lost, cause="heartbeat"), 0.0, cfg).plan
+    nic = tuple(range(40, 48))
+    around = decide(view, SPEC, BATCH, rebuilt, finding("fail-slow", nic, 4.5, cause="communication"), 10.0, cfg)
+    assert around.act and around.plan.replicas != rebuilt.replicas
+    back = finding("recovered", nic, cause="communication")
+    without = decide(view, SPEC, BATCH, around.plan, back, 700.0, cfg)
+    assert "earlier-plan" not in {c.level for c in without.candidates}
+    d = decide(view, SPEC, BATCH, around.plan, back, 700.0, cfg, earlier=(rebuilt, start))
+    again = [c for c in d.candidates if c.level == "earlier-plan"]
+    # the start layout uses the lost node: not a candidate; the rebuilt one is, priced as itself
+    assert [c.plan.replicas for c in again] == [rebuilt.replicas]
+    assert again[0].iteration_s == pytest.approx(evaluate(rebuilt, view, SPEC, BATCH, cfg).iteration_s)
+    assert d.act and d.level == "earlier-plan" and d.plan.replicas == rebuilt.replicas
+    assert d.plan.epoch == around.plan.epoch + 1
+    assert d.predicted_iteration_s_after < without.predicted_iteration_s_after
+    # the current layout is never its own candidate
+    same = decide(view, SPEC, BATCH, around.plan, back, 700.0, cfg, earlier=(around.plan,))
+    assert "earlier-plan" not in {c.level for c in same.candidates}

@@ -183,6 +183,30 @@ def test_resihp_takes_an_idle_slow_rank_back_when_its_verdict_lapses() -> None:
     assert res.segments[-1].tokens_per_s >= 0.99 * r0  # after the fault: full speed (or the planner's better layout)
 
 
+def test_a_lapsed_verdict_returns_to_the_layout_left_and_holds_as_long_as_its_fault_has_lasted() -> None:
+    # LLaMA2-70B on 256 GPUs: a lost node, then node 26's NIC 4.5x slow for 4000 s. The fault's
+    # re-plan leaves the rebuilt layout; when the verdict lapses the planner returns to that
+    # layout (an earlier plan, which the search from the current one does not find), the
+    # detector finds the NIC again, and each later verdict of the fault holds as long as the
+    # fault has lasted (Detector.verdict_hold_s): 600 s, then ~700 s, then ~1500 s
+    from resihp.sim import scenarios
+
+    job = scenarios.job_for("llama2-70b", 256, layout="tuned", documents=4)
+    perf = PerfModel(job)
+    pol = make("resihp", job, perf, SETTINGS)
+    faults = [FailStop(1700.0, tuple(range(88, 96)), "other", "node", 20000.0),
+              FailSlow(1800.0, tuple(range(208, 216)), 4.5, 4000.0, slow_kind="communication")]
+    res = Simulation(pol, job.world_size, job.gpus_per_node, failure_free_tps(job, perf)).run(faults, 7000.0)
+    notes = [(line.time_s, line.note) for line in res.log]
+    found = [t for t, n in notes if "fail-slow#1 detected" in n]
+    lapsed = [t for t, n in notes if "verdict lapsed" in n]
+    assert all("earlier-plan" in n for t, n in notes if "verdict lapsed" in n), notes
+    assert len(found) == 4 and len(lapsed) == 3, notes  # every 600 s it would be 7 and 6
+    assert lapsed[0] == pytest.approx(found[0] + 600.0)
+    assert lapsed[1] == pytest.approx(found[1] + (found[1] - found[0]))  # > 600 s: the fault's age then
+    assert lapsed[2] == pytest.approx(found[2] + (found[2] - found[0]))
+
+
 def run_without_probes(job: JobSpec, faults: Sequence[Fault], horizon: float) -> tuple[RunResult, float]:
     perf = PerfModel(job)
     r0 = failure_free_tps(job, perf)

@@ -3,8 +3,14 @@
 Nothing the detector normally reads observes an idle rank, so its verdict is kept (a
 still-slow device is not handed back to the next re-plan as healthy), judged afresh by the
 rank's compute probes (``detector.probe``), ended by an operator (``readmit``), or, where no
-probe can judge it, left to lapse after ``DetectorConfig.spare_verdict_s``. ``Detector``
-inherits this; it is split out only to keep modules small. Pure.
+probe can judge it, left to lapse after ``DetectorConfig.spare_verdict_s``. A verdict that
+lapsed and was given again within ``spare_verdict_s`` of the lapse (the fault outlasted it:
+the plan took the rank back and its timings found it slow) belongs to the same fault, and
+holds as long as that fault has lasted so far (at least ``spare_verdict_s``, at most
+``MAX_LAPSE_SCALE`` × it): fault durations are heavy-tailed, so one that has lasted longer
+is expected to last longer still. Evidence that the rank recovered (its timings, its
+probes, an operator) ends the fault.
+``Detector`` inherits this; it is split out only to keep modules small. Pure.
 """
 from __future__ import annotations
 
@@ -15,6 +21,11 @@ from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.evidence import PlanIndex
 from resihp.coordinator.detector.probe import ProbeBook, check_probe, is_slow_probe, judge_probe
 from resihp.coordinator.detector.verdicts import Finding, RankState
+
+# the longest a verdict is held before it lapses, in spare_verdict_s: a congested link that
+# lasts hours is taken back and found again at most every 8 × 600 s, not every 600 s (each
+# time a re-plan onto it, some iterations at its speed, and a re-plan off it)
+MAX_LAPSE_SCALE = 8
 
 
 class IdleRankVerdicts:
@@ -27,6 +38,7 @@ class IdleRankVerdicts:
     _cause: dict[int, str]
     _slow_at: dict[int, float]
     _lapsed: list[tuple[int, float]]
+    _lapses: dict[int, tuple[float, float]]  # per rank: (its fault's first verdict, when its latest verdict lapsed)
     _now: float
     _last_iter: int
     _probes: ProbeBook
@@ -61,6 +73,7 @@ class IdleRankVerdicts:
             self._slow_at[rank], self._factor[rank] = self._now, got.ratio
         if action == "recovered":
             self._forget(rank)
+            self._lapses.pop(rank, None)
             self._probes.forget_runs(rank)
             return [Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "compute",
                             f"idle rank {rank} recovered: its last {run} compute probes ran at x{got.ratio:.2f} of "
@@ -109,15 +122,33 @@ class IdleRankVerdicts:
             return
         for r in self._left_slow():
             age = self._now - self._slow_at.get(r, self._now)
-            if age >= self.config.spare_verdict_s:
+            if age >= self.verdict_hold_s(r):
+                self._lapses[r] = (self._fault_onset(r), self._now)
                 self._forget(r)
                 self._lapsed.append((r, age))
 
+    def _fault_onset(self, rank: int) -> float:
+        """The first verdict of the fault ``rank``'s current verdict belongs to: an earlier one
+        that lapsed within spare_verdict_s before this verdict was given, else this one."""
+        given = self._slow_at.get(rank, self._now)
+        onset, lapsed_at = self._lapses.get(rank, (given, -float("inf")))
+        return onset if given - lapsed_at <= self.config.spare_verdict_s else given
+
+    def verdict_hold_s(self, rank: int) -> float:
+        """How long ``rank``'s slow verdict holds while the plan leaves it idle: as long as its
+        fault has lasted when the verdict was given, within [1, MAX_LAPSE_SCALE] ×
+        spare_verdict_s (module docstring)."""
+        spare = self.config.spare_verdict_s
+        lasted = self._slow_at.get(rank, self._now) - self._fault_onset(rank)
+        return min(MAX_LAPSE_SCALE * spare, max(spare, lasted))
+
     def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
+        held = ("" if age < self.config.spare_verdict_s + 1.0 else
+                " (held as long as its fault had lasted: an earlier verdict lapsed while the fault went on)")
         return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
                        f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "
-                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s) while the plan left the rank idle and no "
-                       "compute probe renewed it; a plan that uses it again lets its timings judge it",
+                       f"(spare_verdict_s {self.config.spare_verdict_s:g} s){held} while the plan left the rank idle and "
+                       "no compute probe renewed it; a plan that uses it again lets its timings judge it",
                        {"verdict_age_s": age}, now)
 
     def _forget(self, rank: int) -> None:
@@ -133,5 +164,6 @@ class IdleRankVerdicts:
         if rank not in self._left_slow():
             return False
         self._forget(rank)
+        self._lapses.pop(rank, None)
         return True
 

@@ -61,6 +61,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
     last: dict[str, float]
     _dp_only: npt.NDArray[np.bool_]
     _slow_at: dict[int, float]
+    _lapses: dict[int, tuple[float, float]]  # idle.py: per rank, its fault's onset and latest lapse
     _pending: tuple[FloatArray, FloatArray] | None
     _job: JobTrack
     _rw_from: int
@@ -341,6 +342,8 @@ class IterationJudge(AdaptiveJudging, FindingCost):
                 self.noise.clear_windows(recover)
                 self.floor_noise.clear_windows(recover)
             out += self._group(t, np.nonzero(recover)[0], "recovered", is_comm is None, ev, now)
+            for i in np.nonzero(recover)[0].tolist():  # evidence of recovery: a later verdict lapses on time
+                self._lapses.pop(self.index.ranks[i], None)
             self.ok_run[recover] = 0
             self.run[recover] = 0
             self.run_m[recover] = 0

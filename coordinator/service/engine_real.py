@@ -33,6 +33,7 @@ from resihp.coordinator.model.trace import (
     read_trace,
     trace_tail,
 )
+from resihp.coordinator.planner.decision import EARLIER_PLANS
 from resihp.coordinator.planner.profile import Profile, ProfileFitter, fit_trace
 from resihp.coordinator.protocol.messages import FindingInfo
 from resihp.coordinator.service.engine import EngineDecision, RuleEngine, parse_float
@@ -77,6 +78,7 @@ class RealEngine:
         self._raw: dict[tuple[str, tuple[int, ...], int], Finding] = {}
         self._last: IterationRecord | None = None
         self._plan = header.plan  # the plan the records come from
+        self._earlier: list[Plan] = []  # layouts run before it, most recent first (the planner's ``earlier``)
         self._tpm = header.tokens_per_microbatch  # the batch's tokens per micro-batch, else learned
         self.detection = True
         # links=off: no communication findings and no link factors for the planner (a CPU job
@@ -104,6 +106,7 @@ class RealEngine:
         self.fitter = self._fitter(header)
         self._last = None
         self._plan = header.plan
+        self._earlier = []
         self._tpm = header.tokens_per_microbatch
 
     # --- detection -------------------------------------------------------------------------
@@ -127,7 +130,7 @@ class RealEngine:
             if not self.detection:
                 return []
         if isinstance(record, PlanChange):
-            self._plan = record.plan
+            self._adopt(record.plan)
             self._rules.set_plan(record.plan, record.iteration)
             self.fitter.set_plan(record.plan)
         out = self._convert(self.detector.observe(record, now))
@@ -203,10 +206,19 @@ class RealEngine:
         return self.detector.readmit(rank)
 
     def set_plan(self, plan: Plan, iteration: int) -> None:
-        self._plan = plan
+        self._adopt(plan)
         self.detector.set_plan(plan, iteration)  # its first iteration: the detector re-warms from there
         self._rules.set_plan(plan, iteration)
         self.fitter.set_plan(plan)
+
+    def _adopt(self, plan: Plan) -> None:
+        """The job runs ``plan`` now; the layout it leaves stays a candidate for later
+        decisions (the undo of a fault's re-plan once the fault ends; EARLIER_PLANS kept)."""
+        if plan.replicas != self._plan.replicas or plan.spares != self._plan.spares:
+            old = self._plan
+            self._earlier = [old] + [p for p in self._earlier if p.replicas != old.replicas
+                                     and p.replicas != plan.replicas][:EARLIER_PLANS - 1]
+        self._plan = plan
 
     # --- planning ----------------------------------------------------------------------------
     def decide(self, current: Plan, finding: FindingInfo | None, unavailable: frozenset[int], now: float,
@@ -267,7 +279,8 @@ class RealEngine:
         # excluded: the planner says so instead of calling it failed
         excluded = frozenset(r for r in unavailable if speeds.get(r, 1.0) > 0)
         try:
-            d = pl.decide(cluster, self.header.model, batch, current, raw, now, config, excluded=excluded)
+            d = pl.decide(cluster, self.header.model, batch, current, raw, now, config, excluded=excluded,
+                          earlier=tuple(p for p in self._earlier if p.replicas != current.replicas))
         except SpecError as exc:  # no layout of the healthy devices can run the model
             broken = any(r in unavailable or speeds.get(r, 1.0) <= 0 for r in current.ranks())
             return EngineDecision(False, current, f"planner: {exc}", "none", fatal=broken)

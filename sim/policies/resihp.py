@@ -19,7 +19,8 @@ a real run:
   it are a recovery; a compute fail-slow that starts on idle ranks is found by
   ``confirm_iters`` slow probes. A link-slow verdict, which no compute probe can judge,
   lapses ``DetectorConfig.spare_verdict_s`` after it was given, into a recovery (the
-  detector's ``tick``); if the fault is still on and the new plan uses the ranks, the
+  detector's ``tick``), or — found again within ``spare_verdict_s`` of an earlier lapse —
+  after as long as the fault had lasted (up to ``MAX_LAPSE_SCALE`` ×, as the detector); if the fault is still on and the new plan uses the ranks, the
   detector finds them again.
 - **Decision.** ``resihp.coordinator.planner.planner.decide(cluster, model, batch, current,
   finding, now, config)`` on that view. If it acts, the job pauses for the decision's
@@ -41,9 +42,11 @@ from typing import Any
 
 from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.detector import Finding
+from resihp.coordinator.detector.idle import MAX_LAPSE_SCALE
 from resihp.coordinator.detector.probe import ProbeBook, is_slow_probe, judge_probe
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
+from resihp.coordinator.planner.decision import EARLIER_PLANS
 from resihp.sim import detection
 from resihp.sim.detection import DetectionOracle
 from resihp.sim.engine import Phase, Reaction
@@ -83,8 +86,10 @@ class ResiHP(Policy):
         # a verdict no probe renews lapses after spare_verdict_s
         self.detector_config = DetectorConfig()
         self.spare_verdict_s = self.detector_config.spare_verdict_s
+        self.lapses: dict[int, tuple[float, float]] = {}  # fault id -> (its first verdict, when its latest lapsed)
         self.probe_every_s: float | None = PROBE_EVERY_S
         self.probe_runs = ProbeBook()  # runs of slow / normal probes, by fault id
+        self.earlier: list[Plan] = []  # layouts run before the current one, most recent first (planner's ``earlier``)
         self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
         self.waiting = False  # no feasible plan: waiting for repairs
         self.decisions = 0
@@ -147,21 +152,21 @@ class ResiHP(Policy):
         # the current plan by identity (hashing a 16K-rank plan costs more than the lookup
         # saves); the entry holds the plan, so its id cannot be reused while cached
         key = (frozenset(self.known_dead), tuple(sorted(speeds.items())), tuple(sorted(links.items())), id(self.plan),
-               fkey)
+               tuple(id(p) for p in self.earlier), fkey)
         hit = _DECISIONS.get(key)
-        if hit is not None and hit[0] is self.plan:
+        if hit is not None and hit[0] is self.plan and all(a is b for a, b in zip(hit[2], self.earlier)):
             self.cache_hits += 1
             return hit[1]
         t0 = time.perf_counter()
         try:
             d = self._planner.decide(self._cluster(), self.job.model, self.job.batch(), self.plan, finding, now,
-                                     self.config)
+                                     self.config, earlier=tuple(self.earlier))
         finally:
             self.planner_s += time.perf_counter() - t0
             self.decisions += 1
         if len(_DECISIONS) > 4096:
             _DECISIONS.clear()
-        _DECISIONS[key] = (self.plan, d)
+        _DECISIONS[key] = (self.plan, d, tuple(self.earlier))
         return d
 
     def _apply(self, finding: Finding | None, now: float, note: str, stalled_before: bool) -> Reaction:
@@ -175,6 +180,7 @@ class ResiHP(Policy):
                 self.waiting = True
                 return Reaction(0.0, "down", note=f"{note}: planner did not act ({d.reason}); waiting")
             return self.steady(f"{note}: planner keeps the plan ({d.reason})")
+        self.remember(self.plan)
         self.plan = d.plan
         self.stalled = self.waiting = False
         # the planner's own cost of the rung it chose: bytes moved / bandwidth + the rung's
@@ -185,6 +191,11 @@ class ResiHP(Policy):
         tps = self.rate()
         return Reaction(tps, self.label_for(tps), (Phase(pause, 0.0, "reconfig"),), reconfigurations=1,
                         note=f"{note}: {d.level}: {d.reason} (pause {pause:.1f} s)")
+
+    def remember(self, plan: Plan) -> None:
+        """Keep a layout the job leaves as a candidate for later decisions (as the
+        coordinator's engine does): the latest ``EARLIER_PLANS`` distinct ones."""
+        self.earlier = [plan] + [p for p in self.earlier if p.replicas != plan.replicas][:EARLIER_PLANS - 1]
 
     def steady(self, note: str = "", **kw: object) -> Reaction:
         if self.stalled or self.waiting or self.plan_uses_dead(self.plan):
@@ -297,7 +308,7 @@ class ResiHP(Policy):
             self.verdict_at[fid] = now
             finding = self._finding("fail-slow", ranks, factor, det.cause, now)
             res = self._apply(finding, now, f"fail-slow#{fid} detected ×{factor:.2f}", False)
-            timers: tuple[tuple[float, str], ...] = ((now + self.spare_verdict_s, f"lapse:{fid}"),)
+            timers: tuple[tuple[float, str], ...] = ((now + self._hold_s(fid), f"lapse:{fid}"),)
             if det.cause != "communication" and self.probe_every_s is not None:
                 self.probe_runs.forget_runs(fid)
                 timers += ((now + self.probe_every_s, f"probe:{fid}"),)
@@ -309,11 +320,12 @@ class ResiHP(Policy):
             entry = self.known_slow.get(fid)
             if entry is None:
                 return self.steady()  # recovered meanwhile
-            due = self.verdict_at.get(fid, now) + self.spare_verdict_s
+            due = self.verdict_at.get(fid, now) + self._hold_s(fid)
             if now < due - 1e-6:  # a slow probe renewed the verdict: lapse from then on
                 return self.steady(timers=((due, f"lapse:{fid}"),))
             if self._active(fid) and any(self.plan.has_rank(r) for r in entry[0]):
                 return self.steady()  # in the plan: its own timings keep judging it
+            self.lapses[fid] = (self._fault_onset(fid, now), now)
             del self.known_slow[fid]
             finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
             res = self._apply(finding, now, f"fail-slow#{fid}: verdict lapsed", False)
@@ -332,6 +344,20 @@ class ResiHP(Policy):
             finding = self._finding("recovered", entry[0], 1.0, entry[2], now)
             return self._apply(finding, now, f"recovery#{fid} detected", False)
         return self.steady()
+
+    def _fault_onset(self, fid: int, now: float) -> float:
+        """As ``IdleRankVerdicts._fault_onset``: the first verdict of a fault found again within
+        spare_verdict_s of its latest lapse, else the current verdict."""
+        given = self.verdict_at.get(fid, now)
+        onset, lapsed_at = self.lapses.get(fid, (given, -math.inf))
+        return onset if given - lapsed_at <= self.spare_verdict_s else given
+
+    def _hold_s(self, fid: int) -> float:
+        """As ``IdleRankVerdicts.verdict_hold_s``: as long as the fault had lasted, within
+        [1, MAX_LAPSE_SCALE] × spare_verdict_s."""
+        given = self.verdict_at.get(fid, 0.0)
+        lasted = given - self._fault_onset(fid, given)
+        return min(MAX_LAPSE_SCALE * self.spare_verdict_s, max(self.spare_verdict_s, lasted))
 
     def _probe(self, fid: int, now: float) -> Reaction:
         """An idle slow rank's compute probe, judged by the detector's own rule (``judge_probe``);

@@ -143,7 +143,8 @@ class IdleRankVerdicts:
         return min(MAX_LAPSE_SCALE * spare, max(spare, lasted))
 
     def _lapse_finding(self, rank: int, age: float, now: float) -> Finding:
-        held = ("" if age < self.config.spare_verdict_s + 1.0 else
+        onset, lapsed_at = self._lapses.get(rank, (0.0, 0.0))
+        held = ("" if onset >= lapsed_at - age - 1e-6 else  # this verdict was its fault's first
                 " (held as long as its fault had lasted: an earlier verdict lapsed while the fault went on)")
         return Finding(self._last_iter, "recovered", (rank,), None, None, None, 1.0, "unknown",
                        f"rank {rank} is treated as recovered: its slow verdict lapsed {age:.0f} s after it was given "

@@ -393,7 +393,7 @@ class Predictor:
                 # one of its own TP size, or a P2P hop's (the same hop's fit), stands until the
                 # window's fit: the first samples run cold. After a fail-stop a fit of them
                 # priced the new layer split 2x high for 5 iterations (bench/e2e.py), the seed
-                # within 15 % of the window's fit
+                # within 17 % of the window's fit
                 continue
             else:
                 self._fit(kid)

@@ -254,6 +254,16 @@ def _again(earlier: Plan, current: Plan) -> Plan | None:
     return replace(earlier, epoch=current.epoch + 1, reason="earlier-plan")
 
 
+def earlier_layouts(earlier: Sequence[Plan], left: Plan, taken: Plan) -> tuple[Plan, ...]:
+    """The layouts to offer ``decide`` as ``earlier`` once the job leaves ``left`` for
+    ``taken``: ``left`` first, then the ones before it, none twice and never ``taken``, at most
+    ``EARLIER_PLANS`` (the coordinator's engine and the simulator keep them alike)."""
+    if left.replicas == taken.replicas and left.spares == taken.spares:
+        return tuple(earlier)
+    older = [p for p in earlier if p.replicas not in (left.replicas, taken.replicas)]
+    return tuple([left, *older][:EARLIER_PLANS])
+
+
 def tp_uniform_per_layer(plan: Plan) -> bool:
     """Whether every replica splits each layer (and the embedding and head, held by the first
     and last stage) over the same TP size."""

@@ -33,7 +33,7 @@ from resihp.coordinator.model.trace import (
     read_trace,
     trace_tail,
 )
-from resihp.coordinator.planner.decision import EARLIER_PLANS
+from resihp.coordinator.planner.decision import earlier_layouts
 from resihp.coordinator.planner.profile import Profile, ProfileFitter, fit_trace
 from resihp.coordinator.protocol.messages import FindingInfo
 from resihp.coordinator.service.engine import EngineDecision, RuleEngine, parse_float
@@ -78,7 +78,7 @@ class RealEngine:
         self._raw: dict[tuple[str, tuple[int, ...], int], Finding] = {}
         self._last: IterationRecord | None = None
         self._plan = header.plan  # the plan the records come from
-        self._earlier: list[Plan] = []  # layouts run before it, most recent first (the planner's ``earlier``)
+        self._earlier: tuple[Plan, ...] = ()  # layouts run before it, most recent first (the planner's ``earlier``)
         self._tpm = header.tokens_per_microbatch  # the batch's tokens per micro-batch, else learned
         self.detection = True
         # links=off: no communication findings and no link factors for the planner (a CPU job
@@ -106,7 +106,7 @@ class RealEngine:
         self.fitter = self._fitter(header)
         self._last = None
         self._plan = header.plan
-        self._earlier = []
+        self._earlier = ()
         self._tpm = header.tokens_per_microbatch
 
     # --- detection -------------------------------------------------------------------------
@@ -213,11 +213,8 @@ class RealEngine:
 
     def _adopt(self, plan: Plan) -> None:
         """The job runs ``plan`` now; the layout it leaves stays a candidate for later
-        decisions (the undo of a fault's re-plan once the fault ends; EARLIER_PLANS kept)."""
-        if plan.replicas != self._plan.replicas or plan.spares != self._plan.spares:
-            old = self._plan
-            self._earlier = [old] + [p for p in self._earlier if p.replicas != old.replicas
-                                     and p.replicas != plan.replicas][:EARLIER_PLANS - 1]
+        decisions (the undo of a fault's re-plan once the fault ends)."""
+        self._earlier = earlier_layouts(self._earlier, self._plan, plan)
         self._plan = plan
 
     # --- planning ----------------------------------------------------------------------------
@@ -280,7 +277,7 @@ class RealEngine:
         excluded = frozenset(r for r in unavailable if speeds.get(r, 1.0) > 0)
         try:
             d = pl.decide(cluster, self.header.model, batch, current, raw, now, config, excluded=excluded,
-                          earlier=tuple(p for p in self._earlier if p.replicas != current.replicas))
+                          earlier=self._earlier)
         except SpecError as exc:  # no layout of the healthy devices can run the model
             broken = any(r in unavailable or speeds.get(r, 1.0) <= 0 for r in current.ranks())
             return EngineDecision(False, current, f"planner: {exc}", "none", fatal=broken)

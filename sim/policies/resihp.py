@@ -46,7 +46,7 @@ from resihp.coordinator.detector.idle import MAX_LAPSE_SCALE
 from resihp.coordinator.detector.probe import ProbeBook, is_slow_probe, judge_probe
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
-from resihp.coordinator.planner.decision import EARLIER_PLANS
+from resihp.coordinator.planner.decision import earlier_layouts
 from resihp.sim import detection
 from resihp.sim.detection import DetectionOracle
 from resihp.sim.engine import Phase, Reaction
@@ -89,7 +89,7 @@ class ResiHP(Policy):
         self.lapses: dict[int, tuple[float, float]] = {}  # fault id -> (its first verdict, when its latest lapsed)
         self.probe_every_s: float | None = PROBE_EVERY_S
         self.probe_runs = ProbeBook()  # runs of slow / normal probes, by fault id
-        self.earlier: list[Plan] = []  # layouts run before the current one, most recent first (planner's ``earlier``)
+        self.earlier: tuple[Plan, ...] = ()  # layouts run before the current one, most recent first (planner's ``earlier``)
         self.stalled = False  # a fail-stop hit the plan and no new plan runs yet
         self.waiting = False  # no feasible plan: waiting for repairs
         self.decisions = 0
@@ -160,13 +160,13 @@ class ResiHP(Policy):
         t0 = time.perf_counter()
         try:
             d = self._planner.decide(self._cluster(), self.job.model, self.job.batch(), self.plan, finding, now,
-                                     self.config, earlier=tuple(self.earlier))
+                                     self.config, earlier=self.earlier)
         finally:
             self.planner_s += time.perf_counter() - t0
             self.decisions += 1
         if len(_DECISIONS) > 4096:
             _DECISIONS.clear()
-        _DECISIONS[key] = (self.plan, d, tuple(self.earlier))
+        _DECISIONS[key] = (self.plan, d, self.earlier)
         return d
 
     def _apply(self, finding: Finding | None, now: float, note: str, stalled_before: bool) -> Reaction:
@@ -180,7 +180,7 @@ class ResiHP(Policy):
                 self.waiting = True
                 return Reaction(0.0, "down", note=f"{note}: planner did not act ({d.reason}); waiting")
             return self.steady(f"{note}: planner keeps the plan ({d.reason})")
-        self.remember(self.plan)
+        self.earlier = earlier_layouts(self.earlier, self.plan, d.plan)  # as the coordinator's engine
         self.plan = d.plan
         self.stalled = self.waiting = False
         # the planner's own cost of the rung it chose: bytes moved / bandwidth + the rung's
@@ -191,11 +191,6 @@ class ResiHP(Policy):
         tps = self.rate()
         return Reaction(tps, self.label_for(tps), (Phase(pause, 0.0, "reconfig"),), reconfigurations=1,
                         note=f"{note}: {d.level}: {d.reason} (pause {pause:.1f} s)")
-
-    def remember(self, plan: Plan) -> None:
-        """Keep a layout the job leaves as a candidate for later decisions (as the
-        coordinator's engine does): the latest ``EARLIER_PLANS`` distinct ones."""
-        self.earlier = [plan] + [p for p in self.earlier if p.replicas != plan.replicas][:EARLIER_PLANS - 1]
 
     def steady(self, note: str = "", **kw: object) -> Reaction:
         if self.stalled or self.waiting or self.plan_uses_dead(self.plan):

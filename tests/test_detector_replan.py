@@ -421,6 +421,37 @@ def test_slow_verdict_of_a_rank_out_of_the_plan_lapses_after_spare_verdict_s() -
     assert det.tick(237.0) == []
 
 
+def _lapsed_then_taken_back(still_slow: bool) -> tuple[Detector, list[Finding]]:
+    """Rank 5 found 2x slow, left idle until its verdict lapses, then taken back into its TP2
+    group [4, 5] (new work: its keys re-warm) while its device is still 2x slow, or repaired."""
+    det = Detector(_header(), DetectorConfig(adaptive=False, spare_verdict_s=100.0))
+    assert _slow(_run(det, 0, CHANGE, slow_from={5: (12, 2.0)})) == [(13, (5,))]
+    det.set_plan(Plan(replicas=(replace(OLD.replicas[0], microbatches=8),), spares=(4, 5, 6, 7), epoch=1))
+    _run(det, CHANGE, CHANGE + 4)
+    assert [(f.kind, f.ranks) for f in det.tick(236.0)] == [("recovered", (5,))]  # lapsed
+    det.set_plan(replace(OLD, epoch=2))
+    back = CHANGE + 4
+    return det, _run(det, back, back + 1 + K + 8, mult={5: 2.0} if still_slow else {})
+
+
+def test_a_rank_taken_back_after_its_verdict_lapsed_teaches_nothing_while_its_mate_can() -> None:
+    # the median of a TP2 group is the mean of its two members: the still-slow rank taught its
+    # key 1.5x, and its slowdown came out as a degraded DP-ring record, never as compute
+    det, found = _lapsed_then_taken_back(still_slow=True)
+    slow = [f for f in found if f.kind == "fail-slow"]
+    assert [(f.ranks, f.cause) for f in slow] == [((5,), "compute")]
+    assert slow[0].iteration <= CHANGE + 4 + 1 + K + 2  # the window, then confirm_iters
+    assert slow[0].factor == pytest.approx(2.0, rel=0.05)
+    assert not [f for f in found if f.kind == "degraded"]
+    assert det.suspects()[5] == "slow" and det.suspects()[4] == "healthy"
+
+
+def test_a_rank_taken_back_repaired_after_its_verdict_lapsed_stays_healthy() -> None:
+    det, found = _lapsed_then_taken_back(still_slow=False)
+    assert found == []
+    assert set(det.suspects().values()) == {"healthy"}
+
+
 def test_spare_verdict_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="spare_verdict_s must be > 0 seconds"):
         DetectorConfig(adaptive=False, spare_verdict_s=0.0)

@@ -223,8 +223,11 @@ class IterationJudge(AdaptiveJudging, FindingCost):
     def _rewarm_learn(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray) -> None:
         if t.iteration >= self._rw_from:  # not the switch iteration, nor records of the old plan
             st = self.state
+            # ranks taken back after their slow verdict lapsed (idle.py) may still be slow
+            doubtful = np.isin(self.index.ranks, list(self._lapses)) if self._lapses else None
             self.predictor.rewarm_calibrate(t, tok, ssq, st != RankState.DEAD, st == RankState.SLOW,
-                                            self.cause_code > 0, self.score, coupled=t.tp_wait is not None)
+                                            self.cause_code > 0, self.score, coupled=t.tp_wait is not None,
+                                            doubtful=doubtful)
 
     def _judge_steps(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, now: float) -> list[Finding]:
         assert t.rank_step is not None

@@ -323,7 +323,8 @@ class Predictor:
         return ck, mk, sk
 
     def rewarm_calibrate(self, t: IterationTimings, tok: FloatArray, ssq: FloatArray, alive: BoolArray,
-                         slow: BoolArray, comm: BoolArray, factor: FloatArray, coupled: bool = False) -> None:
+                         slow: BoolArray, comm: BoolArray, factor: FloatArray, coupled: bool = False,
+                         doubtful: BoolArray | None = None) -> None:
         """One learning iteration of the re-warming keys: every sample of the TP groups
         that use one (enough per key to fill the calibration window within the re-warm),
         then ``tick_rewarm``. Live healthy ranks teach; a confirmed-slow rank (``slow``,
@@ -331,22 +332,33 @@ class Predictor:
         member (a median of two would mix it in), with its times divided by its factor:
         what a healthy device would take in its place. ``coupled``: the compute spans are
         wall spans that contain TP collectives (the trace has ``TP`` chunks), so a member of
-        a group with a slow member runs as slow as it and does not teach either."""
+        a group with a slow member runs as slow as it and does not teach either.
+        ``doubtful``: ranks whose slow verdict lapsed while they sat idle, with no evidence
+        since that they recovered (idle.py). They may still be slow, and they carry no factor
+        to divide by: they teach a key only where no other group teaches it this iteration.
+        (A 2x rank taken back into a TP2 group taught the median of the two, 1.5x, and was
+        then reported as a degraded DP ring, never as the compute slowdown it was.)"""
         ix = self.index
         ck, mk, sk = self.rank_rewarm()
         groups = np.unique(ix.group_of[ck | mk | sk])
         if not len(groups):
             return
-        healthy = alive & ~slow
+        doubt = np.zeros_like(slow) if doubtful is None else doubtful & alive & ~slow
+        healthy = alive & ~slow & ~doubt
         if coupled:
-            healthy = healthy & group_all(~slow, ix)
-        alone = np.bincount(ix.group_of, weights=healthy, minlength=ix.n_groups) == 0
-        learn = healthy | (alive & slow & alone[ix.group_of])
+            healthy = healthy & group_all(~(slow | doubt), ix)
+        alone = (np.bincount(ix.group_of, weights=healthy, minlength=ix.n_groups) == 0)[ix.group_of]
+        learn = healthy | (alive & slow & alone)
         f = np.maximum(factor, 1.0)
         div_c = np.where(slow & ~comm, f, 1.0)
         div_m = np.where(slow & comm, f, 1.0)
         per_key = max(self.samples_per_key, -(-self.cal.window // max(1, int(self.rw_left.max()))))
-        got = self._learn(t, tok, ssq, learn, groups, per_key, self.rw_left > 0, div_c, div_m)
+        only = self.rw_left > 0
+        got = self._learn(t, tok, ssq, learn, groups, per_key, only, div_c, div_m)
+        fallback = doubt & alone
+        if fallback.any():  # the doubtful ranks' own times, for keys nobody else taught
+            got |= self._learn(t, tok, ssq, learn | fallback, np.unique(ix.group_of[fallback]), per_key,
+                               only & ~got, div_c, div_m)
         self.tick_rewarm(got)
 
     def tick_rewarm(self, got: BoolArray) -> None:

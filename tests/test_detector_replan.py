@@ -450,6 +450,17 @@ def test_a_rank_taken_back_repaired_after_its_verdict_lapsed_stays_healthy() -> 
     det, found = _lapsed_then_taken_back(still_slow=False)
     assert found == []
     assert set(det.suspects().values()) == {"healthy"}
+    # judged normal for recover_iters iterations after its window: its fault is over, so its
+    # lapse record ends (it teaches re-warming keys again, and lengthens no later verdict)
+    assert 5 not in det._lapses
+
+
+def test_a_rank_taken_back_still_slow_keeps_its_lapse_record_until_judged_normal() -> None:
+    det, _ = _lapsed_then_taken_back(still_slow=True)
+    assert 5 in det._lapses
+    back = CHANGE + 4 + 1 + K + 8
+    _run(det, back, back + DetectorConfig().recover_iters + 2)  # repaired: its timings recover it
+    assert 5 not in det._lapses and det.suspects()[5] == "healthy"
 
 
 def test_spare_verdict_s_must_be_positive() -> None:

@@ -105,6 +105,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._slow_at: dict[int, float] = {}  # when each rank's slow verdict was given (injected time)
         self._lapsed: list[tuple[int, float]] = []  # spares whose verdict lapsed, not yet reported (rank, age)
         self._lapses: dict[int, tuple[float, float]] = {}  # idle.py: per rank, its fault's onset and latest lapse
+        self._lapse_ok: dict[int, int] = {}  # idle.py: per lapsed rank back in the plan, its normal iterations in a row
         self._now = 0.0  # the latest time the detector was told of
         self._seen = 0  # iterations observed with the current evidence level
         self._level = ""

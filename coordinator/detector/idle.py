@@ -39,6 +39,7 @@ class IdleRankVerdicts:
     _slow_at: dict[int, float]
     _lapsed: list[tuple[int, float]]
     _lapses: dict[int, tuple[float, float]]  # per rank: (its fault's first verdict, when its latest verdict lapsed)
+    _lapse_ok: dict[int, int]  # per lapsed rank back in the plan: its judged-normal iterations in a row
     _now: float
     _last_iter: int
     _probes: ProbeBook
@@ -124,6 +125,7 @@ class IdleRankVerdicts:
             age = self._now - self._slow_at.get(r, self._now)
             if age >= self.verdict_hold_s(r):
                 self._lapses[r] = (self._fault_onset(r), self._now)
+                self._lapse_ok.pop(r, None)
                 self._forget(r)
                 self._lapsed.append((r, age))
 
@@ -151,6 +153,22 @@ class IdleRankVerdicts:
                        f"(spare_verdict_s {self.config.spare_verdict_s:g} s){held} while the plan left the rank idle and "
                        "no compute probe renewed it; a plan that uses it again lets its timings judge it",
                        {"verdict_age_s": age}, now)
+
+    def end_lapses_judged_normal(self, normal: npt.NDArray[np.bool_]) -> None:
+        """``normal``: per rank of the plan, judged normal this iteration (its evidence not
+        re-warming). A rank taken back after its verdict lapsed that is judged normal for
+        ``recover_iters`` iterations in a row has recovered: its lapse record ends (it no
+        longer lengthens a later verdict's hold, and it teaches re-warming keys again)."""
+        for r in list(self._lapses):
+            i = self.index.pos.get(r)
+            if i is None:
+                continue
+            run = self._lapse_ok.get(r, 0) + 1 if normal[i] else 0
+            if run >= self.config.recover_iters:
+                self._lapses.pop(r, None)
+                self._lapse_ok.pop(r, None)
+            else:
+                self._lapse_ok[r] = run
 
     def _forget(self, rank: int) -> None:
         self._state[rank] = RankState.HEALTHY

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +62,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
     _dp_only: npt.NDArray[np.bool_]
     _slow_at: dict[int, float]
     _lapses: dict[int, tuple[float, float]]  # idle.py: per rank, its fault's onset and latest lapse
+    end_lapses_judged_normal: Callable[[npt.NDArray[np.bool_]], None]  # idle.py
     _pending: tuple[FloatArray, FloatArray] | None
     _job: JobTrack
     _rw_from: int
@@ -354,6 +355,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
             for i in np.nonzero(recover)[0].tolist():
                 self._drift.stop(self.index.ranks[i])
         out += self._drifted(t, slow & ~recover, score, is_comm, ev, now)
+        if self._lapses:
+            judged = watching & normal & ~suspect
+            self.end_lapses_judged_normal(judged if hold is None else judged & ~hold)
         return out
 
     def _drifted(self, t: IterationTimings, slow: npt.NDArray[np.bool_], score: FloatArray,

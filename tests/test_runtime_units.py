@@ -194,10 +194,13 @@ def test_the_compute_clock_follows_the_device_and_a_throttled_op_counts_its_stal
 
 
 def test_throttle_env_parsing() -> None:
-    assert parse_throttle_env("1:2.0,3:1.5@10", 3) == (1.5, 10)
+    assert parse_throttle_env("1:2.0,3:1.5@10", 3) == (1.5, 10, None)
+    assert parse_throttle_env("1:2.0,3:1.5@10-14", 3) == (1.5, 10, 14)
+    assert parse_throttle_env("1:2.0", 1) == (2.0, 0, None)
     assert parse_throttle_env("1:2.0", 0) is None
-    with pytest.raises(SpecError, match="RANK:FACTOR"):
-        parse_throttle_env("x", 0)
+    for bad in ("x", "3:2.0@10-10", "3:2.0@10-4", "3:2.0@10-"):
+        with pytest.raises(SpecError, match="RANK:FACTOR"):
+            parse_throttle_env(bad, 0)
 
 
 def _job(transport: MemoryTransport, rank: int = 1) -> Job:
@@ -298,3 +301,17 @@ def test_probe_interval_comes_from_init_or_the_environment(monkeypatch: pytest.M
         probe_interval(None)
     with pytest.raises(SpecError, match="probe_every_s must be a finite number of seconds > 0, got 0.0"):
         probe_interval(0.0)
+
+
+def test_a_lengthened_timeout_goes_back_after_enough_short_steps_in_a_row() -> None:
+    from resihp.trainer_hooks.reconfig.timeouts import RESTORE_AFTER_STEPS, TimeoutRestore
+
+    watch = TimeoutRestore(base_s=6.0)
+    assert not any(watch.after_step(0.1, 6.0) for _ in range(50))  # never lengthened: nothing to restore
+    # lengthened to 12 s: a step of 3 s or more (half the original timeout) restarts the count
+    assert not any(watch.after_step(0.1, 12.0) for _ in range(RESTORE_AFTER_STEPS - 1))
+    assert watch.after_step(3.0, 12.0) is False
+    assert not any(watch.after_step(2.9, 12.0) for _ in range(RESTORE_AFTER_STEPS - 1))
+    assert watch.after_step(2.9, 12.0) is True  # the 8th short step in a row
+    assert watch.after_step(0.1, 6.0) is False and watch.short_run == 0  # restored
+    assert watch.after_step(float("nan"), 12.0) is False and watch.short_run == 0  # no number, no evidence

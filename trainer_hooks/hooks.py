@@ -73,20 +73,27 @@ from resihp.trainer_hooks.runtime.trainer import Runtime, StepResult, TrainConfi
 
 log = logging.getLogger(__name__)
 PROBE_ENV = "RESIHP_PROBE_EVERY_S"  # seconds between an idle spare's compute probes
-THROTTLE_ENV = "RESIHP_THROTTLE"  # "RANK:FACTOR[@ITER][,…]": inject a fail-slow without an agent
+THROTTLE_ENV = "RESIHP_THROTTLE"  # "RANK:FACTOR[@ITER[-UNTIL]][,…]": inject a fail-slow without an agent
 TRACE_ENV = "RESIHP_TRACE"
 
 
-def parse_throttle_env(text: str, rank: int) -> tuple[float, int] | None:
-    """This rank's (factor, from_iteration) in a RESIHP_THROTTLE value, or None."""
+def parse_throttle_env(text: str, rank: int) -> tuple[float, int, int | None] | None:
+    """This rank's (factor, from_iteration, until_iteration or None) in a RESIHP_THROTTLE
+    value, or None. ``-UNTIL``: the device is back to full speed from that iteration on."""
     for item in filter(None, (p.strip() for p in text.split(","))):
         try:
             who, rest = item.split(":", 1)
-            factor_s, _, at_s = rest.partition("@")
+            factor_s, _, span = rest.partition("@")
+            at_s, dash, until_s = span.partition("-")
+            until = int(until_s) if dash else None
+            at = int(at_s or 0)
+            if until is not None and until <= at:
+                raise ValueError
             if int(who) == rank:
-                return float(factor_s), int(at_s or 0)
+                return float(factor_s), at, until
         except ValueError:
-            raise SpecError(f"{THROTTLE_ENV}={text!r}: expected RANK:FACTOR[@ITER], e.g. 3:2.0@10") from None
+            raise SpecError(f"{THROTTLE_ENV}={text!r}: expected RANK:FACTOR[@ITER[-UNTIL]] with UNTIL after ITER, "
+                            "e.g. 3:2.0@10 or 3:2.0@10-20") from None
     return None
 
 
@@ -488,9 +495,12 @@ def init(
         job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
         job_obj.on_command_received = job_obj.resilience.on_command_received
     if env_throttle is not None:
-        factor, at = env_throttle
+        factor, at, until = env_throttle
         job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,
                                                   ranks=(boot.rank,)))
+        if until is not None:  # the device is healthy again
+            job_obj._pending.append(m.ThrottleCommand(plan.epoch, 1.0, until, reason=f"{THROTTLE_ENV} ends", seq=-1,
+                                                      ranks=(boot.rank,)))
         if at <= 0:
             job_obj._apply_commands(-1)
     if job_obj.resilience is not None and job_obj.resilience.probe is not None:

@@ -8,9 +8,10 @@ TIMEOUT_S, and rank 3 throttled (RESIHP_THROTTLE) from step AT so far that its r
 step takes several timeouts: the other replica waits for it in the DP all-reduce past the
 timeout. Every peer lives: each such "failure" is a recovery that loses nobody, and the
 groups' timeout doubles until the step fits (before: the step was redone with the same
-timeout, for ever). The throttle (RANK:FACTOR@STEP, as RESIHP_THROTTLE) is the second argument.
-Every rank writes OUT/RANK.json: its committed steps, the failures it
-went through and the groups' timeout at the end.
+timeout, for ever). The throttle (RANK:FACTOR@STEP[-UNTIL], as RESIHP_THROTTLE) is the second
+argument; once it ends, short steps give the groups their original timeout back
+(reconfig/timeouts.py). Every rank writes OUT/RANK.json: its committed steps, the failures it
+went through, each change of the groups' timeout and the timeout at the end.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import sys
 from dataclasses import replace
 
+import torch
 from reconfig_common import (
     CONFIG,
     GLOBAL_MB,
@@ -32,8 +34,9 @@ from reconfig_common import (
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks import hooks
+from resihp.trainer_hooks.runtime.groups import communicators
 
-STEPS = 6
+STEPS = 20
 TIMEOUT_S = 1.0
 START = Plan.uniform(1, 2, 2, SPEC.num_layers, GLOBAL_MB)
 
@@ -56,9 +59,14 @@ def main() -> None:
     res = job.resilience
     assert res is not None
     records = train_records(job, res, STEPS)
+    assert res.rc.runtime is not None
+    # the timeout the groups in use hold now (gloo's own option, not resihp's bookkeeping)
+    held = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for g in communicators(res.rc.runtime.groups)]
     report = {"rank": me, "records": records, "ref_losses": ref_losses, "failures": res.failures,
               "lost": [list(h.get("lost", [])) for h in res.history], "history": res.history,
-              "group_timeout_s": res.rc.group_timeout_s}
+              "group_timeout_s": res.rc.group_timeout_s, "timeouts": res.timeouts,
+              "held_group_timeouts_s": sorted(set(held))}
     report_and_exit(out, me, report)
 
 

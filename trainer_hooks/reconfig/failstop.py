@@ -34,6 +34,7 @@ import torch.distributed.distributed_c10d as c10d
 from resihp.coordinator.model.plan import PipelinePlan, Plan, even_split
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport, optimizer_steps, runtime_shards
+from resihp.trainer_hooks.reconfig.timeouts import lengthen_timeouts
 from resihp.trainer_hooks.reconfig.transfer import Shards
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, shrink
 from resihp.trainer_hooks.runtime.groups import retire_each
@@ -168,26 +169,6 @@ class Recovery:
     report: ReconfigReport
     detect_to_ready_s: float
     shrink_s: float
-
-
-# the longest the groups' timeout grows to after waits that every peer survived (torch's NCCL
-# default): a failure beyond it is still found, by the coordinator's notice if nothing sooner
-MAX_TIMEOUT_S = 600.0
-
-
-def lengthen_timeouts(rc: LiveReconfigurer) -> None:
-    """A recovery in which nobody died: a wait of the step outlasted the groups' short failure
-    timeout while every peer lived — a replica or stage slow enough that its peers wait longer
-    than the timeout for it (a 3x slow rank of an 8 s iteration keeps the other replica in the
-    DP all-reduce for 16 s). Redone with the same timeout, the step would time out again, for
-    ever (seen: 60 recoveries of one step in 3 minutes). The next groups get twice the timeout,
-    up to ``MAX_TIMEOUT_S``; the coordinator meanwhile finds the slow rank and re-plans."""
-    before = rc.group_timeout_s if rc.group_timeout_s is not None else rc.timeout_s
-    after = min(MAX_TIMEOUT_S, 2.0 * before)
-    rc.group_timeout_s = after
-    rc.timeout_s = max(rc.timeout_s, after)
-    log.warning("rank %d: a wait outlasted the %.0f s failure timeout while every peer lived (a slow peer, not a "
-                "dead one): the groups' timeout is now %.0f s", rc.rank, before, after)
 
 
 def recover(rc: LiveReconfigurer, world: MpiWorld, last_step: int, guard: StepGuard,

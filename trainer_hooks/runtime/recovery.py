@@ -28,11 +28,11 @@ from resihp.trainer_hooks.reconfig.failstop import (
     SPARE_STEP,
     StepGuard,
     abandon_groups,
-    lengthen_timeouts,
     survivor_plan,
 )
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfig.reshard import ReshardError
+from resihp.trainer_hooks.reconfig.timeouts import lengthen_timeouts
 from resihp.trainer_hooks.reconfig.transfer import Shards
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
 from resihp.trainer_hooks.reporting.deaths import DEATHS, PeerDeathListener
@@ -143,6 +143,7 @@ class FailStopRecovery:
     failures: int
     history: list[dict[str, Any]]
     _last_step_end: float
+    timeouts: list[tuple[int, float]]
     _notice: m.ReconfigCommand | None
     _deferred: list[m.ReconfigCommand]
     _tried_epoch: int
@@ -195,6 +196,7 @@ class FailStopRecovery:
                 if not lost and not lengthened:  # every peer lived: a wait outlasted the timeout
                     lengthen_timeouts(self.rc)
                     lengthened = True
+                    self.timeouts.append((self.last_done, self.rc.group_timeout_s or self.rc.timeout_s))
                 self._tried_epoch = max(self._tried_epoch, plan.epoch)
                 lap("plan")
                 restored_from: int | None = None

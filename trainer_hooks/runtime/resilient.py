@@ -45,6 +45,7 @@ from resihp.trainer_hooks.exit_status import leave_now
 from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, holding_of
 from resihp.trainer_hooks.reconfig.failstop import StepGuard
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, connect_store
+from resihp.trainer_hooks.reconfig.timeouts import TimeoutRestore, restore_timeouts
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld
 from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
@@ -92,9 +93,16 @@ class Resilience(FailStopRecovery):
     _round_epoch: int | None = None  # the epoch of the round collected at this boundary
     _stall: BaseException | None = None  # the members went silent at a boundary: recover
     _prepare_ahead: PrepareAhead | None = None
+    # the groups' timeout after each change (step, seconds): lengthened by a recovery that lost
+    # nobody, restored after short steps (reconfig/timeouts.py)
+    timeouts: list[tuple[int, float]] = field(default_factory=list)
+    _base_timeouts: tuple[float, float | None] = (0.0, None)
+    _restore: TimeoutRestore | None = None
 
     def __post_init__(self) -> None:
         self._prepare_ahead = PrepareAhead(self.rc)  # held here: the notices hold it weakly
+        self._base_timeouts = (self.rc.timeout_s, self.rc.group_timeout_s)
+        self._restore = TimeoutRestore(self._group_timeout_s())
         if self.agreement is None:
             timeout = max(4.0 * self.rc.timeout_s, 30.0)
             self.agreement = BoundaryAgreement(lambda: connect_store(self.rc.store_addr, timeout), self.rc.rank,
@@ -123,6 +131,7 @@ class Resilience(FailStopRecovery):
             self._recover(stall)
             return None
         self.guard.before_step(self.rc, step)
+        started = time.perf_counter()
         try:
             result = self.rc.train_step(step)
         except Exception as exc:  # noqa: BLE001 - classified by is_failure
@@ -133,7 +142,14 @@ class Resilience(FailStopRecovery):
         self.last_done = step
         self.next_step = step + 1
         self._last_step_end = time.perf_counter()
+        assert self._restore is not None
+        if self._restore.after_step(self._last_step_end - started, self._group_timeout_s()):
+            restore_timeouts(self.rc, *self._base_timeouts)
+            self.timeouts.append((step, self._group_timeout_s()))
         return result
+
+    def _group_timeout_s(self) -> float:
+        return self.rc.group_timeout_s if self.rc.group_timeout_s is not None else self.rc.timeout_s
 
     # --- commands ---------------------------------------------------------------------
     def agreed_at(self, iteration: int) -> Holding | None:

@@ -15,8 +15,10 @@ spikes. Ops are placed by the pipeline schedule's own op order (``detector.progr
 from ``schedule.orders``) with the ground-truth durations and per-device speeds.
 
 Faults: compute fail-slows (a device runs ``factor``× slower), link fail-slows (a rank's NIC:
-its P2P transfers and its DP ring run ``factor``× slower), persistent or transient, and
-fail-stops (an exit event, or just silence: heartbeats stop).
+its P2P transfers and its DP ring run ``factor``× slower), path fail-slows (the network path
+between two stages: the P2P transfers, both ways, between a rank and its neighbour of the next
+stage — the previous one for a last stage —, its DP ring untouched), persistent or transient,
+and fail-stops (an exit event, or just silence: heartbeats stop).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from resihp.coordinator.model.trace import (
 )
 
 Evidence = Literal["chunks", "rank_step", "iteration"]
-FaultKind = Literal["compute", "link", "stop"]
+FaultKind = Literal["compute", "link", "path", "stop"]
 
 
 # --- documents and packing ---------------------------------------------------------------
@@ -251,6 +253,8 @@ class WorkloadConfig:
                 raise ValueError(f"fault {f}: rank {f.rank} is not in the plan")
             if f.kind != "stop" and f.factor < 1.0:
                 raise ValueError(f"fault {f}: a fail-slow factor must be >= 1")
+            if f.kind == "path" and len(self.plan.replicas[self.plan.position(f.rank).replica].stages) < 2:
+                raise ValueError(f"fault {f}: a path fault joins two pipeline stages; rank {f.rank}'s replica has one")
         if self.evidence not in ("chunks", "rank_step", "iteration"):
             raise ValueError(f"evidence must be chunks, rank_step or iteration, got {self.evidence!r}")
 

@@ -13,11 +13,23 @@ import numpy as np
 import numpy.typing as npt
 
 from resihp.coordinator.detector.evidence import BWD, FWD, IterationTimings, PlanIndex
+from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import ChunkTiming, IterationRecord
 from resihp.sim.workload import BatchStream, WorkloadConfig
 
 FloatArray = npt.NDArray[np.float64]
 
+
+
+def path_peer(plan: Plan, rank: int) -> int:
+    """The other end of a ``path`` fault on ``rank``: the member of the same TP index in the
+    next pipeline stage of its replica (the previous one for a last stage)."""
+    pos = plan.position(rank)
+    stages = plan.replicas[pos.replica].stages
+    if len(stages) < 2:
+        raise ValueError(f"a path fault needs a pipeline: rank {rank}'s replica has one stage")
+    other = pos.stage + 1 if pos.stage + 1 < len(stages) else pos.stage - 1
+    return stages[other][pos.tp_index]
 
 class GroundTruth:
     def __init__(self, cfg: WorkloadConfig) -> None:
@@ -68,17 +80,24 @@ class GroundTruth:
                                   dtype=np.float64)
 
     # --- fault state ------------------------------------------------------------------
-    def _slow(self, it: int) -> tuple[FloatArray, FloatArray]:
+    def _slow(self, it: int) -> tuple[FloatArray, FloatArray, dict[tuple[int, int], float]]:
+        """Per rank (index position): compute and NIC slowdowns; per pair of positions (the
+        lower first): the slowdown of the path between them."""
         comp = np.ones(self.index.n)
         link = np.ones(self.index.n)
+        paths: dict[tuple[int, int], float] = {}
         for f in self.cfg.faults:
             if f.kind != "stop" and f.active(it):
                 i = self.index.pos[f.rank]
                 if f.kind == "compute":
                     comp[i] *= f.factor
-                else:
+                elif f.kind == "link":
                     link[i] *= f.factor
-        return comp, link
+                else:
+                    j = self.index.pos[path_peer(self.plan, f.rank)]
+                    key = (min(i, j), max(i, j))
+                    paths[key] = paths.get(key, 1.0) * f.factor
+        return comp, link, paths
 
     def _host_load(self, it: int) -> tuple[FloatArray, FloatArray]:
         """(mean slowdown, extra per-op jitter sigma) of every rank from co-tenant episodes."""
@@ -152,7 +171,7 @@ class GroundTruth:
         cfg, ix, nz, rng = self.cfg, self.index, self.cfg.noise, self.rng
         n, V, M = ix.n, ix.V, ix.M
         seqlens = tuple(tuple(self.stream.take(rep.microbatches)) for rep in self.plan.replicas)
-        comp_slow, link_slow = self._slow(it)
+        comp_slow, link_slow, paths = self._slow(it)
         host_slow, host_jitter = self._host_load(it)
         speed = self.eff * (1.0 + nz.drift * np.sin(2 * math.pi * it / self.drift_period + self.drift_phase))
         compute = np.full((n, V, 3, M), np.nan)
@@ -189,6 +208,8 @@ class GroundTruth:
                 # a slow NIC slows only the transfers that leave or enter its node
                 cross = self.node[src] != self.node[mem]
                 t = t * np.where(cross, np.maximum(link_slow[src], link_slow[mem]), 1.0)
+                for (a, b), factor in paths.items():  # a slow path between two stages: both ways
+                    t = t * np.where(((src == a) & (mem == b)) | ((src == b) & (mem == a)), factor, 1.0)
                 hop_mem = np.where(has_hop[:, None], t, 0.0)
                 hop_op = hop_mem.max(axis=1)
             delay = np.zeros(prog.num_ops)

@@ -64,6 +64,22 @@ def test_a_slow_link_is_found_as_communication_on_its_rank() -> None:
     assert slow[0].iteration < ONSET + 3
 
 
+@pytest.mark.parametrize("factor", [1.5, 3.0])
+def test_a_slow_path_between_two_stages_is_found_on_both_its_ends(factor: float) -> None:
+    # PP2, two GPUs per node: the path between rank 2 (stage 1) and rank 0 (stage 0) carries
+    # their activations and gradients both ways; their DP rings are healthy. Which end kept the
+    # evidence was decided by the two healthy rings' noise, anew every iteration: a 5x path
+    # costing 70 % of the iteration took 7-17 iterations to find
+    plan = replan.OLD  # TP2 x PP2 x DP2
+    cfg = _cfg((Fault("path", 2, ONSET, factor),), iterations=ONSET + 16, noise=Noise(),
+               hardware=Hardware(gpus_per_node=2), plan=plan)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
+    assert sorted(f.ranks for f in got) == [(0,), (2,)], [(f.iteration, f.kind, f.ranks) for f in found]
+    assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
+    assert all(f.factor == pytest.approx(factor, rel=0.15) for f in got), [f.factor for f in got]
+
+
 def test_a_transient_slowdown_is_found_and_then_recovered() -> None:
     cfg = _cfg((Fault("compute", 3, ONSET, 2.0, end_iter=ONSET + 10),), iterations=ONSET + 40, noise=Noise())
     _, found, states = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))

@@ -10,6 +10,7 @@ import test_detector_replan as replan
 from test_detector import PLAN, _cfg, _now, _replay
 
 from resihp.coordinator.detector.detector import Detector, DetectorConfig, Finding
+from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import IterationRecord
 from resihp.sim.workload import Fault, Hardware, Noise, make_header, records_list
 
@@ -78,6 +79,21 @@ def test_a_slow_path_between_two_stages_is_found_on_both_its_ends(factor: float)
     assert sorted(f.ranks for f in got) == [(0,), (2,)], [(f.iteration, f.kind, f.ranks) for f in found]
     assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
     assert all(f.factor == pytest.approx(factor, rel=0.15) for f in got), [f.factor for f in got]
+
+
+def test_a_slow_path_between_two_middle_stages_is_found_on_both_its_ends_and_recovered() -> None:
+    # PP4 on two-GPU nodes: ranks 2 (stage 1) and 4 (stage 2) each have a second, healthy path
+    # (to stages 0 and 3), which the smallest directional ratio read: the path never showed
+    plan = Plan.uniform(2, 4, 2, 32, 16)
+    cfg = _cfg((Fault("path", 2, ONSET, 3.0, end_iter=ONSET + 12),), iterations=ONSET + 40, noise=Noise(),
+               hardware=Hardware(gpus_per_node=2), plan=plan)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
+    assert sorted(f.ranks for f in got) == [(2,), (4,)], [(f.iteration, f.kind, f.ranks) for f in found]
+    assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
+    assert all(f.factor == pytest.approx(3.0, rel=0.1) for f in got), [f.factor for f in got]
+    back = [f for f in found if f.kind == "recovered"]
+    assert sorted(f.ranks for f in back) == [(2,), (4,)] and all(f.iteration >= ONSET + 12 for f in back), back
 
 
 def test_a_transient_slowdown_is_found_and_then_recovered() -> None:

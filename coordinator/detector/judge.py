@@ -48,6 +48,11 @@ class JobTrack:
     factor: float = 1.0
 
 
+# a path between two stages reads at least this slow (both of its transfers) before its two
+# ends are judged on it: the smallest directional ratio cannot show it (``_slow_path``)
+PATH_SLOW = 1.25
+
+
 class IterationJudge(AdaptiveJudging, FindingCost):
     """The detector's judging of one iteration at its evidence level (module docstring)."""
 
@@ -119,6 +124,8 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         has = np.isfinite(dirs)
         self._dp_only = ~np.asarray(has.any(axis=0), dtype=np.bool_)  # (4, n) -> (n,), never a scalar
         link = np.where(self._dp_only, np.nan, np.min(np.where(has, dirs, np.inf), axis=0))
+        path = self._slow_path(dirs, c.comm_threshold) if c.adaptive else np.full(ix.n, np.nan)
+        link = np.fmax(link, path)
         comm = np.where(self._dp_only, dp_ratio, link)
         # a pipeline end talks to one neighbour only, so the two ends of a slow link look
         # alike; the culprit's DP ring is slow too (a NIC carries both), the neighbour's is
@@ -174,7 +181,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         if len(need):
             ring = dp_ratio[need]
             bulk = np.where(np.isfinite(ring) & (ring > 1.0 + c.dp_threshold), ring, np.nan)
-            score[need] = np.fmax(nanmedian(dirs[:, need], axis=0), bulk)
+            score[need] = np.fmax(np.fmax(nanmedian(dirs[:, need], axis=0), bulk), path[need])
         suspect = (ex_c > 0) | (ex_m > 0)
         # a rank found link-slow recovers on its links — its P2P and its DP ring's bulk transfer,
         # which a shaper's burst cannot hide — and its compute need only be no fault of its own
@@ -210,6 +217,27 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         if rw:
             self._rewarm_learn(t, tok, ssq)
         return found
+
+    def _slow_path(self, dirs: FloatArray, comm_threshold: float) -> FloatArray:
+        """Per rank, the ratio of a slow path to a neighbouring stage that only that path
+        explains (NaN elsewhere). A path's two transfers (the activation one way, the gradient
+        the other) are read by its two ends; the smallest directional ratio of a middle stage
+        reads one healthy path to its other neighbour, so a slow path between two middle
+        stages never showed. A path counts when both its transfers read at least
+        ``PATH_SLOW`` x and neither end is slow on all its paths (a NIC: its own finding)."""
+        ix = self.index
+        prev = np.fmin(dirs[0], dirs[3])  # from / to the previous stage (NaN: none across nodes)
+        nxt = np.fmin(dirs[1], dirs[2])  # from / to the next stage
+        bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
+        hot_p, hot_n = fill_nan(prev, 0.0) > bar, fill_nan(nxt, 0.0) > bar
+        has_p, has_n = np.isfinite(prev), np.isfinite(nxt)
+        every = (hot_p | ~has_p) & (hot_n | ~has_n) & (has_p | has_n)  # slow on all its paths
+        to_n = np.where(ix.fwd_recv >= 0, ix.fwd_recv, 0)
+        to_p = np.where(ix.bwd_recv >= 0, ix.bwd_recv, 0)
+        path_n = hot_n & ~every & (ix.fwd_recv >= 0) & ~every[to_n]
+        path_p = hot_p & ~every & (ix.bwd_recv >= 0) & ~every[to_p]
+        out: FloatArray = np.fmax(np.where(path_n, nxt, np.nan), np.where(path_p, prev, np.nan))
+        return out
 
     def _recovery_window(self) -> RecoveryWindow:
         """This plan's window of recent evidence for the fixed-threshold recovery (a new one

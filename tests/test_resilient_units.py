@@ -241,7 +241,7 @@ def _resilience(plan: Plan, transport: Any) -> Any:
     from resihp.trainer_hooks.runtime.resilient import Resilience
     from resihp.trainer_hooks.runtime.trainer import TrainConfig
 
-    rc = SimpleNamespace(epoch=plan.epoch, members=tuple(range(8)), plan=plan, rank=0, timeout_s=1.0,
+    rc = SimpleNamespace(epoch=plan.epoch, members=tuple(range(8)), plan=plan, rank=0, timeout_s=1.0, group_timeout_s=1.0,
                          config=TrainConfig(max_seq_len=64))
     job = SimpleNamespace(_pending=[], transport=transport)
     return Resilience(job=job, rc=rc, world=SimpleNamespace(), agreement=object(), plan_wait_s=60.0)  # type: ignore[arg-type]

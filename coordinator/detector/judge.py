@@ -27,6 +27,7 @@ from resihp.coordinator.detector.evidence import (
     shadowed_by_tp_partner,
     tp_wait_share,
 )
+from resihp.coordinator.detector.paths import pipeline_end_culprit, slow_path
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, priced_ratio, trimmed_ratio
 from resihp.coordinator.detector.recovery_window import RecoveryWindow
@@ -46,11 +47,6 @@ class JobTrack:
     ok: int = 0
     slow: bool = False
     factor: float = 1.0
-
-
-# a path between two stages reads at least this slow (both of its transfers) before its two
-# ends are judged on it: the smallest directional ratio cannot show it (``_slow_path``)
-PATH_SLOW = 1.25
 
 
 class IterationJudge(AdaptiveJudging, FindingCost):
@@ -124,28 +120,10 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         has = np.isfinite(dirs)
         self._dp_only = ~np.asarray(has.any(axis=0), dtype=np.bool_)  # (4, n) -> (n,), never a scalar
         link = np.where(self._dp_only, np.nan, np.min(np.where(has, dirs, np.inf), axis=0))
-        path = self._slow_path(dirs, c.comm_threshold) if c.adaptive else np.full(ix.n, np.nan)
+        path = slow_path(dirs, ix, c.comm_threshold) if c.adaptive else np.full(ix.n, np.nan)
         link = np.fmax(link, path)
         comm = np.where(self._dp_only, dp_ratio, link)
-        # a pipeline end talks to one neighbour only, so the two ends of a slow link look
-        # alike; the culprit's DP ring is slow too (a NIC carries both), the neighbour's is
-        # not. Where neither ring is slow by half the link's slowdown, the path between the two
-        # stages is (its rings untouched): the adaptive test keeps the evidence on both ends.
-        # (Ranked by two healthy rings' noise, the end that kept it changed from one iteration
-        # to the next, and a 5x path costing 70 % of the iteration took 7-17 iterations to
-        # find.) Fixed thresholds learn no spread: there the rings' ranking stays, as extra
-        # persistence against bursts that hit both ends of a link on shared hosts
-        # (tests/test_detector_real_link_trace.py: 10x for 3 iterations, healthy)
-        hot = fill_nan(link, 0.0) > 1.0 + c.comm_threshold
-        ring_or_1 = fill_nan(dp_ratio, 1.0)
-        for nbr, cross in ((ix.fwd_recv, ix.cross_fwd), (ix.bwd_recv, ix.cross_bwd)):
-            q = np.where(nbr >= 0, nbr, 0)
-            both = cross & (nbr >= 0) & hot & hot[q]
-            lose = both & (ring_or_1 < ring_or_1[q])
-            if c.adaptive:
-                ring_excess = np.maximum(ring_or_1, ring_or_1[q]) - 1.0
-                lose &= ring_excess >= 0.5 * (np.minimum(fill_nan(link, 1.0), fill_nan(link, 1.0)[q]) - 1.0)
-            comm = np.where(lose, 1.0, comm)
+        comm = pipeline_end_culprit(comm, link, dp_ratio, ix, c.comm_threshold, c.adaptive)
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
         self._pending = (p_comp, p_p2p)
@@ -217,27 +195,6 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         if rw:
             self._rewarm_learn(t, tok, ssq)
         return found
-
-    def _slow_path(self, dirs: FloatArray, comm_threshold: float) -> FloatArray:
-        """Per rank, the ratio of a slow path to a neighbouring stage that only that path
-        explains (NaN elsewhere). A path's two transfers (the activation one way, the gradient
-        the other) are read by its two ends; the smallest directional ratio of a middle stage
-        reads one healthy path to its other neighbour, so a slow path between two middle
-        stages never showed. A path counts when both its transfers read at least
-        ``PATH_SLOW`` x and neither end is slow on all its paths (a NIC: its own finding)."""
-        ix = self.index
-        prev = np.fmin(dirs[0], dirs[3])  # from / to the previous stage (NaN: none across nodes)
-        nxt = np.fmin(dirs[1], dirs[2])  # from / to the next stage
-        bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
-        hot_p, hot_n = fill_nan(prev, 0.0) > bar, fill_nan(nxt, 0.0) > bar
-        has_p, has_n = np.isfinite(prev), np.isfinite(nxt)
-        every = (hot_p | ~has_p) & (hot_n | ~has_n) & (has_p | has_n)  # slow on all its paths
-        to_n = np.where(ix.fwd_recv >= 0, ix.fwd_recv, 0)
-        to_p = np.where(ix.bwd_recv >= 0, ix.bwd_recv, 0)
-        path_n = hot_n & ~every & (ix.fwd_recv >= 0) & ~every[to_n]
-        path_p = hot_p & ~every & (ix.bwd_recv >= 0) & ~every[to_p]
-        out: FloatArray = np.fmax(np.where(path_n, nxt, np.nan), np.where(path_p, prev, np.nan))
-        return out
 
     def _recovery_window(self) -> RecoveryWindow:
         """This plan's window of recent evidence for the fixed-threshold recovery (a new one

@@ -34,19 +34,21 @@ MAX_TIMEOUT_S = 600.0
 RESTORE_AFTER_STEPS = 8
 
 
-def lengthen_timeouts(rc: LiveReconfigurer) -> None:
+def lengthen_timeouts(rc: LiveReconfigurer) -> float:
     """A recovery in which nobody died: a wait of the step outlasted the groups' short failure
     timeout while every peer lived — a replica or stage slow enough that its peers wait longer
     than the timeout for it (a 3x slow rank of an 8 s iteration keeps the other replica in the
     DP all-reduce for 16 s). Redone with the same timeout, the step would time out again, for
     ever (seen: 60 recoveries of one step in 3 minutes). The next groups get twice the timeout,
-    up to ``MAX_TIMEOUT_S``; the coordinator meanwhile finds the slow rank and re-plans."""
+    up to ``MAX_TIMEOUT_S``; the coordinator meanwhile finds the slow rank and re-plans.
+    Returns the groups' new timeout."""
     before = rc.group_timeout_s if rc.group_timeout_s is not None else rc.timeout_s
     after = min(MAX_TIMEOUT_S, 2.0 * before)
     rc.group_timeout_s = after
     rc.timeout_s = max(rc.timeout_s, after)
     log.warning("rank %d: a wait outlasted the %.0f s failure timeout while every peer lived (a slow peer, not a "
                 "dead one): the groups' timeout is now %.0f s", rc.rank, before, after)
+    return after
 
 
 @dataclass

@@ -194,9 +194,8 @@ class FailStopRecovery:
                 plan = self._agree_plan(world)
                 plan = replace(plan, epoch=max(plan.epoch, world.epoch))  # past every epoch tried
                 if not lost and not lengthened:  # every peer lived: a wait outlasted the timeout
-                    lengthen_timeouts(self.rc)
+                    self.timeouts.append((self.last_done, lengthen_timeouts(self.rc)))
                     lengthened = True
-                    self.timeouts.append((self.last_done, self.rc.group_timeout_s or self.rc.timeout_s))
                 self._tried_epoch = max(self._tried_epoch, plan.epoch)
                 lap("plan")
                 restored_from: int | None = None

@@ -96,8 +96,8 @@ class Resilience(FailStopRecovery):
     # the groups' timeout after each change (step, seconds): lengthened by a recovery that lost
     # nobody, restored after short steps (reconfig/timeouts.py)
     timeouts: list[tuple[int, float]] = field(default_factory=list)
-    _base_timeouts: tuple[float, float | None] = (0.0, None)
-    _restore: TimeoutRestore | None = None
+    _base_timeouts: tuple[float, float | None] = field(init=False)
+    _restore: TimeoutRestore = field(init=False)
 
     def __post_init__(self) -> None:
         self._prepare_ahead = PrepareAhead(self.rc)  # held here: the notices hold it weakly
@@ -142,7 +142,6 @@ class Resilience(FailStopRecovery):
         self.last_done = step
         self.next_step = step + 1
         self._last_step_end = time.perf_counter()
-        assert self._restore is not None
         if self._restore.after_step(self._last_step_end - started, self._group_timeout_s()):
             restore_timeouts(self.rc, *self._base_timeouts)
             self.timeouts.append((step, self._group_timeout_s()))

@@ -1,0 +1,74 @@
+"""Which ranks a slow pipeline path is evidence against (the judge's link evidence).
+
+A rank's link score is the smallest ratio over its cross-node P2P directions (in and out,
+to the previous and the next stage): a slow NIC slows every direction of its rank, while a
+neighbour is slow only in those that touch the culprit. Two cases that rule misreads:
+
+- a pipeline end has one neighbour, so both ends of a slow link look alike
+  (``pipeline_end_culprit``);
+- a slow *path* between two middle stages shows in one of each end's two paths only, which
+  the smallest ratio reads as healthy (``slow_path``).
+
+Pure (numpy only).
+"""
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from resihp.coordinator.detector.evidence import PlanIndex
+from resihp.coordinator.detector.ratios import fill_nan
+
+FloatArray = npt.NDArray[np.float64]
+
+# a path between two stages reads at least this slow (both of its transfers) before its two
+# ends are judged on it
+PATH_SLOW = 1.25
+
+
+def slow_path(dirs: FloatArray, ix: PlanIndex, comm_threshold: float) -> FloatArray:
+    """Per rank, the ratio of a slow path to a neighbouring stage that only that path
+    explains (NaN elsewhere). ``dirs``: (4, n) ratios in from the previous stage, in from the
+    next, out to the next, out to the previous (NaN where not across nodes). A path's two
+    transfers (the activation one way, the gradient the other) are read by its two ends; it
+    counts when both read at least ``PATH_SLOW`` x and neither end is slow on all its paths
+    (a NIC: its own finding). Before, a slow path between two middle stages was never found."""
+    prev = np.fmin(dirs[0], dirs[3])
+    nxt = np.fmin(dirs[1], dirs[2])
+    bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
+    hot_p, hot_n = fill_nan(prev, 0.0) > bar, fill_nan(nxt, 0.0) > bar
+    has_p, has_n = np.isfinite(prev), np.isfinite(nxt)
+    every = (hot_p | ~has_p) & (hot_n | ~has_n) & (has_p | has_n)  # slow on all its paths
+    to_n = np.where(ix.fwd_recv >= 0, ix.fwd_recv, 0)
+    to_p = np.where(ix.bwd_recv >= 0, ix.bwd_recv, 0)
+    path_n = hot_n & ~every & (ix.fwd_recv >= 0) & ~every[to_n]
+    path_p = hot_p & ~every & (ix.bwd_recv >= 0) & ~every[to_p]
+    out: FloatArray = np.fmax(np.where(path_n, nxt, np.nan), np.where(path_p, prev, np.nan))
+    return out
+
+
+def pipeline_end_culprit(comm: FloatArray, link: FloatArray, dp_ratio: FloatArray, ix: PlanIndex,
+                         comm_threshold: float, adaptive: bool) -> FloatArray:
+    """``comm`` with the evidence taken off the innocent end of a slow link whose two ends
+    both read slow. The culprit's DP ring is slow too (a NIC carries both), the neighbour's
+    is not. Where neither ring is slow by half the link's slowdown, the path between the two
+    stages is (its rings untouched): the adaptive test keeps the evidence on both ends.
+    (Ranked by two healthy rings' noise, the end that kept it changed from one iteration to
+    the next, and a 5x path costing 70 % of the iteration took 7-17 iterations to find.)
+    Fixed thresholds learn no spread: there the rings' ranking stays, as extra persistence
+    against bursts that hit both ends of a link on shared hosts
+    (tests/test_detector_real_link_trace.py: 10x for 3 iterations, healthy)."""
+    hot = fill_nan(link, 0.0) > 1.0 + comm_threshold
+    ring_or_1 = fill_nan(dp_ratio, 1.0)
+    link_or_1 = fill_nan(link, 1.0)
+    for nbr, cross in ((ix.fwd_recv, ix.cross_fwd), (ix.bwd_recv, ix.cross_bwd)):
+        q = np.where(nbr >= 0, nbr, 0)
+        lose = cross & (nbr >= 0) & hot & hot[q] & (ring_or_1 < ring_or_1[q])
+        if adaptive:
+            ring_excess = np.maximum(ring_or_1, ring_or_1[q]) - 1.0
+            lose &= ring_excess >= 0.5 * (np.minimum(link_or_1, link_or_1[q]) - 1.0)
+        comm = np.where(lose, 1.0, comm)
+    return comm
+
+
+__all__ = ["PATH_SLOW", "pipeline_end_culprit", "slow_path"]

@@ -10,6 +10,7 @@ inherits this through ``IterationJudge``. Pure.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -35,6 +36,13 @@ SHARE_AGREES = 0.5
 # the rest: 2-3x compute fail-slows ran the job at 0.29-0.44 of its rate for that third
 # iteration (the simulator's harsh mix)
 SEVERE = 0.5
+# iterations of the common factor remembered for the iterations in which fewer than three ranks
+# have evidence (the others' keys re-warm after a plan change moved their work). On shared
+# cores the calibrated model reads the ranks 1.2-2x its prediction in common (it fits the
+# unstretched ops); a factor of 1 there made a healthy rank of an unchanged replica read 1.5x
+# slow for the few iterations its peers re-warmed, and a re-plan followed (bench/real_runs.py,
+# a dp-shares change for a throttled peer)
+COMMON_MEMORY = 16
 
 
 class AdaptiveJudging:
@@ -52,6 +60,9 @@ class AdaptiveJudging:
     _g_keys: tuple[FloatArray, FloatArray | None]  # the latest shift statistics of both models' keys
     _far: npt.NDArray[np.bool_]  # (n, 2) the latest iteration alone far out: compute (as judged), communication
     _severe_prev: npt.NDArray[np.bool_]  # (n,) the previous iteration was a severe compute slowdown (SEVERE)
+    # per compute estimator ("sums", "floor"): its latest common factors (COMMON_MEMORY); they
+    # outlive plan changes, as the machine's load and the model's common error do
+    _commons: dict[str, deque[float]]
 
     def _adaptive_chunks(self, comp: FloatArray, low: FloatArray | None, comm: FloatArray,
                          low_of: Callable[[IntArray], FloatArray] | None = None
@@ -62,13 +73,13 @@ class AdaptiveJudging:
         taken off (the severe-slowdown check asks it where ``low`` was not worked out).
         Returns (compute with the iteration's and the host's common shift taken off; the (n, 2)
         evidence the baselines learn; ``_noise_test``'s three arrays)."""
-        common = self._peer_factor(comp)
+        common = self._peer_factor(comp, "sums")
         comp, host_comp = self._host_noise(comp / common, self.noise)
         x = np.stack([comp, comm], axis=1)
         host_noise = np.stack([host_comp, np.full(len(comp), np.nan)], axis=1)
         floor = None
         if low is not None:
-            low, host_low = self._host_noise(low / self._peer_factor(low), self.floor_noise)
+            low, host_low = self._host_noise(low / self._peer_factor(low, "floor"), self.floor_noise)
             floor = (low[:, None], host_low[:, None])
         out = self._noise_test(x, host_noise, floor)
         self._severe(comp, low, low_of, common, out[0])
@@ -100,17 +111,20 @@ class AdaptiveJudging:
             dev = np.minimum(nz.zprev[both, 0], nz.zprev2[both, 0]) / nz.s2[both, 0] - nz.level
             ex[both, 0] = np.maximum(ex[both, 0], np.maximum(dev, 1e-6))
 
-    def _peer_factor(self, comp: FloatArray) -> float:
+    def _peer_factor(self, comp: FloatArray, estimator: str) -> float:
         """The median compute ratio of the iteration's live ranks with evidence, both ways: a
         slowdown (co-tenant load on a shared host) or speed-up common to the ranks is no
         device's fault and no re-plan routes around it. Slow ranks count too: the median
         stands while fewer than half are slow, and leaving them out would let the peers
-        dwindle to a few. 1 with fewer than three (a median of two is one of them)."""
+        dwindle to a few. With fewer than three (a median of two is one of them): the median
+        of the ``estimator``'s latest factors (``COMMON_MEMORY``), 1 where there are none."""
+        hist = self._commons.setdefault(estimator, deque(maxlen=COMMON_MEMORY))
         peers = (self.state != RankState.DEAD) & np.isfinite(comp)
-        if int(peers.sum()) < 3:
-            return 1.0
-        common = median(comp[peers])
-        return common if common > 0 else 1.0
+        common = median(comp[peers]) if int(peers.sum()) >= 3 else 0.0
+        if common > 0:
+            hist.append(common)
+            return common
+        return median(np.asarray(hist)) if hist else 1.0
 
     def _host_noise(self, comp: FloatArray, model: NoiseModel) -> tuple[FloatArray, FloatArray]:
         """What a loaded host does to its ranks' compute ratios this iteration, from the ranks

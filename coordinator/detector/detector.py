@@ -99,6 +99,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
                                    samples_per_key=c.calib_samples_per_key)
         self._shapes = KeyShapes(header.model)
         self._pauses = PauseShare()
+        self._commons = {}  # adaptive.py: the latest common factors, per compute estimator
         self._state: dict[int, RankState] = {}
         self._factor: dict[int, float] = {}
         self._cause: dict[int, str] = {}

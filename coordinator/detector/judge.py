@@ -120,7 +120,10 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         has = np.isfinite(dirs)
         self._dp_only = ~np.asarray(has.any(axis=0), dtype=np.bool_)  # (4, n) -> (n,), never a scalar
         link = np.where(self._dp_only, np.nan, np.min(np.where(has, dirs, np.inf), axis=0))
-        path = slow_path(dirs, ix, c.comm_threshold) if c.adaptive else np.full(ix.n, np.nan)
+        if c.adaptive:  # a path between two stages, inside a node too (paths.py)
+            path = slow_path(np.stack([in_f, in_b, out_f, out_b]), ix, c.comm_threshold, cross=dirs)
+        else:
+            path = np.full(ix.n, np.nan)
         link = np.fmax(link, path)
         comm = np.where(self._dp_only, dp_ratio, link)
         comm = pipeline_end_culprit(comm, link, dp_ratio, ix, c.comm_threshold, c.adaptive)
@@ -240,7 +243,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         normal = fill_nan(ratio, 1.0) < 1 + c.recover_threshold
         x = None
         if c.adaptive:
-            ratio = ratio / self._peer_factor(ratio)
+            ratio = ratio / self._peer_factor(ratio, "steps")
             x = np.stack([ratio, np.full_like(ratio, np.nan)], axis=1)
             ex, recent, _ = self._noise_test(x)
             suspect = ex[:, 0] > 0

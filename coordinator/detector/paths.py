@@ -26,19 +26,28 @@ FloatArray = npt.NDArray[np.float64]
 PATH_SLOW = 1.25
 
 
-def slow_path(dirs: FloatArray, ix: PlanIndex, comm_threshold: float) -> FloatArray:
+def slow_path(dirs: FloatArray, ix: PlanIndex, comm_threshold: float, cross: FloatArray | None = None) -> FloatArray:
     """Per rank, the ratio of a slow path to a neighbouring stage that only that path
     explains (NaN elsewhere). ``dirs``: (4, n) ratios in from the previous stage, in from the
-    next, out to the next, out to the previous (NaN where not across nodes). A path's two
+    next, out to the next, out to the previous (NaN where there is none). A path's two
     transfers (the activation one way, the gradient the other) are read by its two ends; it
-    counts when both read at least ``PATH_SLOW`` x and neither end is slow on all its paths
-    (a NIC: its own finding). Before, a slow path between two middle stages was never found."""
-    prev = np.fmin(dirs[0], dirs[3])
-    nxt = np.fmin(dirs[1], dirs[2])
+    counts when both read at least ``PATH_SLOW`` x and neither end is slow on all its
+    cross-node paths (a NIC: its own finding; ``cross``: ``dirs`` with NaN where a transfer
+    stays inside its node, ``dirs`` itself when None). Paths inside a node count as well: a
+    degraded NVLink or PCIe link between two stages of one node was never found before
+    (bench/outsider_traces.py, 2026-12-07). Before that, a slow path between two middle
+    stages was never found either."""
     bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
-    hot_p, hot_n = fill_nan(prev, 0.0) > bar, fill_nan(nxt, 0.0) > bar
-    has_p, has_n = np.isfinite(prev), np.isfinite(nxt)
-    every = (hot_p | ~has_p) & (hot_n | ~has_n) & (has_p | has_n)  # slow on all its paths
+
+    def sides(d: FloatArray) -> tuple[FloatArray, FloatArray, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        prev, nxt = np.fmin(d[0], d[3]), np.fmin(d[1], d[2])
+        return prev, nxt, fill_nan(prev, 0.0) > bar, fill_nan(nxt, 0.0) > bar
+
+    prev, nxt, hot_p, hot_n = sides(dirs)
+    _, _, nic_p, nic_n = sides(dirs if cross is None else cross)
+    c = dirs if cross is None else cross
+    has_p, has_n = np.isfinite(np.fmin(c[0], c[3])), np.isfinite(np.fmin(c[1], c[2]))
+    every = (nic_p | ~has_p) & (nic_n | ~has_n) & (has_p | has_n)  # slow on all its cross-node paths
     to_n = np.where(ix.fwd_recv >= 0, ix.fwd_recv, 0)
     to_p = np.where(ix.bwd_recv >= 0, ix.bwd_recv, 0)
     path_n = hot_n & ~every & (ix.fwd_recv >= 0) & ~every[to_n]

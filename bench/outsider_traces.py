@@ -40,7 +40,9 @@ MODEL = {"name": "outsider-7b", "num_layers": 32, "hidden": 4096, "num_heads": 3
 PEAK_FLOPS = 400e12 * 0.45  # one device's sustained rate
 P2P_BPS, RING_BPS = 25e9, 40e9  # per-transfer and all-reduce bandwidth
 FAULT_AT = 120  # faults start here (the detector warms up first)
-LAYOUTS = ((2, 4, 2, 8), (1, 2, 4, 8), (4, 2, 2, 4))  # tp, pp, dp, micro-batches per replica
+# tp, pp, dp, micro-batches per replica, GPUs per node (the last: a TP4 x PP2 replica in one
+# node, every pipeline transfer inside it)
+LAYOUTS = ((2, 4, 2, 8, 4), (1, 2, 4, 8, 4), (4, 2, 2, 4, 4), (4, 2, 2, 4, 8))
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Job:
     pp: int
     dp: int
     mbs: int
+    per_node: int
     budget: int
     noise: NoiseLevel
     fault: Fault
@@ -87,7 +90,7 @@ class Job:
         return (d * self.pp + s) * self.tp + j
 
     def node(self, r: int) -> str:
-        return f"n{r // 4}"
+        return f"n{r // self.per_node}"
 
 
 def documents(rng: random.Random, budget: int, count: int) -> list[list[int]]:
@@ -226,7 +229,7 @@ def write_trace(job: Job, iterations: int) -> Iterator[str]:
                  "layers": [MODEL["num_layers"] // job.pp] * job.pp, "microbatches": job.mbs} for d in range(job.dp)]
     yield json.dumps({"format": 1, "type": "header", "job": "outsider", "model": MODEL,
                       "plan": {"epoch": 0, "schedule": "1f1b", "virtual_chunks": 1, "spares": [], "replicas": replicas},
-                      "devices": [{"rank": r, "node": job.node(r), "local_rank": r % 4} for r in range(n)],
+                      "devices": [{"rank": r, "node": job.node(r), "local_rank": r % job.per_node} for r in range(n)],
                       "tokens_per_microbatch": job.budget, "meta": {"generator": "bench/outsider_traces.py"}})
     t = 0.0
     for it in range(iterations):
@@ -305,7 +308,7 @@ class Cell:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3, help="runs per (noise, fault kind), layouts in turn")
+    ap.add_argument("--runs", type=int, default=4, help="runs per (noise, fault kind), layouts in turn")
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--out", default="", help="keep the traces and findings here")
@@ -313,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict[tuple[str, str], Cell] = {}
     for level, nz in NOISE.items():
         for i in range(a.runs):
-            tp, pp, dp, mbs = LAYOUTS[i % len(LAYOUTS)]
+            tp, pp, dp, mbs, per_node = LAYOUTS[i % len(LAYOUTS)]
             seed = a.seed * 1000 + i
             budget = (8192, 16384, 32768)[i % 3]
-            shape = Job(tp, pp, dp, mbs, budget, nz, Fault("healthy"), random.Random(0))
+            shape = Job(tp, pp, dp, mbs, per_node, budget, nz, Fault("healthy"), random.Random(0))
             for kind, fault in faults(random.Random(seed), shape).items():
-                job = Job(tp, pp, dp, mbs, budget, nz, fault, random.Random(seed + 7))
+                job = Job(tp, pp, dp, mbs, per_node, budget, nz, fault, random.Random(seed + 7))
                 lines = list(write_trace(job, a.iterations))
                 found = replay(lines)
                 if a.out:

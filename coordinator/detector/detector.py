@@ -58,6 +58,7 @@ from resihp.coordinator.detector.idle import IdleRankVerdicts
 from resihp.coordinator.detector.inflight import InFlight
 from resihp.coordinator.detector.judge import IterationJudge, JobTrack
 from resihp.coordinator.detector.noise import NoiseModel
+from resihp.coordinator.detector.paths import QuietPaths
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.probe import ProbeBook
 from resihp.coordinator.detector.seeds import KeyShapes, PauseShare
@@ -100,6 +101,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._shapes = KeyShapes(header.model)
         self._pauses = PauseShare()
         self._commons = {}  # adaptive.py: the latest common factors, per compute estimator
+        self._via_path: set[int] = set()  # judge.py: ranks found slow on a path inside their node
         self._state: dict[int, RankState] = {}
         self._factor: dict[int, float] = {}
         self._cause: dict[int, str] = {}
@@ -148,6 +150,8 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self.ok_run = np.zeros(n, dtype=np.int64)
         self.score = np.array([self._factor.get(r, 1.0) for r in ranks])
         self._dp_only = np.zeros(n, dtype=bool)
+        self._path_end = np.zeros(n, dtype=bool)
+        self._quiet_paths = QuietPaths(self.index)  # a new plan's ranks have other paths
         self._severe_prev = np.zeros(n, dtype=bool)
         self._recovery = None  # a new plan's ranks sit at other positions
         self.cause_code = np.array([1 if self._cause.get(r) == "communication" else 0 for r in ranks], dtype=np.int64)

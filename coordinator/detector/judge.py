@@ -27,7 +27,7 @@ from resihp.coordinator.detector.evidence import (
     shadowed_by_tp_partner,
     tp_wait_share,
 )
-from resihp.coordinator.detector.paths import pipeline_end_culprit, slow_path
+from resihp.coordinator.detector.paths import QuietPaths, pipeline_end_culprit, slow_path
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, priced_ratio, trimmed_ratio
 from resihp.coordinator.detector.recovery_window import RecoveryWindow
@@ -61,6 +61,11 @@ class IterationJudge(AdaptiveJudging, FindingCost):
     cause_code: npt.NDArray[np.int64]  # 1 where a rank's slowdown is its links
     last: dict[str, float]
     _dp_only: npt.NDArray[np.bool_]
+    # a rank whose P2P stays inside its node, with a slow path this iteration (paths.py): its
+    # evidence is that path, so it is named alone, not with its DP ring
+    _path_end: npt.NDArray[np.bool_]
+    _via_path: set[int]  # ranks found link-slow on such a path (named alone until they recover)
+    _quiet_paths: QuietPaths  # whose intra-node paths are quiet enough to be judged (paths.py)
     _slow_at: dict[int, float]
     _lapses: dict[int, tuple[float, float]]  # idle.py: per rank, its fault's onset and latest lapse
     end_lapses_judged_normal: Callable[[npt.NDArray[np.bool_]], None]  # idle.py
@@ -120,12 +125,23 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         has = np.isfinite(dirs)
         self._dp_only = ~np.asarray(has.any(axis=0), dtype=np.bool_)  # (4, n) -> (n,), never a scalar
         link = np.where(self._dp_only, np.nan, np.min(np.where(has, dirs, np.inf), axis=0))
-        if c.adaptive:  # a path between two stages, inside a node too (paths.py)
-            path = slow_path(np.stack([in_f, in_b, out_f, out_b]), ix, c.comm_threshold, cross=dirs)
+        if c.adaptive:  # a path between two stages; inside a node too where such paths are quiet (paths.py)
+            path = slow_path(dirs, ix, c.comm_threshold)
+            quiet = self._quiet_paths
+            if quiet.any:
+                every_dir = np.stack([in_f, in_b, out_f, out_b])
+                ok = quiet.quiet(c.comm_threshold)
+                if ok.any():
+                    path = np.fmax(path, np.where(ok, slow_path(every_dir, ix, c.comm_threshold, cross=dirs), np.nan))
+                quiet.push(every_dir, self.state == RankState.HEALTHY)
         else:
             path = np.full(ix.n, np.nan)
         link = np.fmax(link, path)
-        comm = np.where(self._dp_only, dp_ratio, link)
+        # a rank that talks inside its node only is judged on its DP ring, or on a slow path
+        # to a neighbouring stage where one shows (a TP4 x PP2 replica in one 8-GPU node: a
+        # degraded NVLink between its stages was never found)
+        self._path_end = self._dp_only & np.isfinite(path)
+        comm = np.where(self._dp_only, np.where(self._path_end, np.fmax(dp_ratio, path), dp_ratio), link)
         comm = pipeline_end_culprit(comm, link, dp_ratio, ix, c.comm_threshold, c.adaptive)
         # the schedule simulation of the whole iteration is not needed to judge ranks; it
         # runs when a finding quotes it or a caller asks (predicted_iteration_s)
@@ -316,8 +332,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         confirm = watching & ((self.run >= need) | (self.run_m >= need))
         confirm &= ~self._tp_leak(confirm & ~sus_m, score)
         mates = np.zeros_like(confirm)
-        if is_comm is not None and (confirm & sus_m & self._dp_only).any():
-            mates = self._ring_mates(confirm & sus_m & self._dp_only, watching & ~confirm)
+        ring_found = confirm & sus_m & self._dp_only & ~self._path_end
+        if is_comm is not None and ring_found.any():
+            mates = self._ring_mates(ring_found, watching & ~confirm & ~self._path_end)
             confirm |= mates
         slow = live & (st == RankState.SLOW)
         if hold is not None:
@@ -332,6 +349,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
             self.score = np.where(confirm, score, self.score)
             if is_comm is not None:
                 self.cause_code = np.where(confirm, is_comm.astype(np.int64), self.cause_code)
+            for i in np.nonzero(confirm)[0].tolist():  # found on a path, or not (any more)
+                (self._via_path.add if self._path_end[i] and self.cause_code[i] else self._via_path.discard)(
+                    self.index.ranks[i])
             if mates.any():  # named for their ring's transfer: its cause and its ratio
                 self.cause_code = np.where(mates, 1, self.cause_code)
                 self.score = np.where(mates, fill_nan(ev["dp_ratio"], 1.0), self.score)
@@ -344,6 +364,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
                 self.noise.clear_windows(recover)
                 self.floor_noise.clear_windows(recover)
             out += self._group(t, np.nonzero(recover)[0], "recovered", is_comm is None, ev, now)
+            self._via_path.difference_update(self.index.ranks[i] for i in np.nonzero(recover)[0].tolist())
             for i in np.nonzero(recover)[0].tolist():  # evidence of recovery: a later verdict lapses on time
                 self._lapses.pop(self.index.ranks[i], None)
             self.ok_run[recover] = 0
@@ -414,7 +435,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         buckets: dict[tuple[int, int, int, int], list[int]] = {}
         for i in idx.tolist():
             cc = int(self.cause_code[i])
-            if cc and not coarse and self._dp_only[i]:
+            if cc and not coarse and self._dp_only[i] and ix.ranks[i] not in self._via_path:
                 # only the DP ring saw it: every member looks alike, report the ring
                 key = (-1, int(ix.stage[i]), cc, int(ix.tp_idx[i]))
             else:
@@ -471,7 +492,7 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         if cause == "compute":
             return "compute (F/B/W ops" + (", TP collective waits taken off)" if self._tp_evidence else ")") + " ran"
         if cause == "communication":
-            if all(self._dp_only[i] for i in members):
+            if all(self._dp_only[i] and self.index.ranks[i] not in self._via_path for i in members):
                 return "its DP ring's all-reduce (the transfer after the last member arrived) ran"
             return "its P2P link's transfers (in and out) ran"
         return "its step (no per-op timings) took" if self._level == "rank_step" else "its step took"

@@ -9,6 +9,11 @@ neighbour is slow only in those that touch the culprit. Two cases that rule misr
 - a slow *path* between two middle stages shows in one of each end's two paths only, which
   the smallest ratio reads as healthy (``slow_path``).
 
+Paths inside a node are evidence too (a degraded NVLink or PCIe link between two stages of
+one node), but only where they are quiet when healthy (``QuietPaths``): on shared CPU cores
+and loopback a healthy transfer inside a "node" read 1.5-5x its model for iterations on end,
+and every healthy real run was accused.
+
 Pure (numpy only).
 """
 from __future__ import annotations
@@ -80,4 +85,55 @@ def pipeline_end_culprit(comm: FloatArray, link: FloatArray, dp_ratio: FloatArra
     return comm
 
 
-__all__ = ["PATH_SLOW", "pipeline_end_culprit", "slow_path"]
+class QuietPaths:
+    """Per rank, whether its paths inside its node are quiet when healthy: over its latest
+    ``WINDOW`` healthy iterations (at least half of them seen), no more than ``LOUD`` of its
+    readings (the slower of its intra-node paths, each read as the smaller of its two
+    transfers) above the path bar. A reading waits ``DELAY`` iterations and is kept only if
+    its rank is still healthy then: a slow path's first iterations must not close its own
+    gate before it is found. A plan change moves ranks: the window starts again."""
+
+    WINDOW = 64
+    LOUD = 0.05
+    DELAY = 8
+
+    def __init__(self, ix: PlanIndex) -> None:
+        n = ix.n
+        self._prev_in = (ix.bwd_recv >= 0) & ~ix.cross_bwd  # a path to the previous stage inside the node
+        self._next_in = (ix.fwd_recv >= 0) & ~ix.cross_fwd
+        # no path inside a node at all (every stage boundary crosses nodes): nothing to judge or keep
+        self.any = bool((self._prev_in | self._next_in).any())
+        # per window slot and rank: 1 a reading at or below the bar, 2 above it, 0 none; the
+        # counts follow each push (a window scan per iteration cost ~1 ms at 4096 ranks)
+        self.hist = np.zeros((self.WINDOW, n), dtype=np.int8)
+        self.pending = np.full((self.DELAY, n), np.nan)
+        self.seen = np.zeros(n, dtype=np.int64)
+        self.loud = np.zeros(n, dtype=np.int64)
+        self.pos = 0
+        self._bar = 1.0 + PATH_SLOW - 1.0
+
+    def push(self, dirs: FloatArray, healthy: npt.NDArray[np.bool_]) -> None:
+        """This iteration's (4, n) directional ratios (as ``slow_path`` takes them); ``healthy``:
+        the ranks healthy now (their reading of ``DELAY`` iterations ago is kept)."""
+        prev = np.where(self._prev_in, np.fmin(dirs[0], dirs[3]), np.nan)
+        nxt = np.where(self._next_in, np.fmin(dirs[1], dirs[2]), np.nan)
+        slot = self.pos % self.DELAY
+        if self.pos >= self.DELAY:
+            old = self.hist[(self.pos - self.DELAY) % self.WINDOW]
+            self.seen -= old > 0
+            self.loud -= old > 1
+            kept = np.where(healthy, self.pending[slot], np.nan)
+            new = np.where(np.isfinite(kept), np.where(fill_nan(kept, 0.0) > self._bar, 2, 1), 0).astype(np.int8)
+            old[:] = new
+            self.seen += new > 0
+            self.loud += new > 1
+        self.pending[slot] = np.where(healthy, np.fmax(prev, nxt), np.nan)
+        self.pos += 1
+
+    def quiet(self, comm_threshold: float) -> npt.NDArray[np.bool_]:
+        self._bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
+        out: npt.NDArray[np.bool_] = (self.seen >= self.WINDOW // 2) & (self.loud <= self.LOUD * np.maximum(self.seen, 1))
+        return out
+
+
+__all__ = ["PATH_SLOW", "QuietPaths", "pipeline_end_culprit", "slow_path"]

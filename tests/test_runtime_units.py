@@ -11,7 +11,8 @@ import torch
 from resihp.coordinator.model.plan import PipelinePlan, Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError, preset
 from resihp.coordinator.protocol import messages as m
-from resihp.trainer_hooks.hooks import Job, parse_throttle_env
+from resihp.trainer_hooks.env_settings import parse_throttle_env
+from resihp.trainer_hooks.hooks import Job
 from resihp.trainer_hooks.reporting.reporter import MemoryTransport
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream, split_documents
 from resihp.trainer_hooks.runtime.groups import param_names, pipeline_peers, place_of, rank_sets, shard_holders
@@ -290,7 +291,7 @@ def test_compute_probe_takes_its_throttle_and_the_best_round(monkeypatch: pytest
 
 
 def test_probe_interval_comes_from_init_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from resihp.trainer_hooks.hooks import PROBE_ENV, probe_interval
+    from resihp.trainer_hooks.env_settings import PROBE_ENV, probe_interval
 
     monkeypatch.delenv(PROBE_ENV, raising=False)
     assert probe_interval(None) == 30.0 and probe_interval(5.0) == 5.0

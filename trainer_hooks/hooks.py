@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +41,7 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.coordinator.model.trace import ChunkTiming
 from resihp.coordinator.protocol import messages as m
+from resihp.trainer_hooks.env_settings import THROTTLE_ENV, TRACE_ENV, parse_throttle_env, probe_interval
 from resihp.trainer_hooks.exit_status import EXIT_STATUS, leave_now
 from resihp.trainer_hooks.faults import arm_from_env
 from resihp.trainer_hooks.launch.bootstrap import STORE_ENV, Bootstrap
@@ -72,31 +72,6 @@ from resihp.trainer_hooks.runtime.throttle import Throttle
 from resihp.trainer_hooks.runtime.trainer import Runtime, StepResult, TrainConfig
 
 log = logging.getLogger(__name__)
-PROBE_ENV = "RESIHP_PROBE_EVERY_S"  # seconds between an idle spare's compute probes
-THROTTLE_ENV = "RESIHP_THROTTLE"  # "RANK:FACTOR[@ITER[-UNTIL]][,…]": inject a fail-slow without an agent
-TRACE_ENV = "RESIHP_TRACE"
-
-
-def parse_throttle_env(text: str, rank: int) -> tuple[float, int, int | None] | None:
-    """This rank's (factor, from_iteration, until_iteration or None) in a RESIHP_THROTTLE
-    value, or None. ``-UNTIL``: the device is back to full speed from that iteration on."""
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            who, rest = item.split(":", 1)
-            factor_s, _, span = rest.partition("@")
-            at_s, dash, until_s = span.partition("-")
-            until = int(until_s) if dash else None
-            at = int(at_s or 0)
-            if until is not None and until <= at:
-                raise ValueError
-            if int(who) == rank:
-                return float(factor_s), at, until
-        except ValueError:
-            raise SpecError(f"{THROTTLE_ENV}={text!r}: expected RANK:FACTOR[@ITER[-UNTIL]] with UNTIL after ITER, "
-                            "e.g. 3:2.0@10 or 3:2.0@10-20") from None
-    return None
-
-
 @dataclass
 class StepOutcome:
     iteration: int
@@ -542,18 +517,6 @@ def _auto_plan(boot: Bootstrap, spec: ModelSpec, cfg: TrainConfig, auto: AutoLay
         boot.close()
         raise SystemExit(0)
     return chosen
-
-
-def probe_interval(value: float | None) -> float:
-    """``init``'s probe_every_s, else $RESIHP_PROBE_EVERY_S, else 30 s; validated."""
-    text = os.environ.get(PROBE_ENV, "").strip()
-    try:
-        every = value if value is not None else (float(text) if text else 30.0)
-    except ValueError:
-        raise SpecError(f"{PROBE_ENV}={text!r}: expected seconds between an idle rank's probes, e.g. 30") from None
-    if not (math.isfinite(every) and every > 0):
-        raise SpecError(f"init: probe_every_s must be a finite number of seconds > 0, got {every!r}")
-    return float(every)
 
 
 def step(job: Job, result: StepResult | None = None, **kwargs: Any) -> StepOutcome:

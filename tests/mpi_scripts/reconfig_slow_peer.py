@@ -34,6 +34,7 @@ from reconfig_common import (
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks import hooks
+from resihp.trainer_hooks.env_settings import THROTTLE_ENV
 from resihp.trainer_hooks.runtime.groups import communicators
 
 STEPS = 20
@@ -50,7 +51,7 @@ def main() -> None:
     out, store, world = ft_script_start(4)
     me = world.rank
     ref_losses = reference_losses(world.comm, store, START, STEPS)
-    os.environ[hooks.THROTTLE_ENV] = sys.argv[2]  # for the resilient run only
+    os.environ[THROTTLE_ENV] = sys.argv[2]  # for the resilient run only
 
     tx = QuietAgent()
     job = hooks.init(SPEC, replace(START, epoch=1), config=CONFIG, transport=tx, trace="", resilient=True,

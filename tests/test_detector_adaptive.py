@@ -155,6 +155,21 @@ def test_a_slow_path_of_a_replica_inside_one_node_names_its_two_ends_and_they_re
     assert got and any(f.ranks == (1, 9) for f in got), [(f.iteration, f.kind, f.ranks) for f in found]
 
 
+def test_a_slow_nic_names_its_own_nodes_ring_members_not_the_other_nodes() -> None:
+    # TP2 x PP4 x DP2 on four-GPU nodes: node n2 (ranks 8-11) has a 4x NIC. Ranks 8 and 9
+    # (stage 0) talk inside their node only, so their rings [0, 8] and [1, 9] were named whole;
+    # ranks 10 and 11 also talk across nodes, where their P2P shows the NIC: the rings' members
+    # on n2 are the culprits, ranks 0 and 1 (node n0) are not named
+    plan = Plan.uniform(2, 4, 2, 32, 16)
+    faults = tuple(Fault("link", r, ONSET, 4.0) for r in (8, 9, 10, 11))
+    cfg = _cfg(faults, iterations=ONSET + 16, noise=Noise(), hardware=Hardware(gpus_per_node=4), plan=plan)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
+    assert sorted(f.ranks for f in got) == [(8,), (9,), (10, 11)], [(f.iteration, f.kind, f.ranks) for f in found]
+    assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
+    assert all("NIC" in f.reason for f in got if f.ranks in ((8,), (9,))), [f.reason for f in got]
+
+
 def test_loud_paths_inside_a_node_are_not_judged(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real healthy run (tests/data: `bench/real_runs.py`'s PP2 x DP2 under `resihp launch`
     on 2 shared CPU cores, 150 iterations, 2026-12-07): every pipeline transfer stays inside a

@@ -336,6 +336,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         if is_comm is not None and ring_found.any():
             mates = self._ring_mates(ring_found, watching & ~confirm & ~self._path_end)
             confirm |= mates
+            unexplained = self._rings_outside_slow_nics(ring_found | mates, confirm & sus_m & ~self._dp_only)
+            confirm &= ~unexplained
+            mates &= ~unexplained
         slow = live & (st == RankState.SLOW)
         if hold is not None:
             slow &= ~hold
@@ -419,6 +422,24 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         for i in np.nonzero(rows)[0]:
             self._slow_at[self.index.ranks[int(i)]] = now
 
+    def _rings_outside_slow_nics(self, ring: npt.NDArray[np.bool_], link_now: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+        """Of the members of slow DP rings (``ring``: ranks whose P2P stays inside their node),
+        those on a node that a slow NIC does not explain, in rings where some member's node
+        has one: a rank of that node found link-slow on its own cross-node transfers, now
+        (``link_now``) or before. A slow NIC slows every ring through its node; a ring's
+        members look alike, but the node whose NIC also slows its P2P is the culprit's (a 4x NIC
+        of a 4-GPU node named the other node's ring members with it, bench/outsider_traces.py)."""
+        ix = self.index
+        nic = link_now | ((self.state == RankState.SLOW) & (self.cause_code > 0) & ~self._dp_only)
+        nic &= ix.node_id >= 0
+        if not nic.any():
+            return np.zeros_like(ring)
+        slow_node = np.zeros(int(ix.node_id.max()) + 1, dtype=np.bool_)
+        slow_node[ix.node_id[nic]] = True
+        on = (ix.node_id >= 0) & slow_node[np.maximum(ix.node_id, 0)]
+        out: npt.NDArray[np.bool_] = ring & np.isin(ix.ring, ix.ring[on]) & ~on
+        return out
+
     def _ring_mates(self, found: npt.NDArray[np.bool_], watched: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """The other watched members of the DP rings of ``found`` (ranks only their ring's
         transfer shows slow): one measurement for all of them, so which member's test crosses
@@ -455,8 +476,12 @@ class IterationJudge(AdaptiveJudging, FindingCost):
             evidence.update(self.last)
             evidence["observed_iteration_s"] = t.time_s
             evidence["suspect_iterations"] = float(np.max(np.maximum(self.run, self.run_m)[members]))
+            whole = rep_opt is None and len(ranks) == int(np.count_nonzero(ix.ring == ix.ring[members[0]]))
             if rep_opt is None:
-                who = f"the DP ring of stage {stage} (ranks {', '.join(map(str, ranks))}; its P2P stays inside nodes, so the slow member cannot be told apart)"
+                who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (the DP ring of stage {stage}, "
+                       "on the node whose NIC also slows its other ranks' cross-node transfers)") if not whole else (
+                    f"the DP ring of stage {stage} (ranks {', '.join(map(str, ranks))}; its P2P stays inside nodes, so "
+                    "the slow member cannot be told apart)")
                 group_opt: tuple[int, ...] | None = None
             else:
                 who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (replica {rep}, stage {stage}, TP group {list(group)})"

@@ -75,33 +75,39 @@ def test_a_slow_link_is_found_as_communication_on_its_rank() -> None:
     assert slow[0].iteration < ONSET + 3
 
 
+def _link_run(plan: Plan, faults: tuple[Fault, ...], per_node: int, iterations: int) -> tuple[list[Finding], list[Finding]]:
+    """(the slow and degraded findings, every finding) of a quiet run of ``plan`` on nodes of
+    ``per_node`` GPUs with ``faults``."""
+    cfg = _cfg(faults, iterations=iterations, noise=Noise(), hardware=Hardware(gpus_per_node=per_node), plan=plan)
+    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
+    return [f for f in found if f.kind in ("fail-slow", "degraded")], found
+
+
+def _on_links(got: list[Finding], found: list[Finding], ranks: list[tuple[int, ...]], onset: int, factor: float,
+              rel: float = 0.15) -> None:
+    """``got`` names ``ranks`` (one finding each), for communication, within 3 iterations of
+    ``onset``, at ``factor``."""
+    assert sorted(f.ranks for f in got) == ranks, [(f.iteration, f.kind, f.ranks) for f in found]
+    assert all(f.cause == "communication" and f.iteration < onset + 3 for f in got), got
+    assert all(f.factor == pytest.approx(factor, rel=rel) for f in got), [f.factor for f in got]
+
+
 @pytest.mark.parametrize("factor", [1.5, 3.0])
 def test_a_slow_path_between_two_stages_is_found_on_both_its_ends(factor: float) -> None:
     # PP2, two GPUs per node: the path between rank 2 (stage 1) and rank 0 (stage 0) carries
     # their activations and gradients both ways; their DP rings are healthy. Which end kept the
     # evidence was decided by the two healthy rings' noise, anew every iteration: a 5x path
     # costing 70 % of the iteration took 7-17 iterations to find
-    plan = replan.OLD  # TP2 x PP2 x DP2
-    cfg = _cfg((Fault("path", 2, ONSET, factor),), iterations=ONSET + 16, noise=Noise(),
-               hardware=Hardware(gpus_per_node=2), plan=plan)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
-    assert sorted(f.ranks for f in got) == [(0,), (2,)], [(f.iteration, f.kind, f.ranks) for f in found]
-    assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
-    assert all(f.factor == pytest.approx(factor, rel=0.15) for f in got), [f.factor for f in got]
+    got, found = _link_run(replan.OLD, (Fault("path", 2, ONSET, factor),), 2, ONSET + 16)  # TP2 x PP2 x DP2
+    _on_links(got, found, [(0,), (2,)], ONSET, factor)
 
 
 def test_a_slow_path_between_two_middle_stages_is_found_on_both_its_ends_and_recovered() -> None:
     # PP4 on two-GPU nodes: ranks 2 (stage 1) and 4 (stage 2) each have a second, healthy path
     # (to stages 0 and 3), which the smallest directional ratio read: the path never showed
-    plan = Plan.uniform(2, 4, 2, 32, 16)
-    cfg = _cfg((Fault("path", 2, ONSET, 3.0, end_iter=ONSET + 12),), iterations=ONSET + 40, noise=Noise(),
-               hardware=Hardware(gpus_per_node=2), plan=plan)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
-    assert sorted(f.ranks for f in got) == [(2,), (4,)], [(f.iteration, f.kind, f.ranks) for f in found]
-    assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
-    assert all(f.factor == pytest.approx(3.0, rel=0.1) for f in got), [f.factor for f in got]
+    got, found = _link_run(Plan.uniform(2, 4, 2, 32, 16), (Fault("path", 2, ONSET, 3.0, end_iter=ONSET + 12),), 2,
+                           ONSET + 40)
+    _on_links(got, found, [(2,), (4,)], ONSET, 3.0, rel=0.1)
     back = [f for f in found if f.kind == "recovered"]
     assert sorted(f.ranks for f in back) == [(2,), (4,)] and all(f.iteration >= ONSET + 12 for f in back), back
 
@@ -115,20 +121,11 @@ def test_a_slow_path_inside_a_node_is_found_on_both_its_ends() -> None:
     # (a path inside a node is judged once its healthy readings show it quiet: LATE)
     plan = Plan.uniform(2, 4, 2, 32, 16)
     for factor in (1.5, 3.0):
-        cfg = _cfg((Fault("path", 0, LATE, factor),), iterations=LATE + 16, noise=Noise(),
-                   hardware=Hardware(gpus_per_node=4), plan=plan)
-        _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-        got = [f for f in found if f.kind in ("fail-slow", "degraded")]
-        assert sorted(f.ranks for f in got) == [(0,), (2,)], [(f.iteration, f.kind, f.ranks) for f in found]
-        for f in got:
-            assert f.cause == "communication" and f.iteration < LATE + 3, f
-            assert f.factor == pytest.approx(factor, rel=0.15), f.factor
+        got, found = _link_run(plan, (Fault("path", 0, LATE, factor),), 4, LATE + 16)
+        _on_links(got, found, [(0,), (2,)], LATE, factor)
     # and the path test leaves a slow NIC to its own rule: rank 4's cross-node paths, its
     # intra-node one healthy, name rank 4 and not its neighbour across the node boundary
-    cfg = _cfg((Fault("link", 4, LATE, 3.0),), iterations=LATE + 16, noise=Noise(),
-               hardware=Hardware(gpus_per_node=4), plan=plan)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
+    got, found = _link_run(plan, (Fault("link", 4, LATE, 3.0),), 4, LATE + 16)
     assert got and all(4 in f.ranks and 2 not in f.ranks for f in got), [(f.iteration, f.kind, f.ranks) for f in found]
 
 
@@ -137,21 +134,13 @@ def test_a_slow_path_of_a_replica_inside_one_node_names_its_two_ends_and_they_re
     # so every rank was judged on its DP ring alone and the slow path between ranks 1 (stage 0)
     # and 5 (stage 1) was never found. Each end is named alone, for its P2P, not with its ring
     plan = Plan.uniform(4, 2, 2, 32, 8)
-    cfg = _cfg((Fault("path", 1, LATE, 3.0, end_iter=LATE + 12),), iterations=LATE + 40, noise=Noise(),
-               hardware=Hardware(gpus_per_node=8), plan=plan)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
-    assert sorted(f.ranks for f in got) == [(1,), (5,)], [(f.iteration, f.kind, f.ranks) for f in found]
-    assert all(f.cause == "communication" and f.iteration < LATE + 3 for f in got), got
+    got, found = _link_run(plan, (Fault("path", 1, LATE, 3.0, end_iter=LATE + 12),), 8, LATE + 40)
+    _on_links(got, found, [(1,), (5,)], LATE, 3.0)
     assert all("P2P link" in f.reason and "DP ring of" not in f.reason for f in got), [f.reason for f in got]
-    assert all(f.factor == pytest.approx(3.0, rel=0.15) for f in got), [f.factor for f in got]
     back = [f for f in found if f.kind == "recovered"]
     assert sorted(f.ranks for f in back) == [(1,), (5,)] and all(f.iteration >= LATE + 12 for f in back), back
     # a slow NIC of that layout still slows whole DP rings, named whole (their members look alike)
-    cfg = _cfg((Fault("link", 9, LATE, 3.0),), iterations=LATE + 16, noise=Noise(),
-               hardware=Hardware(gpus_per_node=8), plan=plan)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
+    got, found = _link_run(plan, (Fault("link", 9, LATE, 3.0),), 8, LATE + 16)
     assert got and any(f.ranks == (1, 9) for f in got), [(f.iteration, f.kind, f.ranks) for f in found]
 
 
@@ -160,13 +149,9 @@ def test_a_slow_nic_names_its_own_nodes_ring_members_not_the_other_nodes() -> No
     # (stage 0) talk inside their node only, so their rings [0, 8] and [1, 9] were named whole;
     # ranks 10 and 11 also talk across nodes, where their P2P shows the NIC: the rings' members
     # on n2 are the culprits, ranks 0 and 1 (node n0) are not named
-    plan = Plan.uniform(2, 4, 2, 32, 16)
     faults = tuple(Fault("link", r, ONSET, 4.0) for r in (8, 9, 10, 11))
-    cfg = _cfg(faults, iterations=ONSET + 16, noise=Noise(), hardware=Hardware(gpus_per_node=4), plan=plan)
-    _, found, _ = _replay(cfg, Detector(make_header(cfg), ADAPTIVE))
-    got = [f for f in found if f.kind in ("fail-slow", "degraded")]
-    assert sorted(f.ranks for f in got) == [(8,), (9,), (10, 11)], [(f.iteration, f.kind, f.ranks) for f in found]
-    assert all(f.cause == "communication" and f.iteration < ONSET + 3 for f in got), got
+    got, found = _link_run(Plan.uniform(2, 4, 2, 32, 16), faults, 4, ONSET + 16)
+    _on_links(got, found, [(8,), (9,), (10, 11)], ONSET, 4.0)
     assert all("NIC" in f.reason for f in got if f.ranks in ((8,), (9,))), [f.reason for f in got]
 
 

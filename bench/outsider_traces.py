@@ -313,19 +313,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--out", default="", help="keep the traces and findings here")
     a = ap.parse_args(argv)
+    print(json.dumps(check(a.runs, a.iterations, a.seed, a.out)))
+    return 0
+
+
+def check(runs_per_cell: int = 4, iterations: int = 300, base_seed: int = 2026, out: str = "") -> dict[str, object]:
+    """Write, replay and score every (noise level, fault kind) cell; print the table and
+    return the metrics (``bench/detect.py`` adds them to its own line)."""
     cells: dict[tuple[str, str], Cell] = {}
     for level, nz in NOISE.items():
-        for i in range(a.runs):
+        for i in range(runs_per_cell):
             tp, pp, dp, mbs, per_node = LAYOUTS[i % len(LAYOUTS)]
-            seed = a.seed * 1000 + i
+            seed = base_seed * 1000 + i
             budget = (8192, 16384, 32768)[i % 3]
             shape = Job(tp, pp, dp, mbs, per_node, budget, nz, Fault("healthy"), random.Random(0))
             for kind, fault in faults(random.Random(seed), shape).items():
                 job = Job(tp, pp, dp, mbs, per_node, budget, nz, fault, random.Random(seed + 7))
-                lines = list(write_trace(job, a.iterations))
+                lines = list(write_trace(job, iterations))
                 found = replay(lines)
-                if a.out:
-                    d = Path(a.out)
+                if out:
+                    d = Path(out)
                     d.mkdir(parents=True, exist_ok=True)
                     (d / f"{level}-{kind}-{i}.jsonl").write_text("\n".join(lines) + "\n")
                     (d / f"{level}-{kind}-{i}.findings.jsonl").write_text(
@@ -364,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     lat = sorted(x for c in cells.values() for x in c.latency)
     worst_false = max(cells.items(), key=lambda kv: kv[1].false / kv[1].runs)
     worst_recall = min(((k, c) for k, c in cells.items() if c.faults), key=lambda kv: kv[1].found / kv[1].faults)
-    print(json.dumps({
+    return {
         "outsider_runs": runs,
         "outsider_false_alarms_per_run": round(sum(c.false for c in cells.values()) / runs, 3),
         "outsider_host_load_findings_per_run": round(sum(c.host_load for c in cells.values()) / runs, 3),
@@ -373,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "outsider_latency_p95": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
         "worst_false_cell": "/".join(worst_false[0]), "worst_recall_cell": "/".join(worst_recall[0]),
         "worst_recall": round(worst_recall[1].found / worst_recall[1].faults, 3),
-    }))
-    return 0
+    }
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self.score = np.array([self._factor.get(r, 1.0) for r in ranks])
         self._dp_only = np.zeros(n, dtype=bool)
         self._path_end = np.zeros(n, dtype=bool)
-        self._quiet_paths = QuietPaths(self.index)  # a new plan's ranks have other paths
+        self._quiet_paths = QuietPaths(self.index, self.config.comm_threshold)  # a new plan's ranks have other paths
         self._severe_prev = np.zeros(n, dtype=bool)
         self._recovery = None  # a new plan's ranks sit at other positions
         self.cause_code = np.array([1 if self._cause.get(r) == "communication" else 0 for r in ranks], dtype=np.int64)

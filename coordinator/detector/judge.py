@@ -27,7 +27,12 @@ from resihp.coordinator.detector.evidence import (
     shadowed_by_tp_partner,
     tp_wait_share,
 )
-from resihp.coordinator.detector.paths import QuietPaths, pipeline_end_culprit, slow_path
+from resihp.coordinator.detector.paths import (
+    QuietPaths,
+    path_evidence,
+    pipeline_end_culprit,
+    rings_outside_slow_nics,
+)
 from resihp.coordinator.detector.predictor import Predictor
 from resihp.coordinator.detector.ratios import fill_nan, floor_ratio, median, nanmedian, priced_ratio, trimmed_ratio
 from resihp.coordinator.detector.recovery_window import RecoveryWindow
@@ -125,17 +130,9 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         has = np.isfinite(dirs)
         self._dp_only = ~np.asarray(has.any(axis=0), dtype=np.bool_)  # (4, n) -> (n,), never a scalar
         link = np.where(self._dp_only, np.nan, np.min(np.where(has, dirs, np.inf), axis=0))
-        if c.adaptive:  # a path between two stages; inside a node too where such paths are quiet (paths.py)
-            path = slow_path(dirs, ix, c.comm_threshold)
-            quiet = self._quiet_paths
-            if quiet.any:
-                every_dir = np.stack([in_f, in_b, out_f, out_b])
-                ok = quiet.quiet(c.comm_threshold)
-                if ok.any():
-                    path = np.fmax(path, np.where(ok, slow_path(every_dir, ix, c.comm_threshold, cross=dirs), np.nan))
-                quiet.push(every_dir, self.state == RankState.HEALTHY)
-        else:
-            path = np.full(ix.n, np.nan)
+        # a path between two stages; inside a node too where such paths are quiet (paths.py)
+        path = path_evidence(dirs, np.stack([in_f, in_b, out_f, out_b]), ix, c.comm_threshold, self._quiet_paths,
+                             self.state == RankState.HEALTHY) if c.adaptive else np.full(ix.n, np.nan)
         link = np.fmax(link, path)
         # a rank that talks inside its node only is judged on its DP ring, or on a slow path
         # to a neighbouring stage where one shows (a TP4 x PP2 replica in one 8-GPU node: a
@@ -336,7 +333,8 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         if is_comm is not None and ring_found.any():
             mates = self._ring_mates(ring_found, watching & ~confirm & ~self._path_end)
             confirm |= mates
-            unexplained = self._rings_outside_slow_nics(ring_found | mates, confirm & sus_m & ~self._dp_only)
+            nic = (confirm & sus_m | (st == RankState.SLOW) & (self.cause_code > 0)) & ~self._dp_only
+            unexplained = rings_outside_slow_nics(ring_found | mates, nic, self.index)
             confirm &= ~unexplained
             mates &= ~unexplained
         slow = live & (st == RankState.SLOW)
@@ -422,24 +420,6 @@ class IterationJudge(AdaptiveJudging, FindingCost):
         for i in np.nonzero(rows)[0]:
             self._slow_at[self.index.ranks[int(i)]] = now
 
-    def _rings_outside_slow_nics(self, ring: npt.NDArray[np.bool_], link_now: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
-        """Of the members of slow DP rings (``ring``: ranks whose P2P stays inside their node),
-        those on a node that a slow NIC does not explain, in rings where some member's node
-        has one: a rank of that node found link-slow on its own cross-node transfers, now
-        (``link_now``) or before. A slow NIC slows every ring through its node; a ring's
-        members look alike, but the node whose NIC also slows its P2P is the culprit's (a 4x NIC
-        of a 4-GPU node named the other node's ring members with it, bench/outsider_traces.py)."""
-        ix = self.index
-        nic = link_now | ((self.state == RankState.SLOW) & (self.cause_code > 0) & ~self._dp_only)
-        nic &= ix.node_id >= 0
-        if not nic.any():
-            return np.zeros_like(ring)
-        slow_node = np.zeros(int(ix.node_id.max()) + 1, dtype=np.bool_)
-        slow_node[ix.node_id[nic]] = True
-        on = (ix.node_id >= 0) & slow_node[np.maximum(ix.node_id, 0)]
-        out: npt.NDArray[np.bool_] = ring & np.isin(ix.ring, ix.ring[on]) & ~on
-        return out
-
     def _ring_mates(self, found: npt.NDArray[np.bool_], watched: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
         """The other watched members of the DP rings of ``found`` (ranks only their ring's
         transfer shows slow): one measurement for all of them, so which member's test crosses
@@ -476,16 +456,15 @@ class IterationJudge(AdaptiveJudging, FindingCost):
             evidence.update(self.last)
             evidence["observed_iteration_s"] = t.time_s
             evidence["suspect_iterations"] = float(np.max(np.maximum(self.run, self.run_m)[members]))
-            whole = rep_opt is None and len(ranks) == int(np.count_nonzero(ix.ring == ix.ring[members[0]]))
-            if rep_opt is None:
-                who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (the DP ring of stage {stage}, "
-                       "on the node whose NIC also slows its other ranks' cross-node transfers)") if not whole else (
-                    f"the DP ring of stage {stage} (ranks {', '.join(map(str, ranks))}; its P2P stays inside nodes, so "
-                    "the slow member cannot be told apart)")
-                group_opt: tuple[int, ...] | None = None
-            else:
-                who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (replica {rep}, stage {stage}, TP group {list(group)})"
-                group_opt = group
+            names = ", ".join(map(str, ranks))
+            group_opt: tuple[int, ...] | None = None if rep_opt is None else group
+            if rep_opt is not None:
+                who = f"rank{'s' if len(ranks) > 1 else ''} {names} (replica {rep}, stage {stage}, TP group {list(group)})"
+            elif len(ranks) == int(np.count_nonzero(ix.ring == ix.ring[members[0]])):  # the whole ring
+                who = f"the DP ring of stage {stage} (ranks {names}; its P2P stays inside nodes, so the slow member cannot be told apart)"
+            else:  # narrowed to the node whose NIC is slow (paths.rings_outside_slow_nics)
+                who = (f"rank{'s' if len(ranks) > 1 else ''} {names} (the DP ring of stage {stage}, on the node whose "
+                       "NIC also slows its other ranks' cross-node transfers)")
             if kind == "recovered":
                 reason = (f"{who} back to the predicted speed for {self.config.recover_iters} consecutive iterations "
                           f"(was {self._cause_text(cause)} {self._factor_text(members)})")

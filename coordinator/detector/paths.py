@@ -97,8 +97,9 @@ class QuietPaths:
     LOUD = 0.05
     DELAY = 8
 
-    def __init__(self, ix: PlanIndex) -> None:
+    def __init__(self, ix: PlanIndex, comm_threshold: float) -> None:
         n = ix.n
+        self._bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
         self._prev_in = (ix.bwd_recv >= 0) & ~ix.cross_bwd  # a path to the previous stage inside the node
         self._next_in = (ix.fwd_recv >= 0) & ~ix.cross_fwd
         # no path inside a node at all (every stage boundary crosses nodes): nothing to judge or keep
@@ -110,7 +111,6 @@ class QuietPaths:
         self.seen = np.zeros(n, dtype=np.int64)
         self.loud = np.zeros(n, dtype=np.int64)
         self.pos = 0
-        self._bar = 1.0 + PATH_SLOW - 1.0
 
     def push(self, dirs: FloatArray, healthy: npt.NDArray[np.bool_]) -> None:
         """This iteration's (4, n) directional ratios (as ``slow_path`` takes them); ``healthy``:
@@ -130,10 +130,43 @@ class QuietPaths:
         self.pending[slot] = np.where(healthy, np.fmax(prev, nxt), np.nan)
         self.pos += 1
 
-    def quiet(self, comm_threshold: float) -> npt.NDArray[np.bool_]:
-        self._bar = 1.0 + max(comm_threshold, PATH_SLOW - 1.0)
+    def quiet(self) -> npt.NDArray[np.bool_]:
         out: npt.NDArray[np.bool_] = (self.seen >= self.WINDOW // 2) & (self.loud <= self.LOUD * np.maximum(self.seen, 1))
         return out
 
 
-__all__ = ["PATH_SLOW", "QuietPaths", "pipeline_end_culprit", "slow_path"]
+def path_evidence(dirs: FloatArray, every_dir: FloatArray, ix: PlanIndex, comm_threshold: float,
+                  quiet: QuietPaths, healthy: npt.NDArray[np.bool_]) -> FloatArray:
+    """Per rank, the ratio of a slow path it is an end of (NaN elsewhere): across nodes from
+    ``dirs`` (NaN where a transfer stays inside its node), inside a node from ``every_dir``
+    where ``quiet`` shows such paths quiet; then this iteration's readings teach ``quiet``
+    (``healthy``: the ranks healthy now)."""
+    path = slow_path(dirs, ix, comm_threshold)
+    if quiet.any:
+        ok = quiet.quiet()
+        if ok.any():
+            path = np.fmax(path, np.where(ok, slow_path(every_dir, ix, comm_threshold, cross=dirs), np.nan))
+        quiet.push(every_dir, healthy)
+    return path
+
+
+def rings_outside_slow_nics(ring: npt.NDArray[np.bool_], nic: npt.NDArray[np.bool_],
+                            ix: PlanIndex) -> npt.NDArray[np.bool_]:
+    """Of the members of slow DP rings (``ring``: ranks whose P2P stays inside their node),
+    those on a node that a slow NIC does not explain, in rings where some member's node has
+    one (``nic``: ranks found link-slow on their own cross-node transfers). A slow NIC slows
+    every ring through its node; a ring's members look alike, but the node whose NIC also
+    slows its P2P is the culprit's (a 4x NIC of a 4-GPU node named the other node's ring
+    members with it, bench/outsider_traces.py)."""
+    nic = nic & (ix.node_id >= 0)
+    if not nic.any():
+        return np.zeros_like(ring)
+    slow_node = np.zeros(int(ix.node_id.max()) + 1, dtype=np.bool_)
+    slow_node[ix.node_id[nic]] = True
+    on = (ix.node_id >= 0) & slow_node[np.maximum(ix.node_id, 0)]
+    out: npt.NDArray[np.bool_] = ring & np.isin(ix.ring, ix.ring[on]) & ~on
+    return out
+
+
+__all__ = ["PATH_SLOW", "QuietPaths", "path_evidence", "pipeline_end_culprit", "rings_outside_slow_nics",
+           "slow_path"]

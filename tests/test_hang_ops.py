@@ -21,7 +21,7 @@ from cp_helpers import read_jsonl, wait_until
 from test_detector import PLAN, _cfg, _replay
 
 from resihp.coordinator.detector.detector import Detector
-from resihp.coordinator.detector.hangs import HELD_SHARE, STATE_SETTLE_S, hang_culprits, stuck_culprits
+from resihp.coordinator.detector.hangs import HELD_SHARE, STATE_SETTLE_S, STUCK_HELD_SHARE, hang_culprits, stuck_culprits
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord, OpState, TraceError, read_trace, write_trace
 from resihp.coordinator.protocol import codec
@@ -59,13 +59,16 @@ def test_nobody_is_named_without_clear_evidence(why: str, stalled: float, ops: d
 
 def test_a_rank_that_keeps_entering_ops_is_slow_not_stuck() -> None:
     """The rank its peers wait for, but whose beats name a new op every time (a severe
-    fail-slow: ten times slower, it still moves from op to op), is not named; once it holds one
-    op for a quarter of the hang wait, it is."""
+    fail-slow: ten times slower, it still moves from op to op), is not named, nor one that held
+    an op across two beats (80x slower on a loaded host: its ops take a second); once it holds
+    one op for a whole hang wait, it is."""
     ops = {0: RECV, 1: STUCK, 2: DP, 3: DP}
     fresh = {r: 0.5 for r in ops}
     moving = {0: 4.0, 1: 0.3, 2: 4.0, 3: 4.0}
     assert stuck_culprits(5.0, 3.0, ops, fresh, moving) == []
-    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: HELD_SHARE * 3.0}) == [1]
+    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: 1.5}) == []
+    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: STUCK_HELD_SHARE * 3.0 - 0.01}) == []
+    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: STUCK_HELD_SHARE * 3.0}) == [1]
 
 
 def test_a_silent_rank_is_no_culprit_while_another_still_moves_on() -> None:

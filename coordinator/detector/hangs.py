@@ -40,11 +40,15 @@ def moving(op_held_s: Mapping[int, float], wait_s: float, exclude: Collection[in
 
 
 STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the last progress (a beat)
-# a rank stuck in an op has held it since its iteration stopped: at least the hang wait less one
-# usual iteration (half of it at the default hang_iters of 2), less a beat's resolution; a rank
-# slowed even 10x enters ops far more often (a micro-batch's F or B is a few per cent of an
-# iteration). With beats a second apart and the 2 s floor: two beats that name the same op
+# a rank still moving from op to op: it entered the op it is in less than a quarter of the hang
+# wait ago (a rank slowed even 10x enters ops far more often: a micro-batch's F or B is a few
+# per cent of an iteration)
 HELD_SHARE = 0.25
+# a rank stuck in an op holds it for good: named once it has held one op for a whole hang wait
+# (from the first to the latest beat that named it). A quarter of it was too little: a rank
+# throttled 80x on 2 loaded cores held one compute op past two beats a second apart, and a
+# no-progress verdict killed a rank that was only slow (CI, stop 45)
+STUCK_HELD_SHARE = 1.0
 
 
 def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | None],
@@ -58,7 +62,7 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     reported); none unless every live rank has one, some wait, and fewer than half do not.
     ``op_held_s``: seconds from the first to the latest beat of each rank that named the op it
     is in (its ``seq``: beats are all we know of it, so a rank that moved on since its latest
-    beat is not taken as still in it); a culprit must have held it for ``HELD_SHARE`` of
+    beat is not taken as still in it); a culprit must have held it for ``STUCK_HELD_SHARE`` of
     ``wait_s``: a rank many times slower than usual (a severe fail-slow) still enters op
     after op, and its peers wait for it meanwhile — it is slow, not stuck, and a no-progress
     verdict would kill it.
@@ -71,8 +75,8 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
     if not free or 2 * len(free) >= len(ops):
         return []
-    if op_held_s is not None and moving({r: op_held_s.get(r, 0.0) for r in free}, wait_s):
-        return []  # one of them is still moving on: the job is slow, not stuck (yet)
+    if op_held_s is not None and any(op_held_s.get(r, 0.0) < STUCK_HELD_SHARE * wait_s for r in free):
+        return []  # one of them has not held its op for a whole wait: slow, not stuck (yet)
     return free
 
 
@@ -87,4 +91,4 @@ def stuck_reason(rank: int, ops: Mapping[int, OpState | None], stalled_s: float,
             f"p2p or collective ops: a stuck kernel, collective or data loader on rank {rank} holds the job up")
 
 
-__all__ = ["HELD_SHARE", "STATE_SETTLE_S", "hang_culprits", "moving", "stuck_culprits", "stuck_reason"]
+__all__ = ["HELD_SHARE", "STATE_SETTLE_S", "STUCK_HELD_SHARE", "hang_culprits", "moving", "stuck_culprits", "stuck_reason"]

@@ -133,7 +133,7 @@ def test_incomplete_checkpoint_is_ignored_and_refused(tmp_path: Path) -> None:
     cps = save_all(tmp_path, PLAN8, 3, full, skip=(2,), timeout_s=0.3)
     with pytest.raises(CheckpointError, match=r"step 3 not committed: ranks \[2\] did not write"):
         close_all(cps)
-    assert (tmp_path / tmp_dir_name(3, "t")).is_dir()
+    assert (tmp_path / tmp_dir_name(3, "t", PLAN8)).is_dir()
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
     # a step directory without the commit marker (e.g. copied by hand) is not a checkpoint either
     fake = tmp_path / "step-00000009"
@@ -157,6 +157,33 @@ def test_saving_never_waits_for_other_ranks_and_a_newer_save_supersedes(tmp_path
     with pytest.raises(CheckpointError, match=r"step 1 not committed: ranks \[2\].*a newer save superseded it"):
         close_all(cps + late)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3]
+
+
+def test_a_step_saved_again_after_a_replan_commits_and_the_first_attempt_is_given_up(tmp_path: Path) -> None:
+    """Rank 2 dies at the save of step 3 (it never writes); the job re-plans onto ranks 0 and 1
+    and saves step 3 again. The first attempt is given up, not failed (closing raises nothing),
+    and the second commits even though rank 1's index from the first attempt (another plan) is
+    on disk before rank 1 writes again: each attempt has its own directory (a shared one made
+    the committer refuse 'an index from another save', and the job exit 1: CI, qwen3-adamw)."""
+    full = full_state(8)
+    cps = save_all(tmp_path, PLAN8, 3, full, skip=(2,))
+    survivors = {cp.rank: cp for cp in cps if cp.rank in (0, 1)}
+    for cp in cps:
+        assert cp.records[-1].written.wait(30)  # every survivor's file of the first attempt is on disk
+    new = Plan.uniform(1, 2, 1, SPEC.num_layers, GLOBAL_MB)
+    first = survivors[0].records[-1]
+    again = survivors[0].maybe_save(3, FakeRuntime(new, 0, full, 4.0), new, every=1)  # type: ignore[arg-type]
+    assert again is not None
+    assert first.done.wait(30) and "did not write their files before the job re-planned" in first.abandoned
+    assert not first.error and first.committed is None
+    survivors[1].maybe_save(3, FakeRuntime(new, 1, full, 4.0), new, every=1)  # type: ignore[arg-type]
+    close_all(cps)
+    assert again.committed == tmp_path / "step-00000003" and not again.error
+    meta, got = load_full(tmp_path / "step-00000003")
+    assert Plan.from_dict(meta["plan"]) == new
+    for s in STATES:
+        for name, arr in full[s].items():
+            assert got[s][name].tobytes() == arr.tobytes(), (s, name)
 
 
 def test_model_spec_mismatch_names_the_field(tmp_path: Path) -> None:

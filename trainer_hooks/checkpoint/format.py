@@ -9,7 +9,10 @@ A checkpoint is a directory ``ROOT/step-{N:08d}/``:
 - ``meta.json``: model spec, plan, step, AdamW step, data position, tensor shapes, and
   every file's pieces (the union of the indexes);
 - ``COMPLETE``: the commit marker, written after ``meta.json``; then the directory, built
-  as ``step-{N:08d}.tmp-{RUN}``, is renamed into place.
+  as ``step-{N:08d}.tmp-{RUN}~{PLAN}``, is renamed into place. ``PLAN`` (a hash of the plan)
+  gives each attempt at a step its own directory: after a rank dies at a save step, the job
+  re-plans and saves that step again, and a survivor's index from the first attempt (another
+  plan) must not be read as part of the second.
 
 Only directories named ``step-N`` holding ``COMPLETE`` are checkpoints; anything else under
 the root is an unfinished save (a crash mid-save leaves one) and is ignored.
@@ -40,7 +43,7 @@ FORMAT = 1
 META = "meta.json"
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
-_TMP_RE = re.compile(r"^step-(\d{8})\.(tmp|old)-(.+)$")
+_TMP_RE = re.compile(r"^step-(\d{8})\.(tmp|old)-(.+?)(?:~[0-9a-f]{8})?$")
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -80,8 +83,14 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def tmp_dir_name(step: int, run_id: str) -> str:
-    return f"{step_dir_name(step)}.tmp-{safe_run_id(run_id)}"
+def tmp_dir_name(step: int, run_id: str, plan: Plan | None = None) -> str:
+    """Where a save of ``step`` is built: one directory per launch and plan (``plan_tag``)."""
+    return f"{step_dir_name(step)}.tmp-{safe_run_id(run_id)}" + (f"~{plan_tag(plan)}" if plan is not None else "")
+
+
+def plan_tag(plan: Plan) -> str:
+    """Eight hex digits that tell plans apart (a hash of the plan's JSON)."""
+    return f"{zlib.crc32(json.dumps(plan.to_dict(), sort_keys=True).encode()):08x}"
 
 
 def safe_run_id(run_id: str) -> str:

@@ -3,7 +3,7 @@
 Saving (``AsyncCheckpointer``, one per rank, no communication): at a save step every rank
 that writes (``checkpoint.format.writer_assignment``) clones its slices of the parameters
 and AdamW moments — the only synchronous cost — and a background thread writes them to
-``ROOT/step-N.tmp-RUN/``. The committing rank's thread then waits (polling, with a
+``ROOT/step-N.tmp-RUN~PLAN/``. The committing rank's thread then waits (polling, with a
 deadline) for every writer's index, writes ``meta.json`` and ``COMPLETE``, renames the
 directory to ``ROOT/step-N`` and prunes old checkpoints. A crash anywhere before the rename
 leaves no ``step-N`` directory, so readers only ever see whole checkpoints.
@@ -84,6 +84,9 @@ class SaveRecord:
     pieces: int = 0
     committed: Path | None = None  # committer only, once renamed into place
     error: str = ""
+    # the save was given up, not failed: the job re-planned before every writer of the old
+    # plan wrote (a writer died) and saves the step again under the new plan
+    abandoned: str = ""
     written: threading.Event = field(default_factory=threading.Event, repr=False)  # this rank's file is on disk
     done: threading.Event = field(default_factory=threading.Event, repr=False)  # ... and committed (committer)
 
@@ -97,6 +100,10 @@ class _Job:
     pieces: list[tuple[str, str, tuple[tuple[int, int], ...], torch.Tensor]]
     writers: tuple[int, ...]
     data: dict[str, Any]
+
+
+class _Abandoned(Exception):
+    """A save whose plan the job has replaced: given up without an error."""
 
 
 class AsyncCheckpointer:
@@ -131,6 +138,7 @@ class AsyncCheckpointer:
             spec, config.max_seq_len)
         self.records: list[SaveRecord] = []
         self.errors: list[str] = []
+        self._latest_plan: Plan | None = None  # the plan of the latest save: older plans' commits are given up
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._commits: queue.Queue[_Job | None] = queue.Queue()
         self._stop = threading.Event()
@@ -155,6 +163,7 @@ class AsyncCheckpointer:
         is still being written waits for it (``SaveRecord.wait_s``) rather than pile up
         copies. It never waits for other ranks: commits run on their own thread."""
         rec = SaveRecord(step)
+        self._latest_plan = plan
         t0 = self.clock()
         if self.records and not self.records[-1].written.is_set():
             self.records[-1].written.wait()
@@ -252,7 +261,10 @@ class AsyncCheckpointer:
             if job is None:
                 return
             try:
-                self._commit(job, self.root / tmp_dir_name(job.record.step, self.run_id))
+                self._commit(job, self.root / tmp_dir_name(job.record.step, self.run_id, job.plan))
+            except _Abandoned as why:
+                job.record.abandoned = str(why)
+                log.warning("checkpoint of step %d given up on rank %d: %s", job.record.step, self.rank, why)
             except Exception as exc:  # noqa: BLE001 - a failed save must not kill training
                 self._fail(job, exc)
             finally:
@@ -265,7 +277,7 @@ class AsyncCheckpointer:
         header = {"run_id": self.run_id, "step": rec.step, "plan": job.plan.to_dict(), "adam_step": job.adam_step,
                   "states": list(job.states)}
         if job.pieces:  # (a rank that writes nothing must not touch the directory: it may be committed already)
-            tmp = self.root / tmp_dir_name(rec.step, self.run_id)
+            tmp = self.root / tmp_dir_name(rec.step, self.run_id, job.plan)
             tmp.mkdir(parents=True, exist_ok=True)
             host = [(s, n, b, t.to("cpu").numpy()) for s, n, b, t in job.pieces]
             written = write_rank_file(tmp, self.rank, host, header, fsync=self.fsync)
@@ -292,6 +304,10 @@ class AsyncCheckpointer:
                         indexes[r] = idx
             if len(indexes) == len(want):
                 break
+            if self._latest_plan is not None and self._latest_plan != job.plan:
+                missing = sorted(set(want) - set(indexes))
+                raise _Abandoned(f"ranks {missing} did not write their files before the job re-planned; a save under "
+                                 f"the new plan takes its place (left in {tmp}, removed by a later save)")
             newer = not self._commits.empty()  # a later save is ready to commit: this one is superseded
             if self.clock() > deadline or self._stop.is_set() or newer:
                 missing = sorted(set(want) - set(indexes))

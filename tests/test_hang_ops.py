@@ -21,7 +21,13 @@ from cp_helpers import read_jsonl, wait_until
 from test_detector import PLAN, _cfg, _replay
 
 from resihp.coordinator.detector.detector import Detector
-from resihp.coordinator.detector.hangs import HELD_SHARE, STATE_SETTLE_S, STUCK_HELD_SHARE, hang_culprits, stuck_culprits
+from resihp.coordinator.detector.hangs import (
+    HELD_SHARE,
+    STATE_SETTLE_S,
+    STUCK_HELD_SHARE,
+    hang_culprits,
+    stuck_culprits,
+)
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.trace import HeartbeatEvent, IterationRecord, OpState, TraceError, read_trace, write_trace
 from resihp.coordinator.protocol import codec

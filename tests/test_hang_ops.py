@@ -24,6 +24,7 @@ from resihp.coordinator.detector.detector import Detector
 from resihp.coordinator.detector.hangs import (
     HELD_SHARE,
     STATE_SETTLE_S,
+    STUCK_HELD_MIN_S,
     STUCK_HELD_SHARE,
     hang_culprits,
     stuck_culprits,
@@ -66,15 +67,17 @@ def test_nobody_is_named_without_clear_evidence(why: str, stalled: float, ops: d
 def test_a_rank_that_keeps_entering_ops_is_slow_not_stuck() -> None:
     """The rank its peers wait for, but whose beats name a new op every time (a severe
     fail-slow: ten times slower, it still moves from op to op), is not named, nor one that held
-    an op across two beats (80x slower on a loaded host: its ops take a second); once it holds
-    one op for a whole hang wait, it is."""
+    an op across two beats a second apart (80x slower on a loaded host: its ops take a second);
+    once it holds one op for half the hang wait, and two seconds at least, it is."""
     ops = {0: RECV, 1: STUCK, 2: DP, 3: DP}
     fresh = {r: 0.5 for r in ops}
-    moving = {0: 4.0, 1: 0.3, 2: 4.0, 3: 4.0}
+    moving = {0: 9.0, 1: 0.3, 2: 9.0, 3: 9.0}
     assert stuck_culprits(5.0, 3.0, ops, fresh, moving) == []
-    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: 1.5}) == []
-    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: STUCK_HELD_SHARE * 3.0 - 0.01}) == []
-    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: STUCK_HELD_SHARE * 3.0}) == [1]
+    assert STUCK_HELD_MIN_S == 2.0 and STUCK_HELD_SHARE == 0.5
+    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: 1.99}) == []  # at a 3 s wait: the 2 s minimum
+    assert stuck_culprits(5.0, 3.0, ops, fresh, {**moving, 1: 2.0}) == [1]
+    assert stuck_culprits(9.0, 8.0, ops, fresh, {**moving, 1: 3.99}) == []  # at an 8 s wait: half of it
+    assert stuck_culprits(9.0, 8.0, ops, fresh, {**moving, 1: 4.0}) == [1]
 
 
 def test_a_silent_rank_is_no_culprit_while_another_still_moves_on() -> None:

@@ -44,11 +44,20 @@ STATE_SETTLE_S = 1.0  # an op state counts once reported this long after the las
 # wait ago (a rank slowed even 10x enters ops far more often: a micro-batch's F or B is a few
 # per cent of an iteration)
 HELD_SHARE = 0.25
-# a rank stuck in an op holds it for good: named once it has held one op for a whole hang wait
-# (from the first to the latest beat that named it). A quarter of it was too little: a rank
-# throttled 80x on 2 loaded cores held one compute op past two beats a second apart, and a
-# no-progress verdict killed a rank that was only slow (CI, stop 45)
-STUCK_HELD_SHARE = 1.0
+# a rank stuck in an op holds it for good: named once it has held one op (from the first to the
+# latest beat that named it) for half the hang wait, and for at least STUCK_HELD_MIN_S. Half: a
+# stuck rank entered its op after the job's last iteration, so it has held it for most of the
+# wait when the job is found stopped (found within 2 predicted iterations + 1 s). The minimum:
+# at the wait's 2 s floor (short iterations), a rank throttled 80x on 2 loaded cores held one
+# compute op across two beats a second apart, and a no-progress verdict killed a rank that was
+# only slow (CI, stop 45); three beats naming one op are needed there
+STUCK_HELD_SHARE = 0.5
+STUCK_HELD_MIN_S = 2.0
+
+
+def stuck_held_s(wait_s: float) -> float:
+    """How long a rank must have held one op to be named stuck, for a hang wait of ``wait_s``."""
+    return max(STUCK_HELD_SHARE * wait_s, STUCK_HELD_MIN_S)
 
 
 def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | None],
@@ -62,8 +71,7 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     reported); none unless every live rank has one, some wait, and fewer than half do not.
     ``op_held_s``: seconds from the first to the latest beat of each rank that named the op it
     is in (its ``seq``: beats are all we know of it, so a rank that moved on since its latest
-    beat is not taken as still in it); a culprit must have held it for ``STUCK_HELD_SHARE`` of
-    ``wait_s``: a rank many times slower than usual (a severe fail-slow) still enters op
+    beat is not taken as still in it); a culprit must have held it for ``stuck_held_s(wait_s)``: a rank many times slower than usual (a severe fail-slow) still enters op
     after op, and its peers wait for it meanwhile — it is slow, not stuck, and a no-progress
     verdict would kill it.
     Pure: the detector and the coordinator's liveness both use it."""
@@ -75,8 +83,8 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     free = sorted(r for r, o in ops.items() if o is not None and not o.waiting)
     if not free or 2 * len(free) >= len(ops):
         return []
-    if op_held_s is not None and any(op_held_s.get(r, 0.0) < STUCK_HELD_SHARE * wait_s for r in free):
-        return []  # one of them has not held its op for a whole wait: slow, not stuck (yet)
+    if op_held_s is not None and any(op_held_s.get(r, 0.0) < stuck_held_s(wait_s) for r in free):
+        return []  # one of them has not held its op long enough: slow, not stuck (yet)
     return free
 
 
@@ -91,4 +99,4 @@ def stuck_reason(rank: int, ops: Mapping[int, OpState | None], stalled_s: float,
             f"p2p or collective ops: a stuck kernel, collective or data loader on rank {rank} holds the job up")
 
 
-__all__ = ["HELD_SHARE", "STATE_SETTLE_S", "STUCK_HELD_SHARE", "hang_culprits", "moving", "stuck_culprits", "stuck_reason"]
+__all__ = ["HELD_SHARE", "STATE_SETTLE_S", "STUCK_HELD_MIN_S", "STUCK_HELD_SHARE", "hang_culprits", "moving", "stuck_culprits", "stuck_held_s", "stuck_reason"]

@@ -42,8 +42,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
-LAYOUTS = {"pp2dp2": (1, 2, 2), "tp2pp2dp2": (2, 2, 2), "pp2dp2-long": (1, 2, 2)}
-SLOW_RANK = {"pp2dp2": 2, "tp2pp2dp2": 5, "pp2dp2-long": 2}  # a stage-0 rank of replica 1 / a TP member of replica 1
+LAYOUTS = {"pp2dp2": (1, 2, 2), "tp2pp2dp2": (2, 2, 2), "pp2dp2-long": (1, 2, 2), "pp2dp4": (1, 2, 4)}
+# a stage-0 rank of replica 1 / a TP member of replica 1 / a stage-1 rank of replica 2
+SLOW_RANK = {"pp2dp2": 2, "tp2pp2dp2": 5, "pp2dp2-long": 2, "pp2dp4": 5}
+# pp2dp4: four ranks per stage, whose compute baselines anchor each other (docs/detector.md,
+# "Slow from the start"); with --slow-at 0 the throttle lands before the first step
 # pp2dp2-long: 96 micro-batches of 512 tokens, iterations of about 8 s on 2 cores: long enough
 # for the detector's in-flight judging (docs/detector.md, "In flight"); not in the default set
 EXAMPLE_ARGS = {"pp2dp2-long": ("--microbatches", "96", "--seq", "512")}
@@ -113,10 +116,14 @@ def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor
                   "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000", "--compute-clock", clock,
                   *EXAMPLE_ARGS.get(layout, ()))
     t0 = time.monotonic()
+    env = dict(os.environ)
+    injected: int | None = None
+    if kind == "slow" and slow_at == 0:  # slow from the first step: the hooks' own throttle, no admin call
+        env["RESIHP_THROTTLE"] = f"{SLOW_RANK[layout]}:{factor}@0"
+        injected = 0
     with open(run / "launch.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         tenant: subprocess.Popen[bytes] | None = None
-        injected: int | None = None
         try:
             while proc.poll() is None:
                 if time.monotonic() - t0 > timeout_s:

@@ -18,12 +18,13 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.evidence import PlanIndex, host_stats, small_host_shift
-from resihp.coordinator.detector.noise import NoiseModel, narrower
+from resihp.coordinator.detector.noise import MEDIAN_VAR, NoiseModel, narrower
 from resihp.coordinator.detector.ratios import fill_nan, median
 from resihp.coordinator.detector.verdicts import RankState
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+MEDIAN_SE = float(np.sqrt(MEDIAN_VAR))  # a sample median's standard error over the mean's (Gaussian noise)
 # a rank's compute noise (relative spread of its ratio of sums, per iteration) above which the
 # least-stretched-op estimator is worked out as well
 FLOOR_WORTH = 0.03
@@ -43,6 +44,69 @@ SEVERE = 0.5
 # slow for the few iterations its peers re-warmed, and a re-plan followed (bench/real_runs.py,
 # a dp-shares change for a throttled peer)
 COMMON_MEMORY = 16
+# a compute baseline more than this many of its own standard errors (and the effect floor) above
+# the median baseline of the ranks that do the same work is held at that bound (``PeerAnchor``)
+PEER_LEVEL = 6.0
+# the fewest ranks doing the same work (with judged baselines) for their median to be the
+# healthy level: of two, either may be the slow one
+PEER_MIN = 3
+
+
+def peer_groups(ckey: npt.NDArray[np.int64]) -> IntArray:
+    """(groups, size) positions of the ranks that do the same compute work (identical compute
+    cost keys: the same layers on the same TP size, in other DP replicas), -1 padded; only
+    groups of ``PEER_MIN`` or more. ``ckey``: PlanIndex.ckey."""
+    n = ckey.shape[0]
+    if n == 0:
+        return np.zeros((0, 0), dtype=np.int64)
+    _, inverse = np.unique(ckey.reshape(n, -1), axis=0, return_inverse=True)
+    inverse = np.asarray(inverse).reshape(-1)
+    members = [np.flatnonzero(inverse == g) for g in range(int(inverse.max()) + 1)]
+    members = [m for m in members if len(m) >= PEER_MIN]
+    out = np.full((len(members), max((len(m) for m in members), default=0)), -1, dtype=np.int64)
+    for g, m in enumerate(members):
+        out[g, :len(m)] = m
+    return out
+
+
+def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int = 0) -> npt.NDArray[np.bool_]:
+    """Hold each compute baseline of ``model`` (column ``key``) at most ``PEER_LEVEL`` of its
+    standard errors (and at least the effect ``floor``) above the median baseline of the
+    ranks doing the same work (``groups``, ``peer_groups``); returns the rows held.
+
+    Why: a key learns its baseline from its own first iterations, so a device slow from the
+    job's start (or from within its warm-up) had its slowdown for a baseline and was never
+    found, even at 3x (an outsider trace with the fault at iteration 0). Ranks that do the same
+    work on the same predicted time are each other's reference: a rank whose healthy level
+    sits far above theirs is slow, not differently healthy. Its own spread stays (its noise
+    is its device's). The standard error is a median's, of each side's samples: a wide bound
+    on shared cores (±20 % per iteration: a CPU rank must sit 20 % above its peers), the
+    effect floor on quiet GPUs."""
+    held = np.zeros(model.m.shape[0], dtype=np.bool_)
+    if groups.size == 0:
+        return held
+    m = model.m[:, key]
+    judged = model.judged()[:, key]
+    vals = np.where((groups >= 0) & judged[groups], m[groups], np.nan)
+    count = np.isfinite(vals).sum(axis=1)
+    ok = count >= PEER_MIN
+    if not ok.any():
+        return held
+    ref = np.full(len(count), np.nan)
+    ref[ok] = np.nanmedian(vals[ok], axis=1)
+    rank_ref = np.full(len(m), np.nan)
+    rank_cnt = np.ones(len(m))
+    flat, grp = groups.reshape(-1), np.repeat(np.arange(len(groups)), groups.shape[1])
+    real = flat >= 0
+    rank_ref[flat[real]] = ref[grp[real]]
+    rank_cnt[flat[real]] = count[grp[real]]
+    n = model.samples()[:, key].astype(np.float64)
+    se = MEDIAN_SE * model.relative_spread()[:, key] * np.sqrt((1.0 + 1.0 / rank_cnt) / n)
+    cap = rank_ref * (1.0 + np.maximum(floor, PEER_LEVEL * se))
+    held = judged & np.isfinite(cap) & (m > cap)
+    if held.any():
+        model.m[held, key] = cap[held]
+    return held
 
 
 class AdaptiveJudging:
@@ -63,6 +127,7 @@ class AdaptiveJudging:
     # per compute estimator ("sums", "floor"): its latest common factors (COMMON_MEMORY); they
     # outlive plan changes, as the machine's load and the model's common error do
     _commons: dict[str, deque[float]]
+    _peers: IntArray  # peer_groups of the current plan (set by Detector._alloc)
 
     def _adaptive_chunks(self, comp: FloatArray, low: FloatArray | None, comm: FloatArray,
                          low_of: Callable[[IntArray], FloatArray] | None = None
@@ -206,5 +271,7 @@ class AdaptiveJudging:
         ok = ((self.state == RankState.HEALTHY) | (self.state == RankState.SUSPECT))[:, None]
         g, g_floor = self._g_keys
         self.noise.learn(x, np.broadcast_to(ok, x.shape), g)
+        anchor_to_peers(self.noise, self._peers, self.config.effect_floor)
         if self._floor_x is not None and g_floor is not None:
             self.floor_noise.learn(self._floor_x, ok, g_floor)
+            anchor_to_peers(self.floor_noise, self._peers, self.config.effect_floor)

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
+from resihp.coordinator.detector.adaptive import peer_groups
 from resihp.coordinator.detector.config import DetectorConfig as DetectorConfig  # re-exported: its home for callers
 from resihp.coordinator.detector.drift import FactorDrift
 from resihp.coordinator.detector.evidence import (
@@ -153,6 +154,7 @@ class Detector(IterationJudge, IdleRankVerdicts):
         self._path_end = np.zeros(n, dtype=bool)
         self._quiet_paths = QuietPaths(self.index, self.config.comm_threshold)  # a new plan's ranks have other paths
         self._severe_prev = np.zeros(n, dtype=bool)
+        self._peers = peer_groups(self.index.ckey)  # adaptive.py: ranks doing the same work anchor each other
         self._recovery = None  # a new plan's ranks sit at other positions
         self.cause_code = np.array([1 if self._cause.get(r) == "communication" else 0 for r in ranks], dtype=np.int64)
         self._beat_at = self._beat_array()

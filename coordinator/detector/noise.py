@@ -283,6 +283,10 @@ class NoiseModel:
             self._tolerance = np.asarray(np.sqrt(1.0 + MEDIAN_VAR * RECENT / self._n_base()), dtype=np.float64)
         return self._tolerance
 
+    def samples(self) -> npt.NDArray[np.int64]:
+        """(n, kinds): the samples each key's baseline median rests on (``_n_base``)."""
+        return self._n_base()
+
     def _n_base(self) -> npt.NDArray[np.int64]:
         """(n, kinds): the samples each key's baseline median rests on (at least min_samples:
         before that the prior stands in)."""

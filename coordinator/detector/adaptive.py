@@ -92,8 +92,9 @@ def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int 
     ok = count >= PEER_MIN
     if not ok.any():
         return held
-    ref = np.full(len(count), np.nan)
-    ref[ok] = np.nanmedian(vals[ok], axis=1)
+    srt = np.sort(vals, axis=1)  # NaN last: each row's finite values first, in order
+    rows = np.arange(len(count))
+    ref = np.where(ok, 0.5 * (srt[rows, np.maximum(count - 1, 0) // 2] + srt[rows, count // 2]), np.nan)
     rank_ref = np.full(len(m), np.nan)
     rank_cnt = np.ones(len(m))
     flat, grp = groups.reshape(-1), np.repeat(np.arange(len(groups)), groups.shape[1])

@@ -12,7 +12,9 @@ so holding the wait for the ring's last arriver). Each trace is replayed through
 per-transfer jitter, GC pauses and data-loader stalls of 50-500 ms on single ranks,
 co-tenant episodes slowing a host, heavy-tailed document lengths packed at 8K/16K/32K.
 Faults: compute 1.1-3x on any rank, a 3x slow path between two stages (inside a node and
-across nodes), a 4x slow NIC (its cross-node transfers and DP rings), a transient slowdown.
+across nodes), a 4x slow NIC (its cross-node transfers and DP rings), a transient slowdown,
+all from iteration 120 (the detector warmed up); and a 1.3x device slow from iteration 0 (a bad
+node at job start: its own first iterations cannot be its healthy reference).
 
 Prints a table per noise level x fault kind, then one line of JSON:
 ``outsider_false_alarms_per_run`` (fail-slow findings naming no rank of the fault, per
@@ -63,6 +65,7 @@ class Fault:
     factor: float = 1.0
     rank: int = -1  # compute, transient: the rank; link: the sending rank of the slow path; nic: a rank of the node
     length: int = 10**9
+    start: int = FAULT_AT  # the first slowed iteration (0: a device slow from the job's start)
 
 
 @dataclass
@@ -123,7 +126,7 @@ def forward_s(seqlens: list[int], layers: int, tp: int) -> float:
 def iteration(job: Job, it: int, t0: float) -> dict[str, object]:
     """One step of every replica's 1F1B pipeline, then the DP all-reduce and the optimizer."""
     rng, nz, fault = job.rng, job.noise, job.fault
-    active = FAULT_AT <= it < FAULT_AT + fault.length
+    active = fault.start <= it < fault.start + fault.length
     for node in sorted({job.node(r) for r in range(job.tp * job.pp * job.dp)}):
         until, _ = job.cotenant.get(node, (-1, 1.0))
         if until < it and rng.random() < nz.cotenant_p:
@@ -291,6 +294,7 @@ def faults(rng: random.Random, job: Job) -> dict[str, Fault]:
             out[f"path-3x-{where}"] = Fault("link", 3.0, rng.choice(fit))
     out["nic-4x"] = Fault("nic", 4.0, rng.randrange(n))
     out["transient-1.5x"] = Fault("transient", 1.5, rng.randrange(n), rng.randint(5, 50))
+    out["compute-1.3x-at-0"] = Fault("compute", 1.3, rng.randrange(n), start=0)  # a bad device from the start
     return out
 
 
@@ -354,10 +358,11 @@ def check(runs_per_cell: int = 4, iterations: int = 300, base_seed: int = 2026, 
                 on = [f for f in slow if f.ranks & ranks and f.cause == cause]
                 c.right += len(on)
                 c.imprecise += sum(not f.ranks <= ranks for f in on)
-                hit = [f for f in on if FAULT_AT <= f.iteration < FAULT_AT + 60]
+                start = job.fault.start
+                hit = [f for f in on if start <= f.iteration < start + 60]
                 if hit:
                     c.found += 1
-                    c.latency.append(hit[0].iteration - FAULT_AT)
+                    c.latency.append(hit[0].iteration - start)
     print("false: fail-slow findings naming no rank of the fault; host: compute findings of a host under "
           "co-tenant load;\nwide: right findings naming ranks beside the fault's (a DP ring whose members "
           "look alike)\n")

@@ -52,3 +52,12 @@ def test_the_detector_finds_a_compute_fault_and_a_path_inside_a_node_and_nothing
     path = outsider.replay(list(outsider.write_trace(job, ITERATIONS)))
     got = [f for f in path if f.kind in ("fail-slow", "degraded")]
     assert got and all(f.ranks <= outsider.expected(job)[0] and f.cause == "communication" for f in got), got
+
+
+def test_a_device_slow_from_the_first_iteration_is_found_in_an_outsider_trace() -> None:
+    """A 1.3x device from iteration 0 (never before: its own first iterations were its
+    baseline); TP2 x PP4 x DP2: a stage's four ranks are each other's reference."""
+    job = _job(outsider.Fault("compute", 1.3, 6, start=0))
+    found = [f for f in outsider.replay(list(outsider.write_trace(job, 60))) if f.kind in ("fail-slow", "degraded")]
+    assert found and found[0].ranks == frozenset({6}) and found[0].cause == "compute", found
+    assert found[0].iteration <= 30 and all(f.ranks == frozenset({6}) for f in found), found

@@ -229,6 +229,25 @@ def test_a_rank_whose_loop_raises_is_survived_like_a_killed_one(tmp_path: Path) 
     assert recovered and recovered[0]["downtime_s"] < 10, recovered
 
 
+def test_a_rank_throttled_from_the_first_step_by_its_environment_is_slow_not_hung(tmp_path: Path) -> None:
+    """RESIHP_THROTTLE=3:2@0 (a device slow from the start, no agent command): the throttle was
+    applied through a command boundary before the first step, which posted an agreement round
+    no other member posts; after step 0 rank 3 waited for their posts and was fenced as hung."""
+    run = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RESIHP_THROTTLE": "3:2@0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "launch", "-n", "4", "--pp", "2", "--dp", "2", "--gpu-sampler", "off",
+         "--run-dir", str(run), "--", sys.executable, str(repo / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "2",
+         "--dp", "2", "--steps", "8", "--log-every", "1000"], env=env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "every rank left cleanly" in out, out[-3000:]
+    assert "rank 3 compute throttled to 1/2.00 speed from iteration 0" in out
+    assert [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == "finding" and e.get("kind") == "fail-stop"] == []
+    steps = [e for e in read_jsonl(run / "progress.jsonl") if e["type"] == "step"]
+    assert [e["step"] for e in steps] == list(range(8)) and not any(e.get("epoch") for e in steps)
+
+
 def test_a_stopped_rank_is_fenced_by_its_agent_and_the_survivors_finish_every_step(tmp_path: Path) -> None:
     """A rank stops itself (SIGSTOP: alive, silent, its peers blocked on it). The coordinator's
     no-progress verdict is enforced: its agent SIGKILLs it, so MPI's shrink stops waiting for it;

@@ -471,13 +471,20 @@ def init(
         job_obj.on_command_received = job_obj.resilience.on_command_received
     if env_throttle is not None:
         factor, at, until = env_throttle
-        job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,
-                                                  ranks=(boot.rank,)))
+        if at <= 0:
+            # set here, not through a command boundary: a resilient member's boundary posts an
+            # agreement round that every member posts, and no other member has a boundary before
+            # the first step (the throttled rank waited for its peers' posts after step 0 and
+            # was fenced as hung)
+            throttle.set_factor(factor)
+            log.warning("resihp: rank %d compute throttled to 1/%.2f speed from iteration 0 (%s)", boot.rank, factor,
+                        THROTTLE_ENV)
+        else:
+            job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,
+                                                      ranks=(boot.rank,)))
         if until is not None:  # the device is healthy again
             job_obj._pending.append(m.ThrottleCommand(plan.epoch, 1.0, until, reason=f"{THROTTLE_ENV} ends", seq=-1,
                                                       ranks=(boot.rank,)))
-        if at <= 0:
-            job_obj._apply_commands(-1)
     if job_obj.resilience is not None and job_obj.resilience.probe is not None:
         # every rank's start-up probe: the healthy reference the detector judges idle ranks by
         tx.probe(job_obj.resilience.probe.run())

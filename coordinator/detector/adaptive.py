@@ -46,7 +46,7 @@ SEVERE = 0.5
 COMMON_MEMORY = 16
 # a compute baseline more than this many of its own standard errors (and the effect floor) above
 # the median baseline of the ranks that do the same work is held at that bound (``PeerAnchor``)
-PEER_LEVEL = 6.0
+PEER_LEVEL = 4.0
 # the fewest ranks doing the same work (with judged baselines) for their median to be the
 # healthy level: of two, either may be the slow one
 PEER_MIN = 3
@@ -80,7 +80,7 @@ def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int 
     work on the same predicted time are each other's reference: a rank whose healthy level
     sits far above theirs is slow, not differently healthy. Its own spread stays (its noise
     is its device's). The standard error is a median's, of each side's samples: a wide bound
-    on shared cores (±20 % per iteration: a CPU rank must sit 20 % above its peers), the
+    on shared cores (±20-27 % per iteration: a CPU rank must sit 18-35 % above its peers), the
     effect floor on quiet GPUs."""
     held = np.zeros(model.m.shape[0], dtype=np.bool_)
     if groups.size == 0:

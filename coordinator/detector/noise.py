@@ -231,9 +231,9 @@ class NoiseModel:
         # judged, its shift test already leans (half the level): a slowdown soon after the start
         # must not teach the baseline it is judged against. Before it is judged it always
         # learns: a key held back then would never get the samples to be judged at all
-        warm_up = (self.hcount < QUARANTINE // 2) & ~self._measured
+        warm_up = self.hcount < QUARANTINE // 2
         if g is not None:
-            warm_up &= (self.hcount < self.min_samples) | (g < 0.5 * self.level)
+            warm_up &= ((self.hcount < self.min_samples) & ~self._measured) | (g < 0.5 * self.level)
         self.pending[slot] = np.where(warm_up, np.nan, x)
         x = np.where(warm_up, x, old)
         take = ok & np.isfinite(x)

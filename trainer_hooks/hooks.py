@@ -272,9 +272,7 @@ class Job:
                 continue  # a notice is information (the agent client prints it): never applied nor acknowledged
             try:
                 if isinstance(cmd, m.ThrottleCommand):
-                    self.throttle.set_factor(cmd.factor)
-                    log.warning("resihp: rank %d compute throttled to 1/%.2f speed from iteration %d (%s)",
-                                self.rank, cmd.factor, next_it, cmd.reason or "injected")
+                    self._throttle_to(cmd.factor, next_it, cmd.reason or "injected")
                 elif isinstance(cmd, m.DrainCommand):
                     stop = True
                 elif self.on_reconfigure is not None:
@@ -293,6 +291,13 @@ class Job:
         if members is not None and not stop:
             members.post_round(iteration, self._pending)
         return StepOutcome(iteration, tuple(applied), stop)
+
+    def _throttle_to(self, factor: float, iteration: int, why: str) -> None:
+        """Slow this rank's compute to 1/``factor`` from ``iteration`` (fault injection); the
+        log line is what bench/real_runs.py reads the throttle's first iteration from."""
+        self.throttle.set_factor(factor)
+        log.warning("resihp: rank %d compute throttled to 1/%.2f speed from iteration %d (%s)", self.rank, factor,
+                    iteration, why)
 
     def close(self) -> None:
         """Flush the trace (collective over all ranks), say goodbye to the agent, leave the world.
@@ -476,9 +481,7 @@ def init(
             # agreement round that every member posts, and no other member has a boundary before
             # the first step (the throttled rank waited for its peers' posts after step 0 and
             # was fenced as hung)
-            throttle.set_factor(factor)
-            log.warning("resihp: rank %d compute throttled to 1/%.2f speed from iteration 0 (%s)", boot.rank, factor,
-                        THROTTLE_ENV)
+            job_obj._throttle_to(factor, 0, THROTTLE_ENV)
         else:
             job_obj._pending.append(m.ThrottleCommand(plan.epoch, factor, at, reason=f"{THROTTLE_ENV}", seq=-1,
                                                       ranks=(boot.rank,)))

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from resihp.coordinator.detector.config import DetectorConfig
 from resihp.coordinator.detector.evidence import PlanIndex, host_stats, small_host_shift
-from resihp.coordinator.detector.noise import MEDIAN_VAR, NoiseModel, narrower
+from resihp.coordinator.detector.noise import MEDIAN_VAR, NoiseModel, median_rows, narrower
 from resihp.coordinator.detector.ratios import fill_nan, median
 from resihp.coordinator.detector.verdicts import RankState
 
@@ -92,9 +92,8 @@ def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int 
     ok = count >= PEER_MIN
     if not ok.any():
         return held
-    srt = np.sort(vals, axis=1)  # NaN last: each row's finite values first, in order
-    rows = np.arange(len(count))
-    ref = np.where(ok, 0.5 * (srt[rows, np.maximum(count - 1, 0) // 2] + srt[rows, count // 2]), np.nan)
+    ref = np.full(len(count), np.nan)
+    ref[ok] = median_rows(vals[ok], complete=False)
     rank_ref = np.full(len(m), np.nan)
     rank_cnt = np.ones(len(m))
     flat, grp = groups.reshape(-1), np.repeat(np.arange(len(groups)), groups.shape[1])

@@ -71,9 +71,9 @@ def stuck_culprits(stalled_s: float, wait_s: float, ops: Mapping[int, OpState | 
     reported); none unless every live rank has one, some wait, and fewer than half do not.
     ``op_held_s``: seconds from the first to the latest beat of each rank that named the op it
     is in (its ``seq``: beats are all we know of it, so a rank that moved on since its latest
-    beat is not taken as still in it); a culprit must have held it for ``stuck_held_s(wait_s)``: a rank many times slower than usual (a severe fail-slow) still enters op
-    after op, and its peers wait for it meanwhile — it is slow, not stuck, and a no-progress
-    verdict would kill it.
+    beat is not taken as still in it); a culprit must have held it for ``stuck_held_s(wait_s)``:
+    a rank many times slower than usual (a severe fail-slow) still enters op after op, and its
+    peers wait for it meanwhile — it is slow, not stuck, and a no-progress verdict would kill it.
     Pure: the detector and the coordinator's liveness both use it."""
     if stalled_s <= wait_s or len(ops) < 3:
         return []
@@ -99,4 +99,5 @@ def stuck_reason(rank: int, ops: Mapping[int, OpState | None], stalled_s: float,
             f"p2p or collective ops: a stuck kernel, collective or data loader on rank {rank} holds the job up")
 
 
-__all__ = ["HELD_SHARE", "STATE_SETTLE_S", "STUCK_HELD_MIN_S", "STUCK_HELD_SHARE", "hang_culprits", "moving", "stuck_culprits", "stuck_held_s", "stuck_reason"]
+__all__ = ["HELD_SHARE", "STATE_SETTLE_S", "STUCK_HELD_MIN_S", "STUCK_HELD_SHARE", "hang_culprits", "moving",
+           "stuck_culprits", "stuck_held_s", "stuck_reason"]

@@ -311,8 +311,8 @@ class NoiseModel:
             filled = int(min(self.window, int(self.hcount[pr, pk].max())))
             h = self.hist[pr, pk, :filled]  # (q, filled)
             mean = _mean_rows if complete else _nanmean_rows
-            m = _median_rows(h, complete)
-            mad = _median_rows(np.abs(h - m[:, None]), complete)
+            m = median_rows(h, complete)
+            mad = median_rows(np.abs(h - m[:, None]), complete)
             # a spread from few samples is uncertain: widen it (×1.41 at 8 samples, ×1.06 at 64)
             few = np.sqrt(1.0 + self.min_samples / np.maximum(self.hcount[pr, pk], 1))
             void = np.abs(m) < MIN_BASE
@@ -395,7 +395,7 @@ def _nanmean_rows(a: FloatArray) -> FloatArray:
     return out
 
 
-def _median_rows(a: FloatArray, complete: bool) -> FloatArray:
+def median_rows(a: FloatArray, complete: bool) -> FloatArray:
     """Row medians; ``complete``: no NaN, else NaN are ignored (rows have at least one
     finite value)."""
     n_cols = a.shape[1]

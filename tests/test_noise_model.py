@@ -112,6 +112,31 @@ def test_a_recovered_key_starts_its_shift_test_afresh() -> None:
     assert alarms == []
 
 
+def test_held_iterations_are_no_evidence_that_a_slow_key_is_back() -> None:
+    """A slow rank's keys are held (NaN) while they re-warm after a plan change. Those
+    iterations put zeros in its windows; the recent mean speaks only after RECENT iterations
+    *with* evidence, else a rank still 1.35x slow read "back" right after its re-warm (a real
+    PP2xDP2 run: recovered 3 iterations after the re-warm, found slow again 3 later)."""
+    rng = np.random.default_rng(5)
+    model = NoiseModel(range(2))
+    for x in 1.0 + 0.05 * rng.standard_normal((80, 2)):
+        both = np.stack([x, np.full_like(x, np.nan)], axis=1)
+        model.test(both)
+        model.learn(both, np.ones_like(both, dtype=bool))
+    model.clear_windows(np.array([True, True]))
+    held = np.full((2, 2), np.nan)
+    for _ in range(10):  # the re-warm: no evidence for either rank
+        model.test(held)
+    assert not model.recent_known().any()
+    means = []
+    for i in range(8):  # rank 0 is still 1.35x slow, rank 1 healthy
+        x = np.array([[1.35, np.nan], [1.0, np.nan]])
+        _, _, recent = model.test(x)
+        assert model.recent_known().tolist() == [i >= 7, i >= 7]
+        means.append(float(model.recent_excess[0, 0]))
+    assert means[-1] == pytest.approx(0.35, rel=0.05)  # a mean over slow iterations only
+
+
 def test_narrower_picks_the_estimator_whose_healthy_spread_is_smaller_per_rank() -> None:
     """Two estimators of one quantity: per rank, the one whose healthy spread relative to its
     baseline is narrower; the alternative only once it rests on half a window."""

@@ -101,8 +101,8 @@ class NoiseModel:
         self.z = np.zeros((zw, n, k))  # recent clipped deviations (ring, one slot per iteration)
         self.sums = np.zeros((len(SCALES), n, k))  # Σ of the last w z, per scale
         self.zpos = 0
-        # iterations tested since a rank's windows were last emptied (a plan change moved it, or
-        # it recovered): its recent mean deviation speaks only once RECENT of them are in
+        # iterations with evidence tested since a rank's windows were last emptied (a plan change
+        # moved it, or it recovered): its recent mean deviation speaks only once RECENT are in
         self.since = np.zeros(n, dtype=np.int64)
         self._fresh = np.zeros((n, k), dtype=bool)  # got healthy samples since the last refresh
         self.far = np.zeros((n, k), dtype=bool)  # the latest iteration alone beyond the level
@@ -154,7 +154,9 @@ class NoiseModel:
             self.esums[j] += rel - self.e[slot]
         self.z[self.zpos] = z
         self.e[self.zpos] = rel
-        self.since += 1
+        # only an iteration with evidence counts: one whose keys were held (a re-warm after a
+        # plan change) put zeros in the windows, and RECENT of those read as "back to normal"
+        self.since += ~missing.all(axis=1)
         self.zpos = (self.zpos + 1) % zw
         # a window's mean is judged against a baseline that is itself a median of the healthy
         # window's n samples, uncertain by ~1.25/√n spreads: a long window's mean is as
@@ -272,8 +274,9 @@ class NoiseModel:
         self.since[rows] = 0
 
     def recent_known(self) -> BoolArray:
-        """Ranks whose recent mean deviation rests on RECENT tested iterations: a rank whose
-        windows were just emptied reads 0 there, which is no evidence that it is back."""
+        """Ranks whose recent mean deviation rests on RECENT tested iterations with evidence: a
+        rank whose windows were just emptied, or whose keys were held since (a re-warm), reads 0
+        there, which is no evidence that it is back."""
         return np.asarray(self.since >= RECENT, dtype=np.bool_)
 
     def recent_tolerance(self) -> FloatArray:

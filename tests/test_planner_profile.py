@@ -148,6 +148,52 @@ def test_one_kind_of_transfer_scales_the_configured_line() -> None:
     assert p.link_latency_s * p.link_bw_Bps == pytest.approx(8e-4 * 2e9)  # the configured line, scaled
 
 
+def test_in_node_p2p_prices_a_tp_group_the_job_has_not_run() -> None:
+    """PP2 x DP2 with one pipeline inside a node: its P2P spans are the node's links, and with
+    no TP span measured they price a TP all-reduce (the configured intra-node line, scaled
+    through the measured hop). A pipeline across nodes teaches nothing about them; once TP
+    spans are measured they price TP, as before; without the ranks' nodes nothing changes."""
+    plan = Plan.uniform(1, 2, 2, SPEC.num_layers, 8)
+    hop = TRUE["lat"] + 2.0 * 128 * SPEC.hidden / TRUE["bw"]
+    nodes = {0: "a", 1: "a", 2: "b", 3: "c"}
+    fit = ProfileFitter(SPEC, plan, intra_node_bw_Bps=INTRA_BW, inter_node_bw_Bps=2e9, inter_node_latency_s=8e-4,
+                        intra_node_latency_s=1e-5, nodes=nodes)
+    for i in range(5):
+        fit.add(synth(plan, i))
+    p = fit.profile()
+    assert p.intra_bw_Bps is not None and p.intra_latency_s is not None
+    assert p.intra_latency_s + 2.0 * 128 * SPEC.hidden / p.intra_bw_Bps == pytest.approx(hop)
+    assert p.intra_latency_s * p.intra_bw_Bps == pytest.approx(1e-5 * INTRA_BW)
+    fields = p.cluster_fields()
+    assert fields["intra_node_bw_Bps"] == p.intra_bw_Bps and fields["intra_node_latency_s"] == p.intra_latency_s
+    assert "in-node links" in p.describe()
+    # the planner now prices TP2 on those links: its all-reduces cost what the hops cost
+    cfg = PlannerConfig()
+    batch = GlobalBatch(8, 128)
+    tp2 = Plan.uniform(2, 1, 2, SPEC.num_layers, 8)
+    configured = Cluster.uniform(1, 4, device_flops=TRUE["flops"], intra_node_bw_Bps=INTRA_BW,
+                                 intra_node_latency_s=1e-5)
+    measured = Cluster.uniform(1, 4, device_flops=TRUE["flops"], intra_node_bw_Bps=fields["intra_node_bw_Bps"],
+                               intra_node_latency_s=fields["intra_node_latency_s"])
+    ring = 2.0 * 0.5 * 2.0 * 128 * SPEC.hidden / fields["intra_node_bw_Bps"] + 2.0 * fields["intra_node_latency_s"]
+    extra = evaluate(tp2, measured, SPEC, batch, cfg).iteration_s - evaluate(tp2, configured, SPEC, batch, cfg).iteration_s
+    assert extra > 0.5 * 4 * 4 * SPEC.num_layers * ring  # 4 micro-batches, 4 all-reduces per layer each
+    # pipelines across nodes only: no in-node evidence
+    apart = ProfileFitter(SPEC, plan, nodes={0: "a", 1: "b", 2: "c", 3: "d"})
+    blind = ProfileFitter(SPEC, plan)
+    for f in (apart, blind):
+        f.add(synth(plan, 0))
+        assert f.profile().intra_bw_Bps is None and "intra_node_bw_Bps" not in f.profile().cluster_fields()
+    # TP spans measured: they price TP, the hops do not
+    tp = Plan.uniform(2, 2, 1, SPEC.num_layers, 8)
+    with_tp = ProfileFitter(SPEC, tp, intra_node_bw_Bps=INTRA_BW, nodes={r: "a" for r in range(4)})
+    with_tp.add(synth(tp, 0))
+    q = with_tp.profile()
+    assert q.intra_bw_Bps is not None and q.tp_latency_s == pytest.approx(TRUE["tp_lat"], rel=1e-9)
+    assert q.cluster_fields()["intra_node_latency_s"] == q.tp_latency_s
+    assert "intra_node_bw_Bps" not in q.cluster_fields()
+
+
 def test_fit_link_keeps_both_terms_non_negative() -> None:
     # bigger messages faster than small ones: no line with both terms >= 0; the better one-term fit
     pts = [_Transfer(1.0, 1e3, 2e-3), _Transfer(2.0, 1e6, 1e-3)]

@@ -42,7 +42,8 @@ def measure(trace: Path, configured: Cluster | None, config_text: str | None, wi
         base = configured or Cluster(devices=(DeviceState(0, "n0"),))
         fit = ProfileFitter(header.model, header.plan, intra_node_bw_Bps=base.intra_node_bw_Bps,
                             inter_node_bw_Bps=base.inter_node_bw_Bps, inter_node_latency_s=base.inter_node_latency_s,
-                            window=window)
+                            intra_node_latency_s=base.intra_node_latency_s,
+                            nodes={d.rank: d.node for d in header.devices if d.node}, window=window)
         healthy = fit_trace(records, det, fit)
     prof = fit.profile()
     if not prof.cluster_fields():

@@ -22,6 +22,11 @@ prices every transfer the same):
   through the P2P spans (1 step, a micro-batch's boundary activations) and the DP spans
   (2(d − 1) steps, 2(d − 1)/d of the rank's gradient shard), in relative least squares; with
   one kind of transfer only, the configured line is scaled to it;
+- ``intra_bw_Bps`` and ``intra_latency_s``: the same line through the P2P spans of ranks whose
+  pipeline neighbours share their node (given the ranks' nodes), the configured intra-node
+  line scaled to it. A job that has run no TP group has measured no TP all-reduce, yet a
+  re-plan may form one: without this its price was the configured NVLink-class line. On a
+  CPU job over loopback that priced TP2 at 0.079 s per iteration; it ran 0.373 s;
 - ``hbm_bw_Bps``: optimizer bytes (``state_bytes_per_param`` × 2 per parameter of the
   shard) over the OPT spans.
 
@@ -56,6 +61,8 @@ class Profile:
     tp_latency_s: float | None = None
     hbm_bw_Bps: float | None = None
     iterations: int = 0  # healthy iterations the estimates come from
+    intra_bw_Bps: float | None = None  # P2P inside a node (module docstring)
+    intra_latency_s: float | None = None
 
     def cluster_fields(self) -> dict[str, float]:
         """The ``Cluster`` fields this profile measured (stage edges and DP rings are the
@@ -68,6 +75,10 @@ class Profile:
             out["inter_node_latency_s"] = self.link_latency_s
         if self.tp_latency_s is not None:
             out["intra_node_latency_s"] = self.tp_latency_s
+        elif self.intra_bw_Bps is not None and self.intra_latency_s is not None:
+            # no TP span measured: a TP group's all-reduce is priced on the node's measured links
+            out["intra_node_bw_Bps"] = self.intra_bw_Bps
+            out["intra_node_latency_s"] = self.intra_latency_s
         return out
 
     def describe(self) -> str:
@@ -80,6 +91,8 @@ class Profile:
             parts.append(f"links {self.link_bw_Bps / 1e6:.3g} MB/s + {self.link_latency_s * 1e6:.0f} µs")
         if self.tp_latency_s is not None:
             parts.append(f"TP step {self.tp_latency_s * 1e6:.0f} µs")
+        elif self.intra_bw_Bps is not None and self.intra_latency_s is not None:
+            parts.append(f"in-node links {self.intra_bw_Bps / 1e6:.3g} MB/s + {self.intra_latency_s * 1e6:.0f} µs")
         if self.hbm_bw_Bps is not None:
             parts.append(f"optimizer {self.hbm_bw_Bps / 1e9:.3g} GB/s")
         return f"measured over {self.iterations} healthy iterations: " + ", ".join(parts)
@@ -87,7 +100,8 @@ class Profile:
     def to_json(self) -> dict[str, float | int | None]:
         return {"device_flops": self.device_flops, "link_bw_Bps": self.link_bw_Bps,
                 "link_latency_s": self.link_latency_s, "tp_latency_s": self.tp_latency_s,
-                "hbm_bw_Bps": self.hbm_bw_Bps, "iterations": self.iterations}
+                "hbm_bw_Bps": self.hbm_bw_Bps, "iterations": self.iterations,
+                "intra_bw_Bps": self.intra_bw_Bps, "intra_latency_s": self.intra_latency_s}
 
 
 @dataclass(frozen=True)
@@ -102,18 +116,22 @@ class ProfileFitter:
 
     def __init__(self, spec: ModelSpec, plan: Plan, *, intra_node_bw_Bps: float = 300e9,
                  inter_node_bw_Bps: float = 25e9, inter_node_latency_s: float = 20e-6,
+                 intra_node_latency_s: float = 5e-6, nodes: Mapping[int, str] | None = None,
                  grad_reduce_bytes: float = 2.0, state_bytes_per_param: float = 16.0, window: int = 64) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.spec = spec
         self.intra_bw = intra_node_bw_Bps
         self.configured_link = (inter_node_latency_s, inter_node_bw_Bps)
+        self.configured_intra = (intra_node_latency_s, intra_node_bw_Bps)
+        self.nodes = dict(nodes or {})  # rank -> node; none known: no in-node line
         self.grad_bytes = grad_reduce_bytes
         self.state_bytes = state_bytes_per_param
         self.boundary_bytes = 0.0
         self._flops: deque[float] = deque(maxlen=window)
         self._tp: deque[float] = deque(maxlen=window)
         self._p2p: deque[_Transfer] = deque(maxlen=window)
+        self._p2p_in_node: deque[_Transfer] = deque(maxlen=window)
         self._dp: deque[_Transfer] = deque(maxlen=window)
         self._hbm: deque[float] = deque(maxlen=window)
         self._seen = 0
@@ -128,6 +146,18 @@ class ProfileFitter:
         stride = max(1, math.ceil(len(ranks) / MAX_RANKS))
         self._ranks = frozenset(ranks[::stride])
         self._pos = pos
+        self._in_node = frozenset(r for r in ranks if self._neighbours_in_node(plan, r))
+
+    def _neighbours_in_node(self, plan: Plan, rank: int) -> bool:
+        """Every rank of the stages next to ``rank``'s in its pipeline is on its node (and it
+        has such a stage): its P2P transfers use only the node's links."""
+        node = self.nodes.get(rank)
+        if node is None:
+            return False
+        d, s, _, _ = self._pos[rank]
+        stages = plan.replicas[d].stages
+        near = [r for j in (s - 1, s + 1) if 0 <= j < len(stages) for r in stages[j]]
+        return bool(near) and all(self.nodes.get(r) == node for r in near)
 
     # --- feeding ------------------------------------------------------------------------
     def add(self, rec: IterationRecord) -> None:
@@ -141,6 +171,7 @@ class ProfileFitter:
             return
         flops = comp = tp_time = tp_steps = tp_bytes = opt_bytes = opt_time = 0.0
         p2p: list[_Transfer] = []
+        p2p_in_node: list[_Transfer] = []
         dp: list[_Transfer] = []
         plan = self.plan
         for rank, chunks in by_rank.items():
@@ -173,6 +204,8 @@ class ProfileFitter:
                 elif c.kind == "P2P" and 0 <= c.microbatch < len(rec.seqlens[d]) and c.duration_s > 0:
                     tokens = float(sum(rec.seqlens[d][c.microbatch]))
                     p2p.append(_Transfer(1.0, 2.0 * tokens * self.spec.hidden, c.duration_s))
+                    if rank in self._in_node:
+                        p2p_in_node.append(p2p[-1])
                 elif c.kind in ("DP", "OPT") and c.duration_s > 0:
                     params = self._shard_params(rep.layers, s, pp, k)
                     if c.kind == "OPT":
@@ -188,7 +221,7 @@ class ProfileFitter:
             self._tp.append(max(0.0, (tp_time - tp_bytes / self.intra_bw) / tp_steps))
         if opt_time > 0:
             self._hbm.append(opt_bytes / opt_time)
-        for pool, got in ((self._p2p, p2p), (self._dp, dp)):
+        for pool, got in ((self._p2p, p2p), (self._dp, dp), (self._p2p_in_node, p2p_in_node)):
             if got:
                 mid = sorted(got, key=lambda x: x.time_s)[len(got) // 2]
                 pool.append(mid)
@@ -202,6 +235,7 @@ class ProfileFitter:
     # --- reading ------------------------------------------------------------------------
     def profile(self) -> Profile:
         lat_bw = fit_link(list(self._p2p) + list(self._dp), self.configured_link)
+        intra = fit_link(list(self._p2p_in_node), self.configured_intra)
         n = max(len(self._flops), len(self._p2p), len(self._dp), len(self._hbm))
         return Profile(
             device_flops=statistics.median(self._flops) if self._flops else None,
@@ -210,6 +244,8 @@ class ProfileFitter:
             tp_latency_s=statistics.median(self._tp) if self._tp else None,
             hbm_bw_Bps=statistics.median(self._hbm) if self._hbm else None,
             iterations=min(n, self._seen),
+            intra_bw_Bps=None if intra is None else intra[1],
+            intra_latency_s=None if intra is None else intra[0],
         )
 
 

@@ -92,7 +92,9 @@ class RealEngine:
     def _fitter(self, header: TraceHeader) -> ProfileFitter:
         cfg = {**{f.name: f.default for f in fields(Cluster) if f.name != "devices"}, **self.links}
         return ProfileFitter(header.model, header.plan, intra_node_bw_Bps=cfg["intra_node_bw_Bps"],
-                             inter_node_bw_Bps=cfg["inter_node_bw_Bps"], inter_node_latency_s=cfg["inter_node_latency_s"])
+                             inter_node_bw_Bps=cfg["inter_node_bw_Bps"], inter_node_latency_s=cfg["inter_node_latency_s"],
+                             intra_node_latency_s=cfg["intra_node_latency_s"],
+                             nodes={d.rank: d.node for d in header.devices if d.node})
 
     def hang_after_s(self) -> float:
         return self.detector.hang_after_s()

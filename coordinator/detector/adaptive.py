@@ -78,8 +78,8 @@ def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int 
     job's start (or from within its warm-up) had its slowdown for a baseline and was never
     found, even at 3x (an outsider trace with the fault at iteration 0). Ranks that do the same
     work on the same predicted time are each other's reference: a rank whose healthy level
-    sits far above theirs is slow, not differently healthy. Its own spread stays (its noise
-    is its device's). The standard error is a median's, of each side's samples: a wide bound
+    sits far above theirs is slow, not differently healthy. Its own relative spread stays (its
+    noise is its device's, and scales with its op times). The standard error is a median's, of each side's samples: a wide bound
     on shared cores (±20-27 % per iteration: a CPU rank must sit 18-35 % above its peers), the
     effect floor on quiet GPUs."""
     held = np.zeros(model.m.shape[0], dtype=np.bool_)
@@ -105,6 +105,11 @@ def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int 
     cap = rank_ref * (1.0 + np.maximum(floor, PEER_LEVEL * se))
     held = judged & np.isfinite(cap) & (m > cap)
     if held.any():
+        # its spread in proportion: a device's jitter scales with its op times, so the healthy
+        # device it is held against would show this share of it. Kept absolute, a 2x rank's
+        # spread read twice its peers' (in units of the held baseline) and on shared cores a
+        # 2x rank slow from the start was found after 156 iterations
+        model.s[held, key] *= cap[held] / m[held]
         model.m[held, key] = cap[held]
     return held
 

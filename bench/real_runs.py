@@ -20,6 +20,12 @@ the rank again with its new factor (docs/detector.md, "A slowdown that moves") a
 coordinator may re-plan for it; the JSON's runs say after how many iterations
 (``ramp_detect_iters``), with which factor, and whether a re-plan followed.
 
+``--cpu-per-rank auto`` starts every rank under a CPU quota (``resihp launch --cpu-per-rank``,
+a fixed-speed "device" as in ``bench/e2e.py``). Measured once (2026-12-07, PP2×DP2, 2 healthy
+runs and a throttled one): worse than shared cores, not better. The co-tenant run's DP ring of
+stage 0 read 16× slow, and the 1.3× throttle on rank 2 was reported on rank 1. The quota's
+throttled periods stall whole ops.
+
 Prints a table, then one JSON line: ``real_false_findings`` (fail-slow findings and
 reconfigurations over all healthy runs), ``real_slow_detect_iters`` (the worst throttled
 run; null where it was not found), per-run details. ``bench/detect.py`` runs it unless
@@ -106,13 +112,15 @@ def _last_step(run: Path) -> int:
 
 
 def run_job(root: Path, layout: str, kind: str, steps: int, slow_at: int, factor: float,
-            timeout_s: float, clock: str = "wall", ramp: tuple[int, float] | None = None) -> RealRun:
+            timeout_s: float, clock: str = "wall", ramp: tuple[int, float] | None = None,
+            cpu_per_rank: str = "") -> RealRun:
     tp, pp, dp = LAYOUTS[layout]
     n = tp * pp * dp
     run = root / f"{layout}-{kind}-{time.monotonic_ns()}"
     run.mkdir(parents=True)
+    quota = [f"--cpu-per-rank={cpu_per_rank}"] if cpu_per_rank else []
     cmd = _resihp("launch", "-n", str(n), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--nodes", "2",
-                  "--run-dir", str(run), "--", sys.executable, str(EXAMPLE), "--tp", str(tp), "--pp", str(pp),
+                  "--run-dir", str(run), *quota, "--", sys.executable, str(EXAMPLE), "--tp", str(tp), "--pp", str(pp),
                   "--dp", str(dp), "--steps", str(steps), "--log-every", "1000000", "--compute-clock", clock,
                   *EXAMPLE_ARGS.get(layout, ()))
     t0 = time.monotonic()
@@ -202,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default="", help="keep the run directories here (default: a temporary one)")
     ap.add_argument("--compute-clock", default="wall", choices=("wall", "cpu", "auto"),
                     help="the example's --compute-clock (cpu: compute ops in CPU time)")
+    ap.add_argument("--cpu-per-rank", default="",
+                    help="resihp launch --cpu-per-rank (e.g. auto: a CPU quota per rank, a fixed-speed device as a GPU "
+                         "is; default: the ranks share the cores)")
     args = ap.parse_args(argv)
     layouts = [x for x in args.layouts.split(",") if x]
     ramp = None
@@ -219,10 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     for layout in layouts:
         for i in range(args.runs):
             kind = "co-tenant" if i == args.runs - 1 else "healthy"
-            runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s, args.compute_clock))
+            runs.append(run_job(root, layout, kind, args.steps, 0, 1.0, args.timeout_s, args.compute_clock,
+                                cpu_per_rank=args.cpu_per_rank))
             print(runs[-1].row(), flush=True)
         runs.append(run_job(root, layout, "slow", args.slow_steps, args.slow_at, args.factor, args.timeout_s,
-                            args.compute_clock, ramp))
+                            args.compute_clock, ramp, args.cpu_per_rank))
         print(runs[-1].row(), flush=True)
     kept = [r.run_dir for r in runs if r.rc != 0 or (r.kind != "slow" and (r.findings or r.reconfigs))
             or (r.kind == "slow" and (r.detect_iters is None or r.found_ranks != [SLOW_RANK[r.layout]]))]

@@ -335,15 +335,17 @@ def test_a_readmission_planned_past_the_end_is_acknowledged_unapplied_and_the_jo
 
 
 # --- a peer slower than the failure timeout: a delay, not a death ----------------------------
-# tests/mpi_scripts/reconfig_slow_peer.py: PP2×DP2, failure timeout 1 s, rank 3 throttled 60x
+# tests/mpi_scripts/reconfig_slow_peer.py: PP2×DP2, failure timeout 1 s, rank 3 throttled 150x
 # for steps 2 and 3 (its replica's step takes seconds: the other replica waits in the DP
-# all-reduce), then back to full speed
+# all-reduce), then back to full speed. The throttle stretches the rank's measured ops, so the
+# factor must put the step past the timeout on a fast, idle machine too: at 60x a step of
+# 1-2 s in most runs took under 1 s in one CI run, and no timeout was reached
 SP_STEPS = 20
 
 
 @pytest.fixture(scope="module")
 def slow_peer(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    return _survivor_reports(tmp_path_factory.mktemp("slow_peer"), "reconfig_slow_peer.py", ["3:60@2-4"],
+    return _survivor_reports(tmp_path_factory.mktemp("slow_peer"), "reconfig_slow_peer.py", ["3:150@2-4"],
                              [0, 1, 2, 3], n=4)
 
 

@@ -43,7 +43,7 @@ def measure(trace: Path, configured: Cluster | None, config_text: str | None, wi
         fit = ProfileFitter(header.model, header.plan, intra_node_bw_Bps=base.intra_node_bw_Bps,
                             inter_node_bw_Bps=base.inter_node_bw_Bps, inter_node_latency_s=base.inter_node_latency_s,
                             intra_node_latency_s=base.intra_node_latency_s,
-                            nodes={d.rank: d.node for d in header.devices if d.node}, window=window)
+                            nodes=header.known_nodes(), window=window)
         healthy = fit_trace(records, det, fit)
     prof = fit.profile()
     if not prof.cluster_fields():

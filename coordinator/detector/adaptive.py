@@ -79,9 +79,9 @@ def anchor_to_peers(model: NoiseModel, groups: IntArray, floor: float, key: int 
     found, even at 3x (an outsider trace with the fault at iteration 0). Ranks that do the same
     work on the same predicted time are each other's reference: a rank whose healthy level
     sits far above theirs is slow, not differently healthy. Its own relative spread stays (its
-    noise is its device's, and scales with its op times). The standard error is a median's, of each side's samples: a wide bound
-    on shared cores (±20-27 % per iteration: a CPU rank must sit 18-35 % above its peers), the
-    effect floor on quiet GPUs."""
+    noise is its device's, and scales with its op times). The standard error is a median's, of
+    each side's samples: a wide bound on shared cores (±20-27 % per iteration: a CPU rank must
+    sit 18-35 % above its peers), the effect floor on quiet GPUs."""
     held = np.zeros(model.m.shape[0], dtype=np.bool_)
     if groups.size == 0:
         return held

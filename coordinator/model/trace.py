@@ -53,6 +53,10 @@ class TraceHeader:
     tokens_per_microbatch: int = 0  # the packing budget (e.g. 8192); 0 = unknown
     meta: Mapping[str, Any] = field(default_factory=dict)
 
+    def known_nodes(self) -> dict[int, str]:
+        """rank -> node, for the ranks whose node the header names."""
+        return {d.rank: d.node for d in self.devices if d.node}
+
     def node_of(self, rank: int) -> str:
         for d in self.devices:
             if d.rank == rank:

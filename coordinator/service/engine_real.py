@@ -94,7 +94,7 @@ class RealEngine:
         return ProfileFitter(header.model, header.plan, intra_node_bw_Bps=cfg["intra_node_bw_Bps"],
                              inter_node_bw_Bps=cfg["inter_node_bw_Bps"], inter_node_latency_s=cfg["inter_node_latency_s"],
                              intra_node_latency_s=cfg["intra_node_latency_s"],
-                             nodes={d.rank: d.node for d in header.devices if d.node})
+                             nodes=header.known_nodes())
 
     def hang_after_s(self) -> float:
         return self.detector.hang_after_s()

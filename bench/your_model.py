@@ -165,6 +165,10 @@ def numbers(model: str, got: dict[str, Any], bounds: dict[str, Any], rates: dict
     det = {d["kind"]: d for d in summ.get("detections", [])}
     worst = None
     switches = []
+    run_dir = Path(summ["run_dir"])
+    progress = [json.loads(x) for x in (run_dir / "progress.jsonl").read_text().splitlines() if x.strip()]
+    # the loss rank's seconds per phase of each switch (the progress log's ``phases_s``)
+    phases = {int(r["epoch"]): r.get("phases_s", {}) for r in progress if r.get("type") == "reconfig"}
     for rc in summ.get("reconfigs", []):
         regroup = bounds["regroup_s"].get(f"{model}/{rc['epoch']}")
         if regroup is None:
@@ -174,13 +178,12 @@ def numbers(model: str, got: dict[str, Any], bounds: dict[str, Any], rates: dict
         bound = rc["bytes_moved"] / bounds["loopback_Bps"] + regroup + shrink
         ratio = rc["downtime_s"] / bound
         switches.append({"epoch": rc["epoch"], "kind": rc["kind"], "downtime_s": rc["downtime_s"],
-                         "bytes_moved": rc["bytes_moved"], "bound_s": round(bound, 4), "over_bound": round(ratio, 2)})
+                         "bytes_moved": rc["bytes_moved"], "bound_s": round(bound, 4), "over_bound": round(ratio, 2),
+                         "phases_s": phases.get(int(rc["epoch"]), {})})
         worst = ratio if worst is None else max(worst, ratio)
-    run_dir = Path(summ["run_dir"])
     # each survivor logs "recovered in X s" (its own detection to ready); the progress log's
     # fail-stop downtime is longer: it runs from the last step's end, the killed step's work included
     recovered = [float(m.group(1)) for m in re.finditer(r"recovered in ([0-9.]+) s", (run_dir / "launch.log").read_text())]
-    progress = [json.loads(x) for x in (run_dir / "progress.jsonl").read_text().splitlines() if x.strip()]
     done = [int(r["step"]) for r in progress if r.get("type") == "step"]
     last_replan = max((float(r["time"]) for r in progress if r.get("type") == "reconfig"), default=None)
     after = [r for r in progress if r.get("type") == "step" and last_replan is not None and float(r["time"]) > last_replan]
@@ -243,6 +246,8 @@ def main(argv: list[str]) -> int:
         for s in out[m]["switches"]:
             print(f"  epoch {s['epoch']} {s['kind']:9s} downtime {s['downtime_s']:.3f} s, {s['bytes_moved'] / 2**20:.2f} MiB, "
                   f"bound {s['bound_s']:.3f} s, x{s['over_bound']:.2f}")
+            if s.get("phases_s"):
+                print("    " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s["phases_s"].items()))
         print(f"  survivors' recovery, detection to ready (max): {out[m]['failstop_recovery_s_max']} s")
         print(f"  fault-free steps/s on the healthy remaining ranks: {out[m]['candidates_steps_per_s']}")
     print(json.dumps({"models": out, "loopback_Bps": round(bounds["loopback_Bps"]), "run_dir": str(root)}))

@@ -42,6 +42,10 @@ def test_the_members_shrink_past_the_dead_idle_rank(run: Path) -> None:
     assert [(r["kind"], r["epoch"]) for r in recs] == [("planned", 1), ("fail-stop", 2)], recs
     planned, failstop = recs
     assert f"lost ranks [{RANK}]" in failstop["reason"]
+    # each line says where its switch's time went; the phases add up to the downtime
+    assert list(planned["phases_s"]) == ["regroup", "transfer+groups", "rebuild", "commit"], planned
+    assert abs(sum(planned["phases_s"].values()) - planned["downtime_s"]) < 0.01 * planned["downtime_s"] + 1e-3, planned
+    assert {"detect", "shrink", "plan", "reshard", "commit"} <= set(failstop["phases_s"]), failstop
     decisions = [e for e in jsonl(run / "events.jsonl") if e["event"] == "decision"]
     assert "[profile configured]" in decisions[-1]["reason"], decisions  # the pinned policy held
     cmds = [e for e in jsonl(run / "events.jsonl") if e["event"] == "command" and e["kind"] == "reconfigure"]

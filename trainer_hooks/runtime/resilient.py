@@ -229,6 +229,7 @@ class Resilience(FailStopRecovery):
             failure = exc
         finally:
             self.rc.timeout_s = saved_timeout
+        applied = time.perf_counter()
         if not self._commit(self.world.comm, failure is None):
             # someone lost a peer mid-switch: every rank goes back to the old plan's state
             # (those that finished too) and recovers from there, on the same footing
@@ -240,7 +241,12 @@ class Resilience(FailStopRecovery):
         nxt = torch.tensor([self.next_step if was_member else -1], dtype=torch.int64)
         dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
         self.next_step = int(nxt.item())
-        self._adopt(report, "planned", cmd.reason, time.perf_counter() - t0)
+        done = time.perf_counter()
+        # where a planned switch's time goes, as a recovery's (the progress log's ``phases_s``):
+        # regroup holds the wait for every member to arrive, and what apply does before it
+        phases = {"regroup": applied - t0 - report.reshard_s - report.rebuild_s, "transfer+groups": report.reshard_s,
+                  "rebuild": report.rebuild_s, "commit": done - applied}
+        self._adopt(report, "planned", cmd.reason, done - t0, phases=phases)
         retire(before)  # the old runtime's last reference: its groups' teardown runs off this thread
         del before
         return True

@@ -95,6 +95,22 @@ def test_excluded_rank_stays_a_spare_and_is_readmitted(planned: dict[str, Any]) 
     assert by_name["dp_shares_44_to_62"]["bytes_moved"] == 0
 
 
+def test_a_planned_switch_keeps_the_world_and_the_groups_both_plans_need(planned: dict[str, Any]) -> None:
+    by_name = {s["name"]: s for s in planned["switches"]}
+    # per rank: (default group kept, groups kept, groups held after the switch)
+    assert all(w for s in planned["switches"] for w, _, _ in s["kept"]), planned["switches"]
+    # a layer split, a share change and TP2xPP2 -> PP2xDP2 (whose pipeline pairs are the old
+    # stages' TP pairs, and whose DP pairs the old pipeline pairs) need no new group
+    for name in ("pp_44_to_53", "dp_shares_44_to_62", "tp2pp2_to_pp2dp2"):
+        assert by_name[name]["kept"] == [[True, 2, 2]] * 4, (name, by_name[name]["kept"])
+    # TP4 on 4 ranks is the world: nothing of TP2xDP2 is kept, nothing else held
+    assert by_name["tp2dp2_to_tp4"]["kept"] == [[True, 0, 0]] * 4
+    # from TP4 every group of TP2xPP2 is new
+    assert [k[1] for k in by_name["tp4_to_tp2pp2"]["kept"]] == [0] * 4
+    # excluding rank 3: rank 0 keeps both its groups, ranks 1 and 2 the one without rank 3
+    assert by_name["exclude_rank3"]["kept"] == [[True, 2, 2], [True, 1, 2], [True, 1, 2], [True, 0, 0]]
+
+
 # --- fail-stop -------------------------------------------------------------------------
 # 8 ranks TP2×PP2×DP2; one rank SIGKILLs itself in each phase of a step, one failure after
 # another: 8 → 7 → 6 → 5 → 4 ranks. Rank 0 survives (it holds the reference state).

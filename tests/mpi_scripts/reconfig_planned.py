@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, first_loss, four_rank_start, gather_full, step_samples
 
 from resihp.coordinator.model.plan import PipelinePlan, Plan
@@ -109,6 +110,10 @@ def main() -> int:
         after = gather_full(comm, rc)
         downtimes = comm.gather(report.downtime_s, root=0)
         roles = comm.gather(report.role, root=0)
+        # groups kept from the old plan, and how many this rank holds now (the default group aside)
+        held = [g for g in rc.runtime.groups._by_ranks.values() if g is not None and g is not dist.group.WORLD] \
+            if rc.runtime is not None else []
+        kept = comm.gather((report.world_kept, report.groups_kept, len(held)), root=0)
         if boot.rank == 0:
             assert before is not None and after is not None
             moved = compare(after, before)
@@ -117,7 +122,7 @@ def main() -> int:
                 "step": step, "name": cmd.reason, "epoch": cmd.epoch, "moved_bitwise": moved["bitwise"],
                 "vs_ref_bitwise": vs_ref["bitwise"], "vs_ref_max_abs": vs_ref["max_abs"],
                 "vs_ref_max_rel": vs_ref["max_rel"], "bytes_moved": report.bytes_moved,
-                "downtime_s": max(downtimes), "roles": roles, "job_epoch": job.epoch,
+                "downtime_s": max(downtimes), "roles": roles, "job_epoch": job.epoch, "kept": kept,
             })
 
     job.on_reconfigure = on_reconfigure

@@ -5,7 +5,10 @@ iteration boundary (the hooks do so when a ``ReconfigCommand`` reaches its ``app
 One switch is:
 
 1. **regroup** — the default torch.distributed group is rebuilt for the new epoch under a
-   fresh store prefix ``resihp/epoch{N}/`` (no key of an older epoch is read again);
+   fresh store prefix ``resihp/epoch{N}/`` (no key of an older epoch is read again). A
+   planned switch among the same members instead keeps the default group and every group
+   whose rank set the new plan needs again (all ranks agree on it with one all-reduce):
+   only the groups of new rank sets are made;
 2. **reshard** — ``plan_reshard`` + ``start_reshard`` move parameters and AdamW's
    ``exp_avg`` / ``exp_avg_sq`` to their owners under the new plan on that group; while
    the pieces are on the wire the new plan's TP/DP/loss groups are created (that waits on
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
     from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe
 
 log = logging.getLogger(__name__)
+ARRIVAL_SLICE_S = 0.1  # a switch's wait for its members reads the death notices this often
 
 
 def renumber(plan: Plan, mapping: Mapping[int, int]) -> Plan:
@@ -180,18 +184,24 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
     store.set(f"{prefix}{rank}", "1")
     keys = [f"{prefix}{r}" for r in members]
     deadline = time.monotonic() + timeout_s
-    pause = 0.001
-    while not store.check(keys):
+    while True:
         dead = deaths.dead_among(members, epoch - 1)
         if dead:
             raise PeerDeclaredDead(f"rank {rank}: the coordinator declared ranks {dead} dead while epoch {epoch}'s "
                                    f"switch waited for them")
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             missing = [r for r in members if not store.check([f"{prefix}{r}"])]
             raise RuntimeError(f"rank {rank}: wait timeout after {timeout_s:g} s: ranks {missing} did not reach "
                                f"epoch {epoch}'s switch")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        # the store answers as soon as the last member arrives (a poll with back-off answered
+        # up to its 20 ms pause late, on the switch's critical path); between slices the
+        # coordinator's death notices are read
+        try:
+            store.wait(keys, timedelta(seconds=min(ARRIVAL_SLICE_S, left)))
+            return
+        except dist.DistStoreError:
+            continue
 
 
 def _dead_text(dead: Sequence[int], epoch: int) -> str:
@@ -204,12 +214,16 @@ class ReconfigReport:
 
     epoch: int
     role: str  # "member" | "spare"
-    regroup_s: float = 0.0  # new default group
+    regroup_s: float = 0.0  # arrival of every member, then the new default group (if made)
     reshard_s: float = 0.0  # step agreement + transfers (the new plan's sub-groups are made while they fly)
     rebuild_s: float = 0.0  # new Runtime on those groups + load
     bytes_moved: int = 0  # job-wide, over the network
     bytes_local: int = 0
     downtime_s: float = 0.0  # apply() entered -> this rank holds its new state and groups
+    # a planned switch in an unchanged world keeps the default group and every group whose
+    # rank set the new plan needs again: how many of this rank's groups it kept
+    groups_kept: int = 0
+    world_kept: bool = False
     reshard: ReshardPlan | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +273,9 @@ class LiveReconfigurer:
         self._prepare_lock = threading.Lock()
         self._store: Any = None  # client of the job's store, kept across epochs
         self._stage: tuple[tuple[Any, ...], StageAhead] | None = None  # the next plan's module, built ahead
+        # a planned switch among the same members keeps the world and the groups both plans need
+        # (False: every switch builds them anew, as a recovery must)
+        self.keep_groups = True
         self.runtime: Runtime | None = runtime
         self._data: Any = runtime.data if runtime is not None else None
         if runtime is None:
@@ -282,10 +299,43 @@ class LiveReconfigurer:
         return self.runtime.train_step(step) if self.runtime is not None else None
 
     # --- switching ----------------------------------------------------------------------
-    def _make_groups(self, plan: Plan) -> dict[tuple[int, ...], Any]:
-        """The process groups of ``plan`` (collective: every rank of the world creates every group)."""
+    def _make_groups(self, plan: Plan, existing: frozenset[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], Any]:
+        """The process groups of ``plan`` (collective: every rank of the world creates every group),
+        less those of the rank sets in ``existing`` (kept from the current plan)."""
         with group_timeout(self.group_timeout_s):
-            return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank, self.layout)
+            return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank, self.layout, existing)
+
+    def _keepable(self, new_plan: Plan) -> tuple[frozenset[tuple[int, ...]], dict[tuple[int, ...], Any]] | None:
+        """For a planned switch among the same members: the rank sets (group numbering) whose
+        groups the current plan made and ``new_plan`` needs again — every rank works out the
+        same from the two plans — and this rank's handles of those it is in (None where it
+        holds some of them no longer, or the plans' groups cannot be listed).
+
+        Why: creating a group waits on every member (store round trips, connections; an NCCL
+        communicator's init takes seconds at scale). A layer split or a change of DP shares
+        keeps every group; other re-plans keep the groups their replicas share."""
+        if not self.keep_groups or not dist.is_initialized() or dist.get_world_size() != len(self.members):
+            return None
+        numbering = self.pg_rank_of()
+        try:
+            both = rank_sets(renumber(self.plan, numbering), self.layout) & rank_sets(renumber(new_plan, numbering),
+                                                                                       self.layout)
+        except SpecError:
+            return None
+        world = len(self.members)
+        both = frozenset(r for r in both if 1 < len(r) < world)
+        held = self.runtime.groups._by_ranks if self.runtime is not None else {}
+        mine = {r: held.get(r) for r in both if self.pg_rank in r}
+        if any(g is None for g in mine.values()):
+            return None
+        return both, mine
+
+    def _agree_to_keep(self, keep: bool) -> bool:
+        """Every rank keeps the groups, or none does (one all-reduce on the current world: a
+        rank that could not keep them would otherwise make groups its peers skip)."""
+        flag = torch.tensor([1 if keep else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _build(self, plan: Plan, *, init_weights: bool = True, made: dict[tuple[int, ...], Any] | None = None) -> None:
         """Runtime (member) or bare group creation (spare) for ``plan``; collective unless
@@ -364,9 +414,9 @@ class LiveReconfigurer:
             self._store = connect_store(self.store_addr, self.timeout_s)
         return self._store
 
-    def _release(self) -> None:
+    def _release(self, keep: frozenset[tuple[int, ...]] = frozenset()) -> None:
         if self.runtime is not None:
-            destroy_groups(self.runtime.groups)
+            destroy_groups(self.runtime.groups, keep)
 
     def apply(self, new_plan: Plan, epoch: int | None = None, *, old_shards: Shards | None = None,
               alive: Sequence[int] | None = None, members: Sequence[int] | None = None,
@@ -414,11 +464,22 @@ class LiveReconfigurer:
         shards = old_shards if old_shards is not None else (
             runtime_shards(self.runtime) if self.runtime is not None else {})
         step_count = optimizer_steps(self.runtime) if adam_steps is None else adam_steps
+        planned = members is None and alive is None and old_shards is None
+        keep = self._keepable(new_plan) if planned else None
         await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s)
-        self._release()
-        # 1. regroup: fresh default group under the new epoch's prefix
+        if planned and self.keep_groups and dist.is_initialized() and not self._agree_to_keep(keep is not None):
+            keep = None
+        kept_sets, kept = keep if keep is not None else (frozenset(), {})
+        self._release(kept_sets)
+        # 1. regroup: fresh default group under the new epoch's prefix (unless the world is kept)
         self.members = new_members
-        init_world(self.store(), epoch, self.pg_rank, len(self.members), self.timeout_s, self.backend)
+        if keep is None:
+            init_world(self.store(), epoch, self.pg_rank, len(self.members), self.timeout_s, self.backend)
+        else:  # the groups this switch makes get today's timeouts; so do the kept ones
+            c10d._set_pg_timeout(timedelta(seconds=self.timeout_s))
+            if self.group_timeout_s is not None:  # None: torch's default, which they have
+                for group in kept.values():
+                    c10d._set_pg_timeout(timedelta(seconds=self.group_timeout_s), group)
         t1 = time.perf_counter()
         # 2. reshard, on the new default group (pg ranks of logical ranks via members)
         # one all-reduce: do all old holders have AdamW moments (not before the first step), and
@@ -438,7 +499,7 @@ class LiveReconfigurer:
         # the new plan's groups while the pieces are on the wire: creating a group waits on
         # peers (store round trips, connections), not on this rank's CPU, and gloo's own
         # threads move the pieces meanwhile
-        made = self._make_groups(new_plan)
+        made = {**self._make_groups(new_plan, kept_sets), **kept}
         new_shards = inflight.finish()
         t2 = time.perf_counter()
         # 3. rebuild the runtime for the new plan and load the state
@@ -454,7 +515,7 @@ class LiveReconfigurer:
         report = ReconfigReport(
             epoch=epoch, role="member" if self.runtime is not None else "spare", regroup_s=t1 - t0,
             reshard_s=t2 - t1, rebuild_s=t3 - t2, bytes_moved=rplan.bytes_moved, bytes_local=rplan.bytes_local,
-            downtime_s=t3 - t0, reshard=rplan,
+            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep is not None,
         )
         self.history.append(report)
         if log.isEnabledFor(logging.INFO):  # the summary walks every transfer

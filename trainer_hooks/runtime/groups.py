@@ -179,12 +179,15 @@ def _rank_sets(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: in
     return frozenset(sets)
 
 
-def make_groups(plans: Sequence[Plan], rank: int, layout: ModelLayout | None = None) -> dict[tuple[int, ...], Any]:
+def make_groups(plans: Sequence[Plan], rank: int, layout: ModelLayout | None = None,
+                existing: frozenset[tuple[int, ...]] = frozenset()) -> dict[tuple[int, ...], Any]:
     """Create the groups of ``plans``; EVERY rank of the world calls this with the same plans.
 
     torch names a group after a per-process counter, so all ranks must create all groups in
     one order (sorted rank tuples) even where they are not members (that part is local and
     cheap: only members connect). Several plans may share a world (disjoint sub-jobs).
+    ``existing``: rank sets whose groups are kept from before (the same on every rank); they
+    are not made again and not returned.
     """
     wanted: set[tuple[int, ...]] = set()
     for plan in plans:
@@ -192,7 +195,7 @@ def make_groups(plans: Sequence[Plan], rank: int, layout: ModelLayout | None = N
     world = dist.get_world_size()
     made: dict[tuple[int, ...], Any] = {}
     for ranks in sorted(wanted):
-        if len(ranks) < 2:
+        if len(ranks) < 2 or ranks in existing:
             continue
         if len(ranks) == world:
             made[ranks] = dist.group.WORLD
@@ -231,9 +234,10 @@ def build_groups(
     )
 
 
-def destroy_groups(groups: EpochGroups) -> None:
-    for _ranks, group in groups._by_ranks.items():
-        if group is not None and group is not dist.group.WORLD:
+def destroy_groups(groups: EpochGroups, keep: frozenset[tuple[int, ...]] = frozenset()) -> None:
+    """Destroy this epoch's groups, except those of the rank sets in ``keep`` (the next plan's too)."""
+    for ranks, group in groups._by_ranks.items():
+        if group is not None and group is not dist.group.WORLD and ranks not in keep:
             dist.destroy_process_group(group)
     groups._by_ranks.clear()  # peer_groups stay: whoever lets go of the groups (sever, retire) drops them
 

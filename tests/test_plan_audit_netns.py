@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from cp_helpers import read_jsonl, wait_until
-from fresh_rerun import fresh_on_rerun
+from fresh_rerun import recording_fixtures
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 
 THROTTLE_AT = 20
@@ -81,23 +81,7 @@ def _recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         yield {"run": run, "throttled_at": at, "commands": commands, "status": status}
 
 
-def _fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    with _recorded(tmp_path_factory) as got:
-        return got
-
-
-@pytest.fixture(scope="module")
-def first_audited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with _recorded(tmp_path_factory) as got:
-        yield got
-
-
-@pytest.fixture
-def audited(first_audited: dict[str, Any], request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The module's run; a rerun of a test judges a fresh one (the audit times iterations on
-    shared cores)."""
-    return fresh_on_rerun(request, first_audited, lambda: _fresh(tmp_path_factory))
+first_audited, audited = recording_fixtures(_recorded, "audited")  # a rerun judges a fresh run
 
 
 def test_the_mispriced_replan_is_measured_slower_and_undone(audited: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from cp_helpers import read_jsonl, wait_until
-from fresh_rerun import fresh_on_rerun
+from fresh_rerun import recording_fixtures
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 
 THROTTLE_AT = 20
@@ -60,23 +60,7 @@ def _recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         yield {"run": run, "throttled_at": at, "before": before, "audits": audits, "status_text": text.stdout}
 
 
-def _fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    with _recorded(tmp_path_factory) as got:
-        return got
-
-
-@pytest.fixture(scope="module")
-def first_measured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with _recorded(tmp_path_factory) as got:
-        yield got
-
-
-@pytest.fixture
-def measured(first_measured: dict[str, Any], request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The module's run; a rerun of a test judges a fresh one (the audit times iterations on
-    shared cores: once, in a full CI run, the kept layout's window ran 0.60 s against 0.29 s)."""
-    return fresh_on_rerun(request, first_measured, lambda: _fresh(tmp_path_factory))
+first_measured, measured = recording_fixtures(_recorded, "measured")  # a rerun judges a fresh run
 
 
 def _slow_link_s(run: Path, throttled_at: int) -> float:

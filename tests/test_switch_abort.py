@@ -63,6 +63,25 @@ def test_every_member_arriving_ends_the_wait_and_a_missing_one_times_out_by_name
     assert is_peer_failure(exc.value)
 
 
+def test_a_wait_with_under_a_millisecond_left_still_times_out() -> None:
+    # c10d reads a store timeout of 0 ms as "wait for ever": the last slice of a wait must
+    # never round down to it (a full CI run hung here when 0.3 ms were left)
+    store = HashStore()
+    caught: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            await_arrivals(store, 5, 0, [0, 2], timeout_s=0.0005, deaths=DeathNotices())
+        except RuntimeError as exc:
+            caught.append(exc)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the wait outlived its 0.5 ms timeout by 10 s"
+    assert len(caught) == 1 and "ranks [2] did not reach epoch 5" in str(caught[0]), caught
+
+
 def test_a_rank_hears_of_its_own_death_whatever_its_main_thread_does() -> None:
     d = DeathNotices()
     heard: list[int] = []

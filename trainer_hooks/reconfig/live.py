@@ -197,8 +197,8 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
         # the store answers as soon as the last member arrives (a poll with back-off answered
         # up to its 20 ms pause late, on the switch's critical path); between slices the
         # coordinator's death notices are read
-        try:
-            store.wait(keys, timedelta(seconds=min(ARRIVAL_SLICE_S, left)))
+        try:  # never a slice under 1 ms: c10d reads a timeout of 0 ms as "wait for ever"
+            store.wait(keys, timedelta(seconds=max(0.002, min(ARRIVAL_SLICE_S, left))))
             return
         except dist.DistStoreError:
             continue

@@ -98,7 +98,7 @@ class RegroupRounds:
     def measure(self, plan: Any) -> list[float]:
         import torch.distributed as dist
 
-        from resihp.trainer_hooks.reconfig.live import init_world
+        from resihp.trainer_hooks.reconfig.world import init_world
         from resihp.trainer_hooks.runtime.groups import make_groups, wait_retired
 
         lat: list[float] = []
@@ -124,7 +124,8 @@ def worker(out: Path, hidden: int, layers: int) -> None:
     import torch
 
     from resihp.trainer_hooks.launch.bootstrap import Bootstrap
-    from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, init_world, optimizer_steps, runtime_shards
+    from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, optimizer_steps, runtime_shards
+    from resihp.trainer_hooks.reconfig.world import init_world
     from resihp.trainer_hooks.runtime.groups import destroy_groups
     from resihp.trainer_hooks.runtime.layout import tensors_of_rank
 

@@ -135,7 +135,7 @@ def test_whole_share_plans_keep_the_old_split(stream: PackedStream) -> None:
 def test_the_rest_of_the_runtime_counts_a_token_plan_s_batch_in_tokens() -> None:
     from resihp.coordinator.model.spec import ModelSpec
     from resihp.trainer_hooks.reconfig.failstop import survivor_plan
-    from resihp.trainer_hooks.reconfig.live import renumber
+    from resihp.trainer_hooks.reconfig.world import renumber
 
     plan = Plan(replicas=(PipelinePlan(((0,), (1,)), (2, 2), 5, 320), PipelinePlan(((2,), (3,)), (2, 2), 2, 192)))
     assert plan.global_microbatches == 7 and plan.batch_microbatches(B) == G

@@ -124,7 +124,7 @@ GLOO_WORKER = textwrap.dedent("""
     import os, sys
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from resihp.trainer_hooks.reconfig.live import connect_store
+    from resihp.trainer_hooks.reconfig.world import connect_store
     rank, world, addr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     store = connect_store(addr, 30)
     for epoch in (0, 1):  # a fresh prefix per epoch, as the runtime does

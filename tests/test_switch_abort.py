@@ -1,5 +1,5 @@
 """A switch, a step and a poll loop stop waiting for a peer the coordinator declared dead
-(trainer_hooks/reporting/deaths.py, reconfig/live.await_arrivals, the pipeline's DeathWatch),
+(trainer_hooks/reporting/deaths.py, reconfig/world.await_arrivals, the pipeline's DeathWatch),
 on a real torch store and a real runtime, the notice arriving on another thread."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.distributed import HashStore  # pyright: ignore[reportPrivateImportUs
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.protocol import messages as m
-from resihp.trainer_hooks.reconfig.live import await_arrivals
 from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
+from resihp.trainer_hooks.reconfig.world import await_arrivals
 from resihp.trainer_hooks.reporting.deaths import DeathNotices, DeathWatch, PeerDeclaredDead
 
 

@@ -49,7 +49,7 @@ from resihp.trainer_hooks.model_source import check_launch_model, resolve_model,
 from resihp.trainer_hooks.own_loop import ChunkRecorder, ForwardTimer, Span
 from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
 from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
-from resihp.trainer_hooks.reconfig.live import group_timeout
+from resihp.trainer_hooks.reconfig.world import group_timeout
 from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.reporter import Transport, connect
 from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header

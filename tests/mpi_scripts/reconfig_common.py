@@ -145,7 +145,7 @@ def report_and_exit(out: str, rank: int, report: dict[str, Any]) -> NoReturn:
 def reference_losses(comm: Any, store: str, plan: Any, steps: int) -> list[float | None]:
     """Every step's global loss of an uninterrupted run of ``plan`` in epoch 0 of this world (the
     reference a resilient run is compared with), known on every rank; its groups are released."""
-    from resihp.trainer_hooks.reconfig.live import init_world
+    from resihp.trainer_hooks.reconfig.world import init_world
     from resihp.trainer_hooks.runtime.groups import destroy_groups
 
     init_world(store, 0, comm.Get_rank(), comm.Get_size(), 120.0)

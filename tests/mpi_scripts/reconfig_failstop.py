@@ -27,8 +27,9 @@ from reconfig_common import CONFIG, GLOBAL_MB, SPEC, compare, gather_full, repor
 
 from resihp.coordinator.model.plan import Plan
 from resihp.trainer_hooks.reconfig.failstop import StepGuard, recover
-from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, init_world
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
 from resihp.trainer_hooks.reconfig.ulfm import STORE_ENV, ft_world, is_peer_failure
+from resihp.trainer_hooks.reconfig.world import init_world
 from resihp.trainer_hooks.runtime.groups import destroy_groups
 
 GLOO_TIMEOUT_S = 5.0

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,7 +47,17 @@ from resihp.coordinator.model.spec import ModelSpec, SpecError
 from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
-from resihp.trainer_hooks.reporting.deaths import DEATHS, DeathNotices, PeerDeclaredDead
+from resihp.trainer_hooks.reconfig.world import (
+    all_agree,
+    await_arrivals,
+    connect_store,
+    dead_text,
+    group_timeout,
+    init_world,
+    kept_groups,
+    renumber,
+)
+from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.runtime.gc_control import paused
 from resihp.trainer_hooks.runtime.groups import StagePlace, destroy_groups, make_groups, place_of, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import TensorSpec, gpt_tensor_specs
@@ -60,19 +69,6 @@ if TYPE_CHECKING:
     from resihp.trainer_hooks.usermodel.recipe import UserModelRecipe
 
 log = logging.getLogger(__name__)
-ARRIVAL_SLICE_S = 0.1  # a switch's wait for its members reads the death notices this often
-
-
-def renumber(plan: Plan, mapping: Mapping[int, int]) -> Plan:
-    """``plan`` with every rank ``r`` replaced by ``mapping[r]`` (logical ↔ group ranks)."""
-    missing = sorted(r for r in (*plan.ranks(), *plan.spares) if r not in mapping)
-    if missing:
-        raise SpecError(f"reconfigure: ranks {missing} of the plan are not in the current world {sorted(mapping)}")
-    reps = tuple(
-        replace(rep, stages=tuple(tuple(mapping[r] for r in g) for g in rep.stages))  # shares (tokens too) kept
-        for rep in plan.replicas
-    )
-    return replace(plan, replicas=reps, spares=tuple(mapping[r] for r in plan.spares))
 
 
 def _stage_key(place: StagePlace) -> tuple[Any, ...]:
@@ -123,89 +119,6 @@ def load_shards(rt: Runtime, shards: Shards, step: float) -> None:
             if kinds.has_step:
                 entry["step"] = kinds.step_value(step)
             state[p] = entry
-
-
-@contextlib.contextmanager
-def group_timeout(timeout_s: float | None) -> Iterator[None]:
-    """Sub-groups made inside get ``timeout_s`` (torch's ``new_group`` default for gloo is 30 min,
-    far too long to notice a dead peer; groups.make_groups has no timeout argument yet)."""
-    if timeout_s is None:
-        yield
-        return
-    saved = c10d.default_pg_timeout
-    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
-    try:
-        yield
-    finally:
-        c10d.default_pg_timeout = saved
-
-
-def connect_store(store_addr: str, timeout_s: float) -> Any:
-    """A client of the job's store (hosted outside the trainers, launch/store_server.py) at
-    ``host:port``, authenticated with the ranks' credential (``$RESIHP_RANK_TOKEN``)."""
-    from resihp.trainer_hooks.launch.store_client import connect
-
-    host, _, port = store_addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise SpecError(f"reconfigure: store address {store_addr!r} is not host:port")
-    if "GLOO_SOCKET_IFNAME" not in os.environ and host in ("127.0.0.1", "localhost"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    return connect(store_addr, timedelta(seconds=max(timeout_s, 30.0)))
-
-
-def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: float, backend: str = "gloo") -> None:
-    """(Re)create the default process group of ``size`` ranks under ``resihp/epoch{epoch}/``.
-
-    ``store``: a client of the job's store, or its ``host:port`` (then a new client is made)."""
-    if dist.is_initialized():
-        # the old group's destructor waits ~20 ms for its threads and peers: hold the last
-        # reference past destroy_process_group and let it go on the retire thread
-        old = c10d._get_default_group()
-        dist.destroy_process_group()
-        retire(old)
-        del old
-    if isinstance(store, str):
-        store = connect_store(store, timeout_s)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(f"resihp/epoch{epoch}/", store),  # type: ignore[attr-defined]
-        rank=rank, world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-
-
-def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], timeout_s: float,
-                   deaths: DeathNotices = DEATHS) -> None:
-    """Every member of epoch ``epoch`` has reached its switch, before any rank enters gloo's
-    rendezvous (which can only wait out its timeout for a dead peer). Waiting here, a rank
-    stops at once when the coordinator announces one of the members dead (``deaths``, heard
-    on the hook's command thread): ``PeerDeclaredDead``, a peer failure the caller recovers
-    from. A member that never arrives, unannounced, is a "wait timeout" as gloo's would be."""
-    prefix = f"resihp/arrive{epoch}/"
-    store.set(f"{prefix}{rank}", "1")
-    keys = [f"{prefix}{r}" for r in members]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        dead = deaths.dead_among(members, epoch - 1)
-        if dead:
-            raise PeerDeclaredDead(f"rank {rank}: the coordinator declared ranks {dead} dead while epoch {epoch}'s "
-                                   f"switch waited for them")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = [r for r in members if not store.check([f"{prefix}{r}"])]
-            raise RuntimeError(f"rank {rank}: wait timeout after {timeout_s:g} s: ranks {missing} did not reach "
-                               f"epoch {epoch}'s switch")
-        # the store answers as soon as the last member arrives (a poll with back-off answered
-        # up to its 20 ms pause late, on the switch's critical path); between slices the
-        # coordinator's death notices are read
-        try:  # never a slice under 1 ms: c10d reads a timeout of 0 ms as "wait for ever"
-            store.wait(keys, timedelta(seconds=max(0.002, min(ARRIVAL_SLICE_S, left))))
-            return
-        except dist.DistStoreError:
-            continue
-
-
-def _dead_text(dead: Sequence[int], epoch: int) -> str:
-    return f"the coordinator declared ranks {list(dead)} of epoch {epoch} dead" if dead else ""
 
 
 @dataclass
@@ -304,38 +217,6 @@ class LiveReconfigurer:
         less those of the rank sets in ``existing`` (kept from the current plan)."""
         with group_timeout(self.group_timeout_s):
             return make_groups([renumber(plan, self.pg_rank_of())], self.pg_rank, self.layout, existing)
-
-    def _keepable(self, new_plan: Plan) -> tuple[frozenset[tuple[int, ...]], dict[tuple[int, ...], Any]] | None:
-        """For a planned switch among the same members: the rank sets (group numbering) whose
-        groups the current plan made and ``new_plan`` needs again — every rank works out the
-        same from the two plans — and this rank's handles of those it is in (None where it
-        holds some of them no longer, or the plans' groups cannot be listed).
-
-        Why: creating a group waits on every member (store round trips, connections; an NCCL
-        communicator's init takes seconds at scale). A layer split or a change of DP shares
-        keeps every group; other re-plans keep the groups their replicas share."""
-        if not self.keep_groups or not dist.is_initialized() or dist.get_world_size() != len(self.members):
-            return None
-        numbering = self.pg_rank_of()
-        try:
-            both = rank_sets(renumber(self.plan, numbering), self.layout) & rank_sets(renumber(new_plan, numbering),
-                                                                                       self.layout)
-        except SpecError:
-            return None
-        world = len(self.members)
-        both = frozenset(r for r in both if 1 < len(r) < world)
-        held = self.runtime.groups._by_ranks if self.runtime is not None else {}
-        mine = {r: held.get(r) for r in both if self.pg_rank in r}
-        if any(g is None for g in mine.values()):
-            return None
-        return both, mine
-
-    def _agree_to_keep(self, keep: bool) -> bool:
-        """Every rank keeps the groups, or none does (one all-reduce on the current world: a
-        rank that could not keep them would otherwise make groups its peers skip)."""
-        flag = torch.tensor([1 if keep else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     def _build(self, plan: Plan, *, init_weights: bool = True, made: dict[tuple[int, ...], Any] | None = None) -> None:
         """Runtime (member) or bare group creation (spare) for ``plan``; collective unless
@@ -438,7 +319,7 @@ class LiveReconfigurer:
         # ends the wait now, a peer failure the caller recovers from, not at the timeout
         interruptible = hasattr(store, "interrupt")  # our AuthStore; a plain TCPStore (tests) is not
         if interruptible:
-            store.interrupt = lambda: _dead_text(DEATHS.dead_among(joining, target - 1), target)
+            store.interrupt = lambda: dead_text(DEATHS.dead_among(joining, target - 1), target)
         try:
             with paused():
                 return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
@@ -464,16 +345,19 @@ class LiveReconfigurer:
         shards = old_shards if old_shards is not None else (
             runtime_shards(self.runtime) if self.runtime is not None else {})
         step_count = optimizer_steps(self.runtime) if adam_steps is None else adam_steps
-        planned = members is None and alive is None and old_shards is None
-        keep = self._keepable(new_plan) if planned else None
+        # a planned switch among the same members may keep the world and the groups both plans
+        # need (world.kept_groups); whether to try is alike on every rank, whether it can is agreed
+        may_keep = (self.keep_groups and members is None and alive is None and old_shards is None
+                    and dist.is_initialized() and dist.get_world_size() == len(self.members))
+        mine = kept_groups(self.plan, new_plan, self.pg_rank_of(), self.layout,
+                           self.runtime.groups if self.runtime is not None else None) if may_keep else None
         await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s)
-        if planned and self.keep_groups and dist.is_initialized() and not self._agree_to_keep(keep is not None):
-            keep = None
-        kept_sets, kept = keep if keep is not None else (frozenset(), {})
+        keep = may_keep and all_agree(mine is not None)
+        kept_sets, kept = mine if keep and mine is not None else (frozenset(), {})
         self._release(kept_sets)
         # 1. regroup: fresh default group under the new epoch's prefix (unless the world is kept)
         self.members = new_members
-        if keep is None:
+        if not keep:
             init_world(self.store(), epoch, self.pg_rank, len(self.members), self.timeout_s, self.backend)
         else:  # the groups this switch makes get today's timeouts; so do the kept ones
             c10d._set_pg_timeout(timedelta(seconds=self.timeout_s))
@@ -515,7 +399,7 @@ class LiveReconfigurer:
         report = ReconfigReport(
             epoch=epoch, role="member" if self.runtime is not None else "spare", regroup_s=t1 - t0,
             reshard_s=t2 - t1, rebuild_s=t3 - t2, bytes_moved=rplan.bytes_moved, bytes_local=rplan.bytes_local,
-            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep is not None,
+            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep,
         )
         self.history.append(report)
         if log.isEnabledFor(logging.INFO):  # the summary walks every transfer

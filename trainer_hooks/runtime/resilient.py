@@ -44,9 +44,10 @@ from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.exit_status import leave_now
 from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, holding_of
 from resihp.trainer_hooks.reconfig.failstop import StepGuard
-from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, connect_store
+from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
 from resihp.trainer_hooks.reconfig.timeouts import TimeoutRestore, restore_timeouts
 from resihp.trainer_hooks.reconfig.ulfm import MpiWorld
+from resihp.trainer_hooks.reconfig.world import connect_store
 from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.groups import retire

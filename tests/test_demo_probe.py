@@ -27,17 +27,30 @@ from typing import Any
 
 import pytest
 from demo_run import jsonl, run_demo
+from fresh_rerun import fresh_on_rerun
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
 STEPS, SLOW_AT, CLEAR_AT, RANK = 150, 8, 50, 2
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _run_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_demo(tmp_path_factory.mktemp("probe"), "--steps", str(STEPS), "--slow-at", str(SLOW_AT),
                     "--slow-factor", "3", "--slow-rank", str(RANK), "--no-kill", "--probe-every-s", "1",
                     "--admin", "2:policy profile=configured", "--admin", f"{CLEAR_AT}:inject slow --rank {RANK} --factor 1")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run_demo(tmp_path_factory)
+
+
+@pytest.fixture
+def run(first_run: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's demo run; a rerun judges a fresh one (the probes time GEMMs on 2 shared
+    cores: one CI run read the 3x throttle at 1.97x, under the test's 2.0, on all three tries
+    of the same recording)."""
+    return fresh_on_rerun(request, first_run, lambda: _run_demo(tmp_path_factory))
 
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:

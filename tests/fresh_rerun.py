@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -44,3 +44,13 @@ def recording_fixtures(record: Callable[[pytest.TempPathFactory], AbstractContex
                               lambda: recorded_once(lambda: record(tmp_path_factory)))
 
     return first, fresh
+
+
+def run_fixtures(make: Callable[[pytest.TempPathFactory], T], name: str) -> tuple[Any, Any]:
+    """``recording_fixtures`` for a run that needs no teardown: ``make`` returns it."""
+
+    @contextmanager
+    def record(factory: pytest.TempPathFactory) -> Iterator[T]:
+        yield make(factory)
+
+    return recording_fixtures(record, name)

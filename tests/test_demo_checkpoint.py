@@ -7,17 +7,20 @@ from pathlib import Path
 
 import pytest
 from demo_run import jsonl, run_demo
+from fresh_rerun import run_fixtures
 
 pytestmark = pytest.mark.flaky(reruns=2)  # real ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
 STEPS, KILL_AT, EVERY = 18, 10, 4
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _run_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_demo(tmp_path_factory.mktemp("dp1"), "--tp", "2", "--pp", "2", "--dp", "1", "--no-slow",
                     "--kill-rank", "3", "--kill-at", str(KILL_AT), "--checkpoint-every", str(EVERY),
                     "--steps", str(STEPS), timeout_s=500)
+
+
+first_run, run = run_fixtures(_run_demo, "run")  # a rerun judges a fresh run
 
 
 def test_the_survivors_restore_the_latest_checkpoint_and_say_so(run: Path) -> None:

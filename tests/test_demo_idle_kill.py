@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from demo_run import jsonl, run_demo
+from fresh_rerun import run_fixtures
 
 from resihp.coordinator.model.plan import Plan
 
@@ -30,11 +31,13 @@ pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM c
 STEPS, EXCLUDE_AT, KILL_AT, RANK = 24, 6, 12, 3
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _run_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_demo(tmp_path_factory.mktemp("idlekill"), "--steps", str(STEPS), "--no-slow",
                     "--admin", "2:policy profile=configured", "--admin", f"{EXCLUDE_AT}:exclude --rank {RANK}",
                     "--kill-rank", str(RANK), "--kill-at", str(KILL_AT), timeout_s=300)
+
+
+first_run, run = run_fixtures(_run_demo, "run")  # a rerun judges a fresh run
 
 
 def test_the_members_shrink_past_the_dead_idle_rank(run: Path) -> None:

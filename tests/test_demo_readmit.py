@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from demo_run import jsonl, run_demo
+from fresh_rerun import run_fixtures
 
 from resihp.coordinator.model.plan import Plan
 
@@ -24,10 +25,12 @@ pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM c
 STEPS, EXCLUDE_AT, READMIT_AT, RANK = 26, 6, 16, 3
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _run_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_demo(tmp_path_factory.mktemp("readmit"), "--steps", str(STEPS), "--no-slow", "--no-kill", "--no-adapt",
                     "--admin", f"{EXCLUDE_AT}:exclude --rank {RANK}", "--admin", f"{READMIT_AT}:readmit --rank {RANK}")
+
+
+first_run, run = run_fixtures(_run_demo, "run")  # a rerun judges a fresh run
 
 
 def test_the_operator_calls_were_accepted(run: Path) -> None:

@@ -17,11 +17,13 @@ p50 0.5–1.0 ms, p90 4–8 ms), so the test waits for rank 3 to be healthy befo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cp_helpers import read_jsonl, wait_until
+from fresh_rerun import recording_fixtures
 from netns_cluster import admin_status, cluster_or_skip, healthy_at, launch_four_node_job, stop
 
 THROTTLE_AT = 20
@@ -40,8 +42,8 @@ def _link_findings(run: Path, since: int) -> list[dict[str, Any]]:
     return _findings(run, "fail-slow", since)
 
 
-@pytest.fixture(scope="module")
-def throttled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@contextmanager
+def _recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("linkfault")
     run = work / "run"
     with cluster_or_skip(work / "cluster", 4) as cluster:
@@ -56,6 +58,9 @@ def throttled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         finally:
             stop(launch)
         yield {"run": run, "throttled_at": at, "finding": found, "cleared_at": cleared, "recovered": back}
+
+
+first_throttled, throttled = recording_fixtures(_recorded, "throttled")  # a rerun judges a fresh run
 
 
 def test_the_rank_behind_the_slow_link_is_found_link_slow_within_a_few_iterations(throttled: dict[str, Any]) -> None:

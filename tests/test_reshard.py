@@ -117,6 +117,10 @@ def check(old: Plan, new: Plan, alive: set[int], full: dict[str, np.ndarray]) ->
             if r != t.dst and NODE_OF[r] == NODE_OF[t.dst]:
                 assert c1 <= lo or hi <= c0, f"{t}: node-mate {r} holds [{c0},{c1})"
     assert sum(plan.send_bytes.values()) == sum(plan.recv_bytes.values()) == plan.bytes_moved
+    # one order on every rank (the executor pairs sends and receives by it): sender, receiver,
+    # tensor, state, then the whole global index
+    keys = [(t.src, t.dst, t.name, t.state, [(s.start, s.stop) for s in t.index]) for t in plan.transfers]
+    assert keys == sorted(keys)
 
 
 def dead_sets(old: Plan) -> list[set[int]]:

@@ -22,7 +22,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from resihp.coordinator.model.plan import Plan
@@ -135,8 +135,14 @@ def _axis(spec: TensorSpec) -> int:
 
 
 def _global(spec: TensorSpec, lo: int, hi: int, offset: int = 0) -> Index:
-    axis = _axis(spec)
-    return tuple(slice(lo - offset, hi - offset) if d == axis else slice(0, n) for d, n in enumerate(spec.shape))
+    return _index(spec.shape, _axis(spec), lo - offset, hi - offset)
+
+
+@lru_cache(maxsize=4096)
+def _index(shape: tuple[int, ...], axis: int, lo: int, hi: int) -> Index:
+    # memoised: a plan asks for the same few indices thousands of times (3 per transfer), and
+    # a tuple of slices is immutable, so every transfer may share one
+    return tuple(slice(lo, hi) if d == axis else slice(0, n) for d, n in enumerate(shape))
 
 
 def _nbytes(spec: TensorSpec, lo: int, hi: int, itemsize: int) -> int:
@@ -182,7 +188,9 @@ def plan_reshard(
             else:
                 lost[spec.name].append(rank)
 
-    transfers: list[Transfer] = []
+    # (src, dst, name, state, lo, hi, spec, src shard start, dst shard start): sorted, then made
+    # Transfers (sorting plain tuples is several times cheaper than sorting Transfers by key)
+    rows: list[tuple[int, int, str, str, int, int, TensorSpec, int, int]] = []
     pieces: list[_Piece] = []
     missing: list[tuple[str, str, Index]] = []
     for dst in new.ranks():
@@ -193,11 +201,7 @@ def plan_reshard(
             if mine:
                 lo, hi = max(a, mine[0][0]), min(b, mine[0][1])
                 if lo < hi:
-                    for state in states:
-                        transfers.append(Transfer(
-                            dst, dst, spec.name, state, _global(spec, lo, hi), _global(spec, lo, hi, mine[0][0]),
-                            _global(spec, lo, hi, a), _nbytes(spec, lo, hi, sizes[state]),
-                        ))
+                    rows += [(dst, dst, spec.name, state, lo, hi, spec, mine[0][0], a) for state in states]
                     gaps = [(g0, g1) for g0, g1 in ((a, lo), (hi, b)) if g0 < g1]
             for g0, g1 in gaps:
                 cuts = sorted({g0, g1} | {x for _, lo, hi in holders[spec.name] for x in (lo, hi) if g0 < x < g1})
@@ -247,13 +251,16 @@ def plan_reshard(
             last[3] = p.hi
         else:
             merged.append([p, src, p.lo, p.hi, c0])
-    for p, src, lo, hi, c0 in merged:
-        transfers.append(Transfer(
-            src, p.dst, p.spec.name, p.state, _global(p.spec, lo, hi), _global(p.spec, lo, hi, c0),
-            _global(p.spec, lo, hi, p.dst_start), _nbytes(p.spec, lo, hi, sizes[p.state]),
-        ))
+    rows += [(src, p.dst, p.spec.name, p.state, lo, hi, p.spec, c0, p.dst_start) for p, src, lo, hi, c0 in merged]
 
-    transfers.sort(key=lambda t: (t.src, t.dst, t.name, t.state, [(s.start, s.stop) for s in t.index]))
+    # one order on every rank: (src, dst, tensor, state, interval); a tensor's shards differ
+    # only on its split axis, so its interval orders them as their whole index would
+    rows.sort(key=lambda r: r[:6])
+    transfers = [
+        Transfer(src, dst, name, state, _global(spec, lo, hi), _global(spec, lo, hi, c0), _global(spec, lo, hi, d0),
+                 _nbytes(spec, lo, hi, sizes[state]))
+        for src, dst, name, state, lo, hi, spec, c0, d0 in rows
+    ]
     send: dict[int, int] = defaultdict(int)
     recv: dict[int, int] = defaultdict(int)
     moved = local = 0

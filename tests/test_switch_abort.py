@@ -10,9 +10,10 @@ import torch
 from torch.distributed import HashStore  # pyright: ignore[reportPrivateImportUsage]  # public, not re-exported in its stub
 
 from resihp.coordinator.model.plan import Plan
+from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
-from resihp.trainer_hooks.reconfig.world import await_arrivals
+from resihp.trainer_hooks.reconfig.world import arrival_word, await_arrivals, parse_arrival_word
 from resihp.trainer_hooks.reporting.deaths import DeathNotices, DeathWatch, PeerDeclaredDead
 
 
@@ -56,8 +57,10 @@ def test_a_waiting_switch_ends_at_once_when_a_member_is_declared_dead() -> None:
 def test_every_member_arriving_ends_the_wait_and_a_missing_one_times_out_by_name() -> None:
     store = HashStore()
     for r in (1, 2):
-        store.set(f"resihp/arrive3/{r}", "1")
-    await_arrivals(store, 3, 0, [0, 1, 2], timeout_s=5.0, deaths=DeathNotices())
+        store.set(f"resihp/arrive3/{r}", f"word of {r}")
+    # every member's word, in the members' order: what the ranks agree on before state moves
+    assert await_arrivals(store, 3, 0, [2, 0, 1], timeout_s=5.0, deaths=DeathNotices(), word="mine") == [
+        "word of 2", "mine", "word of 1"]
     with pytest.raises(RuntimeError, match=r"wait timeout after 0.05 s: ranks \[2\] did not reach epoch 4") as exc:
         await_arrivals(store, 4, 0, [0, 2], timeout_s=0.05, deaths=DeathNotices())
     assert is_peer_failure(exc.value)
@@ -149,3 +152,10 @@ def test_a_runtime_step_ends_between_ops_when_a_peer_is_declared_dead_and_loses_
     assert all(torch.equal(p, before[n]) for n, p in rt.shards().items())  # no optimizer step
     rt.pipeline.watch = lambda: None
     assert rt.train_step(0).loss == reference  # the step, run again, is the step
+
+
+def test_a_rank_s_arrival_word_round_trips_exactly_and_a_malformed_one_is_named() -> None:
+    for keep, moments, steps in ((True, False, 0.0), (False, True, 12.0), (True, True, 1e-300), (True, True, 0.1 + 0.2)):
+        assert parse_arrival_word(arrival_word(keep, moments, steps)) == (keep, moments, steps)
+    with pytest.raises(SpecError, match=r"reads '1', not 'KEEP MOMENTS STEPS'"):
+        parse_arrival_word("1")

@@ -48,13 +48,14 @@ from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.reconfig.world import (
-    all_agree,
+    arrival_word,
     await_arrivals,
     connect_store,
     dead_text,
     group_timeout,
     init_world,
     kept_groups,
+    parse_arrival_word,
     renumber,
 )
 from resihp.trainer_hooks.reporting.deaths import DEATHS
@@ -351,8 +352,18 @@ class LiveReconfigurer:
                     and dist.is_initialized() and dist.get_world_size() == len(self.members))
         mine = kept_groups(self.plan, new_plan, self.pg_rank_of(), self.layout,
                            self.runtime.groups if self.runtime is not None else None) if may_keep else None
-        await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s)
-        keep = may_keep and all_agree(mine is not None)
+        # what every rank must know before state moves comes with the arrivals, not in a gloo
+        # collective (world.py): whether it can keep the groups; whether, as an old holder, it
+        # has the optimizer's moments (not before the first step); the optimizer's step count
+        # (the largest, so a readmitted spare learns it too)
+        holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
+        moments = holds_all(shards, self.opt_states.tensors)
+        words = await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s,
+                               word=arrival_word(mine is not None, not holder or moments, step_count))
+        can_keep, have_moments, steps = zip(*(parse_arrival_word(w) for w in words))
+        keep = may_keep and all(can_keep)
+        have_opt = all(have_moments)
+        agreed_step = max(steps)
         kept_sets, kept = mine if keep and mine is not None else (frozenset(), {})
         self._release(kept_sets)
         # 1. regroup: fresh default group under the new epoch's prefix (unless the world is kept)
@@ -366,14 +377,6 @@ class LiveReconfigurer:
                     c10d._set_pg_timeout(timedelta(seconds=self.group_timeout_s), group)
         t1 = time.perf_counter()
         # 2. reshard, on the new default group (pg ranks of logical ranks via members)
-        # one all-reduce: do all old holders have AdamW moments (not before the first step), and
-        # AdamW's step count (MAX, so a readmitted spare learns it too); max(-x) = -min(x)
-        holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
-        moments = holds_all(shards, self.opt_states.tensors)
-        vote = torch.tensor([-1.0 if (not holder or moments) else 0.0, step_count], dtype=torch.float64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        have_opt = float(vote[0]) == -1.0
-        agreed_step = float(vote[1])
         states = state_names(self.opt_states) if have_opt else ("param",)
         rplan = self.prepare(new_plan, alive if alive is not None else self.members, states, stock=False)
         inflight = start_reshard(

@@ -5,9 +5,14 @@ Plans speak *logical* ranks; groups speak the ranks of the current world (``renu
 A recovery builds a new world (``init_world``: a new default group under the store prefix
 ``resihp/epoch{N}/``, so no key of an older epoch is read again). A planned switch among
 the same members keeps the default group and every group whose rank set both plans need
-(``kept_groups``), once every rank agrees it can (``all_agree``): creating a group waits on
-every member (store round trips, connections; an NCCL communicator's init takes seconds at
-scale). Used by ``reconfig.live``.
+(``kept_groups``), once every rank agrees it can: creating a group waits on every member
+(store round trips, connections; an NCCL communicator's init takes seconds at scale). What the
+ranks must agree on before they move state (whether to keep the groups, whether every holder
+has optimizer moments, the optimizer's step count) travels with their arrival in the store
+(``await_arrivals``'s ``word``), not in a collective: a peer that dies inside a gloo
+collective on the default group leaves the others waiting out its timeout (the chaos run's
+kill inside a switch: 6 s), a store wait stops at the coordinator's death notice. Used by
+``reconfig.live``.
 """
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -94,14 +98,16 @@ def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: fl
 
 
 def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], timeout_s: float,
-                   deaths: DeathNotices = DEATHS) -> None:
+                   deaths: DeathNotices = DEATHS, word: str = "1") -> list[str]:
     """Every member of epoch ``epoch`` has reached its switch, before any rank enters gloo's
     rendezvous (which can only wait out its timeout for a dead peer). Waiting here, a rank
     stops at once when the coordinator announces one of the members dead (``deaths``, heard
     on the hook's command thread): ``PeerDeclaredDead``, a peer failure the caller recovers
-    from. A member that never arrives, unannounced, is a "wait timeout" as gloo's would be."""
+    from. A member that never arrives, unannounced, is a "wait timeout" as gloo's would be.
+    Returns every member's ``word`` (what this rank brings to the switch), in ``members``'
+    order: the same list on every rank."""
     prefix = f"resihp/arrive{epoch}/"
-    store.set(f"{prefix}{rank}", "1")
+    store.set(f"{prefix}{rank}", word)
     keys = [f"{prefix}{r}" for r in members]
     deadline = time.monotonic() + timeout_s
     while True:
@@ -119,9 +125,9 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
         # coordinator's death notices are read
         try:  # never a slice under 1 ms: c10d reads a timeout of 0 ms as "wait for ever"
             store.wait(keys, timedelta(seconds=max(0.002, min(ARRIVAL_SLICE_S, left))))
-            return
         except dist.DistStoreError:
             continue
+        return [bytes(v).decode() for v in store.multi_get(keys)]
 
 
 def dead_text(dead: Sequence[int], epoch: int) -> str:
@@ -148,8 +154,17 @@ def kept_groups(old: Plan, new: Plan, numbering: Mapping[int, int], layout: Mode
     return both, mine
 
 
-def all_agree(yes: bool) -> bool:
-    """True on every rank of the current world if every rank says ``yes`` (one all-reduce)."""
-    flag = torch.tensor([1 if yes else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def arrival_word(can_keep: bool, has_moments: bool, step_count: float) -> str:
+    """What a rank brings to a switch (``await_arrivals``'s word): whether it can keep the
+    groups, whether it has the optimizer's moments (or holds no old state), and the
+    optimizer's step count (``repr`` keeps the float exact)."""
+    return f"{int(can_keep)} {int(has_moments)} {float(step_count)!r}"
+
+
+def parse_arrival_word(word: str) -> tuple[bool, bool, float]:
+    try:
+        keep, moments, steps = word.split()
+        return keep == "1", moments == "1", float(steps)
+    except ValueError:
+        raise SpecError(f"reconfigure: a member's arrival at the switch reads {word!r}, not 'KEEP MOMENTS STEPS': "
+                        f"are two versions of resihp in one job?") from None

@@ -10,7 +10,10 @@ agent transport, no coordinator, so recoveries use the documented survivor rule)
 2. rank 2 SIGKILLs itself as the recovery from (1) starts moving state (new groups formed,
    transfers about to run) — a second failure during a reconfiguration;
 3. a planned switch to PP2×DP3 arrives as a command applying at step 7; rank 6 SIGKILLs
-   itself as that switch starts moving state — a failure during a planned reconfiguration.
+   itself once every member has arrived at that switch, before any state moves — a failure
+   during a planned reconfiguration. What the ranks agree on there travels with their
+   arrivals (reconfig/world.py): a collective on the default group would leave its peers
+   waiting out the gloo timeout ("Timed out waiting"), which the test looks for in the log.
 
 Every survivor (0, 1, 3, 4, 7) writes OUT/RANK.json: its committed steps (loss, replica, sample
 ids), the resilient loop's history and the acknowledgements; then leaves without MPI
@@ -36,7 +39,7 @@ from resihp.trainer_hooks.reconfig.ulfm import ft_world
 STEPS = 12
 KILL_IN_FORWARD = (3, 5)  # step, rank
 KILL_IN_RECOVERY = 2  # dies as the first recovery's transfers start
-KILL_IN_PLANNED = 6  # dies as the planned switch's transfers start
+KILL_IN_PLANNED = 6  # dies once every member has arrived at the planned switch
 PLANNED_EPOCH = 100
 PLANNED_AT = 7
 # after (1) and (2) the survivors 0, 1, 3, 4, 6, 7 run the survivor rule's TP2×DP3; the planned
@@ -80,16 +83,25 @@ class ScriptedTransport:
         pass
 
 
-def arm_transfer_kill(me: int) -> None:
-    """The victims of (2) and (3) die on entering the state transfer of their switch."""
-    real = reconfigure_mod.start_reshard
+def arm_switch_kills(me: int) -> None:
+    """The victim of (2) dies on entering the state transfer of its recovery; the victim of (3)
+    as soon as every member has arrived at the planned switch."""
+    real_reshard = reconfigure_mod.start_reshard
+    real_arrivals = reconfigure_mod.await_arrivals
 
     def start_reshard(rplan: Any, rank: int, old: Any, new_plan: Plan, *args: Any, **kwargs: Any) -> Any:
-        if me == KILL_IN_RECOVERY or (me == KILL_IN_PLANNED and new_plan.epoch == PLANNED_EPOCH):
+        if me == KILL_IN_RECOVERY:
             die()
-        return real(rplan, rank, old, new_plan, *args, **kwargs)
+        return real_reshard(rplan, rank, old, new_plan, *args, **kwargs)
+
+    def await_arrivals(store: Any, epoch: int, *args: Any, **kwargs: Any) -> list[str]:
+        words = real_arrivals(store, epoch, *args, **kwargs)
+        if me == KILL_IN_PLANNED and epoch == PLANNED_EPOCH:
+            die()
+        return words
 
     reconfigure_mod.start_reshard = start_reshard  # type: ignore[assignment]
+    reconfigure_mod.await_arrivals = await_arrivals  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -109,7 +121,7 @@ def main() -> None:
     res = job.resilience
     assert res is not None
     res.plan_wait_s = 0.0  # no coordinator here: the survivor rule decides at once
-    arm_transfer_kill(me)
+    arm_switch_kills(me)
     records: list[dict[str, Any]] = []
     for it in job.iterations(STEPS):
         if (it, me) == KILL_IN_FORWARD and job.runtime is not None:

@@ -155,7 +155,9 @@ def test_a_runtime_step_ends_between_ops_when_a_peer_is_declared_dead_and_loses_
 
 
 def test_a_rank_s_arrival_word_round_trips_exactly_and_a_malformed_one_is_named() -> None:
-    for keep, moments, steps in ((True, False, 0.0), (False, True, 12.0), (True, True, 1e-300), (True, True, 0.1 + 0.2)):
-        assert parse_arrival_word(arrival_word(keep, moments, steps)) == (keep, moments, steps)
-    with pytest.raises(SpecError, match=r"reads '1', not 'KEEP MOMENTS STEPS'"):
+    for keep, moments, steps, step in ((True, False, 0.0, -1), (False, True, 12.0, 7), (True, True, 1e-300, 0),
+                                       (True, True, 0.1 + 0.2, 10**9)):
+        assert parse_arrival_word(arrival_word(keep, moments, steps, step)) == (keep, moments, steps, step)
+    assert parse_arrival_word(arrival_word(True, True, 3.0))[3] == -1  # no step of its own: an idle spare
+    with pytest.raises(SpecError, match=r"reads '1', not 'KEEP MOMENTS STEPS NEXT'"):
         parse_arrival_word("1")

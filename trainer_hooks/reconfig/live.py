@@ -138,6 +138,9 @@ class ReconfigReport:
     # rank set the new plan needs again: how many of this rank's groups it kept
     groups_kept: int = 0
     world_kept: bool = False
+    # the largest training step the members said they go on from (``apply``'s ``next_step``;
+    # -1 if none said): a readmitted spare learns the job's step from it, with no collective
+    next_step: int = -1
     reshard: ReshardPlan | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -302,7 +305,8 @@ class LiveReconfigurer:
 
     def apply(self, new_plan: Plan, epoch: int | None = None, *, old_shards: Shards | None = None,
               alive: Sequence[int] | None = None, members: Sequence[int] | None = None,
-              adam_steps: float | None = None, stats: dict[str, float] | None = None) -> ReconfigReport:
+              adam_steps: float | None = None, stats: dict[str, float] | None = None,
+              next_step: int = -1) -> ReconfigReport:
         """Switch every rank of the world to ``new_plan`` (collective; call at a step boundary).
 
         ``epoch``: the new plan epoch (default ``new_plan.epoch``; must exceed the current one).
@@ -310,6 +314,8 @@ class LiveReconfigurer:
         the state to reshard from (a rolled-back copy) with its AdamW step count
         (``adam_steps``), the ranks that can send, and the new world's logical ranks; by
         default the live runtime's state, the whole world. ``stats``: filled by the executor.
+        ``next_step``: the training step this rank goes on from (-1: none of its own); the
+        report's ``next_step`` is the largest any member said.
         No automatic garbage collection runs inside the switch (runtime/gc_control.py).
         """
         target = new_plan.epoch if epoch is None else epoch
@@ -324,14 +330,14 @@ class LiveReconfigurer:
         try:
             with paused():
                 return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
-                                   adam_steps=adam_steps, stats=stats)
+                                   adam_steps=adam_steps, stats=stats, next_step=next_step)
         finally:
             if interruptible:
                 store.interrupt = None
 
     def _apply(self, new_plan: Plan, epoch: int | None, *, old_shards: Shards | None,
                alive: Sequence[int] | None, members: Sequence[int] | None,
-               adam_steps: float | None, stats: dict[str, float] | None) -> ReconfigReport:
+               adam_steps: float | None, stats: dict[str, float] | None, next_step: int) -> ReconfigReport:
         epoch = new_plan.epoch if epoch is None else epoch
         if epoch <= self.epoch:
             raise SpecError(f"reconfigure: epoch {epoch} is not newer than the current epoch {self.epoch}")
@@ -355,12 +361,12 @@ class LiveReconfigurer:
         # what every rank must know before state moves comes with the arrivals, not in a gloo
         # collective (world.py): whether it can keep the groups; whether, as an old holder, it
         # has the optimizer's moments (not before the first step); the optimizer's step count
-        # (the largest, so a readmitted spare learns it too)
+        # and the training step (the largest of each, so a readmitted spare learns them too)
         holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
         moments = holds_all(shards, self.opt_states.tensors)
         words = await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s,
-                               word=arrival_word(mine is not None, not holder or moments, step_count))
-        can_keep, have_moments, steps = zip(*(parse_arrival_word(w) for w in words))
+                               word=arrival_word(mine is not None, not holder or moments, step_count, next_step))
+        can_keep, have_moments, steps, next_steps = zip(*(parse_arrival_word(w) for w in words))
         keep = may_keep and all(can_keep)
         have_opt = all(have_moments)
         agreed_step = max(steps)
@@ -402,7 +408,7 @@ class LiveReconfigurer:
         report = ReconfigReport(
             epoch=epoch, role="member" if self.runtime is not None else "spare", regroup_s=t1 - t0,
             reshard_s=t2 - t1, rebuild_s=t3 - t2, bytes_moved=rplan.bytes_moved, bytes_local=rplan.bytes_local,
-            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep,
+            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep, next_step=max(next_steps),
         )
         self.history.append(report)
         if log.isEnabledFor(logging.INFO):  # the summary walks every transfer

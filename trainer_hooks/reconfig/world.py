@@ -154,17 +154,18 @@ def kept_groups(old: Plan, new: Plan, numbering: Mapping[int, int], layout: Mode
     return both, mine
 
 
-def arrival_word(can_keep: bool, has_moments: bool, step_count: float) -> str:
+def arrival_word(can_keep: bool, has_moments: bool, step_count: float, next_step: int = -1) -> str:
     """What a rank brings to a switch (``await_arrivals``'s word): whether it can keep the
-    groups, whether it has the optimizer's moments (or holds no old state), and the
-    optimizer's step count (``repr`` keeps the float exact)."""
-    return f"{int(can_keep)} {int(has_moments)} {float(step_count)!r}"
+    groups, whether it has the optimizer's moments (or holds no old state), the optimizer's
+    step count (``repr`` keeps the float exact) and the training step it goes on from (-1:
+    none of its own, an idle spare)."""
+    return f"{int(can_keep)} {int(has_moments)} {float(step_count)!r} {int(next_step)}"
 
 
-def parse_arrival_word(word: str) -> tuple[bool, bool, float]:
+def parse_arrival_word(word: str) -> tuple[bool, bool, float, int]:
     try:
-        keep, moments, steps = word.split()
-        return keep == "1", moments == "1", float(steps)
+        keep, moments, steps, step = word.split()
+        return keep == "1", moments == "1", float(steps), int(step)
     except ValueError:
-        raise SpecError(f"reconfigure: a member's arrival at the switch reads {word!r}, not 'KEEP MOMENTS STEPS': "
-                        f"are two versions of resihp in one job?") from None
+        raise SpecError(f"reconfigure: a member's arrival at the switch reads {word!r}, not 'KEEP MOMENTS STEPS "
+                        f"NEXT': are two versions of resihp in one job?") from None

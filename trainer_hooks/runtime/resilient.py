@@ -36,9 +36,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-import torch.distributed as dist
-
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.exit_status import leave_now
@@ -223,7 +220,7 @@ class Resilience(FailStopRecovery):
         self._tried_epoch = max(self._tried_epoch, cmd.epoch)
         try:
             with CURSOR.op("collective", f"switch to epoch {cmd.epoch}"):  # a hang here is located too
-                report = self.rc.apply(cmd.plan, cmd.epoch)
+                report = self.rc.apply(cmd.plan, cmd.epoch, next_step=self.next_step if was_member else -1)
         except Exception as exc:  # noqa: BLE001 - a peer died during the switch: recover instead
             if not is_failure(exc):
                 raise
@@ -238,10 +235,9 @@ class Resilience(FailStopRecovery):
             self._deferred.append(cmd)  # superseded by the recovery's plan; acknowledged there
             self._recover(failure or RuntimeError("a peer failed during the planned switch"))
             return False
-        # every rank resumes at the members' next step (a readmitted spare learns it here)
-        nxt = torch.tensor([self.next_step if was_member else -1], dtype=torch.int64)
-        dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
-        self.next_step = int(nxt.item())
+        # every rank resumes at the members' next step (a readmitted spare learns it from their
+        # arrival: no collective after the commit, where a peer's death would reach no handler)
+        self.next_step = report.next_step
         done = time.perf_counter()
         # where a planned switch's time goes, as a recovery's (the progress log's ``phases_s``):
         # regroup holds the wait for every member to arrive, and what apply does before it

@@ -128,8 +128,8 @@ class ReconfigReport:
 
     epoch: int
     role: str  # "member" | "spare"
-    regroup_s: float = 0.0  # arrival of every member, then the new default group (if made)
-    reshard_s: float = 0.0  # step agreement + transfers (the new plan's sub-groups are made while they fly)
+    regroup_s: float = 0.0  # arrival of every member (with what the ranks agree on), then the new default group (if made)
+    reshard_s: float = 0.0  # transfers (the new plan's sub-groups are made while they fly)
     rebuild_s: float = 0.0  # new Runtime on those groups + load
     bytes_moved: int = 0  # job-wide, over the network
     bytes_local: int = 0

@@ -68,7 +68,8 @@ def time_layouts(rank: int, spec: ModelSpec, config: Any, request: AutoLayout, o
         for step in range(request.warmup + request.steps):
             t0 = time.perf_counter()
             runtime.train_step(step)
-            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            # on the runtime's device: an NCCL default group refuses a CPU tensor
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the iteration is its slowest rank's
             if step < request.warmup:
                 continue

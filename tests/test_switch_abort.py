@@ -56,11 +56,14 @@ def test_a_waiting_switch_ends_at_once_when_a_member_is_declared_dead() -> None:
 
 def test_every_member_arriving_ends_the_wait_and_a_missing_one_times_out_by_name() -> None:
     store = HashStore()
-    for r in (1, 2):
-        store.set(f"resihp/arrive3/{r}", f"word of {r}")
-    # every member's word, in the members' order: what the ranks agree on before state moves
-    assert await_arrivals(store, 3, 0, [2, 0, 1], timeout_s=5.0, deaths=DeathNotices(), word="mine") == [
-        "word of 2", "mine", "word of 1"]
+    for r in (2, 1):  # as await_arrivals itself writes them: the word, then the arrival
+        store.append("resihp/arrive3/words", f"word of {r};")  # pyright: ignore[reportAttributeAccessIssue]  # in torch, not in its stub
+        store.set(f"resihp/arrive3/{r}", "1")
+    # every member's word, in the order they arrived: what the ranks agree on before state moves
+    assert await_arrivals(store, 3, 0, [0, 1, 2], timeout_s=5.0, deaths=DeathNotices(), word="mine") == [
+        "word of 2", "word of 1", "mine"]
+    with pytest.raises(SpecError, match="may not hold ';'"):
+        await_arrivals(store, 9, 0, [0], timeout_s=5.0, deaths=DeathNotices(), word="a;b")
     with pytest.raises(RuntimeError, match=r"wait timeout after 0.05 s: ranks \[2\] did not reach epoch 4") as exc:
         await_arrivals(store, 4, 0, [0, 2], timeout_s=0.05, deaths=DeathNotices())
     assert is_peer_failure(exc.value)

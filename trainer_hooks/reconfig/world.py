@@ -34,6 +34,7 @@ from resihp.trainer_hooks.runtime.groups import EpochGroups, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import ModelLayout
 
 ARRIVAL_SLICE_S = 0.1  # a switch's wait for its members reads the death notices this often
+WORD_END = ";"  # ends each member's word in the switch's one key of words
 RankSet = tuple[int, ...]
 
 
@@ -104,10 +105,16 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
     stops at once when the coordinator announces one of the members dead (``deaths``, heard
     on the hook's command thread): ``PeerDeclaredDead``, a peer failure the caller recovers
     from. A member that never arrives, unannounced, is a "wait timeout" as gloo's would be.
-    Returns every member's ``word`` (what this rank brings to the switch), in ``members``'
-    order: the same list on every rank."""
+    Returns every member's ``word`` (what this rank brings to the switch), in the order the
+    members arrived: the same words on every rank, for agreements that do not depend on order
+    (all, max). They are appended to one key, read with one ``get`` at the end: 0.05 ms for
+    1,024 words here, where a ``multi_get`` of 1,024 arrival keys took 1.4 ms of the store's
+    time per rank, one rank after another."""
+    if WORD_END in word:
+        raise SpecError(f"reconfigure: an arrival word may not hold {WORD_END!r}: {word!r}")
     prefix = f"resihp/arrive{epoch}/"
-    store.set(f"{prefix}{rank}", word)
+    store.append(f"{prefix}words", word + WORD_END)  # before the arrival: every arrived member's word is in
+    store.set(f"{prefix}{rank}", "1")
     keys = [f"{prefix}{r}" for r in members]
     deadline = time.monotonic() + timeout_s
     while True:
@@ -127,7 +134,7 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
             store.wait(keys, timedelta(seconds=max(0.002, min(ARRIVAL_SLICE_S, left))))
         except dist.DistStoreError:
             continue
-        return [bytes(v).decode() for v in store.multi_get(keys)]
+        return [w for w in bytes(store.get(f"{prefix}words")).decode().split(WORD_END) if w]
 
 
 def dead_text(dead: Sequence[int], epoch: int) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 from demo_run import jsonl, run_demo
-from fresh_rerun import fresh_on_rerun
+from fresh_rerun import run_fixtures
 
 pytestmark = pytest.mark.flaky(reruns=2)  # 8 ranks + daemons on 2 cores; ULFM can crash a rank in MPI_Init
 
@@ -40,17 +40,9 @@ def _run_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "--admin", "2:policy profile=configured", "--admin", f"{CLEAR_AT}:inject slow --rank {RANK} --factor 1")
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _run_demo(tmp_path_factory)
-
-
-@pytest.fixture
-def run(first_run: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The module's demo run; a rerun judges a fresh one (the probes time GEMMs on 2 shared
-    cores: one CI run read the 3x throttle at 1.97x, under the test's 2.0, on all three tries
-    of the same recording)."""
-    return fresh_on_rerun(request, first_run, lambda: _run_demo(tmp_path_factory))
+# a rerun judges a fresh demo run (the probes time GEMMs on 2 shared cores: one CI run read the
+# 3x throttle at 1.97x, under the test's 2.0, on all three tries of the same recording)
+first_run, run = run_fixtures(_run_demo, "run")
 
 
 def _events(run: Path, kind: str) -> list[dict[str, Any]]:

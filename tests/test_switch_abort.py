@@ -13,7 +13,7 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
-from resihp.trainer_hooks.reconfig.world import arrival_word, await_arrivals, parse_arrival_word
+from resihp.trainer_hooks.reconfig.world import SwitchAgreement, agree, arrival_word, await_arrivals, parse_arrival_word
 from resihp.trainer_hooks.reporting.deaths import DeathNotices, DeathWatch, PeerDeclaredDead
 
 
@@ -164,3 +164,11 @@ def test_a_rank_s_arrival_word_round_trips_exactly_and_a_malformed_one_is_named(
     assert parse_arrival_word(arrival_word(True, True, 3.0))[3] == -1  # no step of its own: an idle spare
     with pytest.raises(SpecError, match=r"reads '1', not 'KEEP MOMENTS STEPS NEXT'"):
         parse_arrival_word("1")
+
+
+def test_the_members_words_agree_whatever_their_order() -> None:
+    member = arrival_word(True, True, 12.0, 7)
+    spare = arrival_word(True, True, 0.0)  # holds no state: has no moments to miss, no step of its own
+    fresh = arrival_word(False, False, 12.0, 7)  # lost its groups; an old holder before its first step
+    assert agree([member, spare]) == agree([spare, member]) == SwitchAgreement(True, True, 12.0, 7)
+    assert agree([spare, fresh, member]) == SwitchAgreement(False, False, 12.0, 7)

@@ -48,6 +48,7 @@ from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.reconfig.world import (
+    agree,
     arrival_word,
     await_arrivals,
     connect_store,
@@ -55,7 +56,6 @@ from resihp.trainer_hooks.reconfig.world import (
     group_timeout,
     init_world,
     kept_groups,
-    parse_arrival_word,
     renumber,
 )
 from resihp.trainer_hooks.reporting.deaths import DEATHS
@@ -364,12 +364,9 @@ class LiveReconfigurer:
         # and the training step (the largest of each, so a readmitted spare learns them too)
         holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
         moments = holds_all(shards, self.opt_states.tensors)
-        words = await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s,
-                               word=arrival_word(mine is not None, not holder or moments, step_count, next_step))
-        can_keep, have_moments, steps, next_steps = zip(*(parse_arrival_word(w) for w in words))
-        keep = may_keep and all(can_keep)
-        have_opt = all(have_moments)
-        agreed_step = max(steps)
+        agreed = agree(await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s,
+                                      word=arrival_word(mine is not None, not holder or moments, step_count, next_step)))
+        keep = may_keep and agreed.keep_groups
         kept_sets, kept = mine if keep and mine is not None else (frozenset(), {})
         self._release(kept_sets)
         # 1. regroup: fresh default group under the new epoch's prefix (unless the world is kept)
@@ -383,7 +380,7 @@ class LiveReconfigurer:
                     c10d._set_pg_timeout(timedelta(seconds=self.group_timeout_s), group)
         t1 = time.perf_counter()
         # 2. reshard, on the new default group (pg ranks of logical ranks via members)
-        states = state_names(self.opt_states) if have_opt else ("param",)
+        states = state_names(self.opt_states) if agreed.moments else ("param",)
         rplan = self.prepare(new_plan, alive if alive is not None else self.members, states, stock=False)
         inflight = start_reshard(
             rplan, self.rank, {s: shards.get(s, {}) for s in states}, new_plan, self.specs, dist.group.WORLD,
@@ -400,7 +397,7 @@ class LiveReconfigurer:
         self.epoch = epoch
         self._build(new_plan, init_weights=False, made=made)
         if self.runtime is not None:
-            load_shards(self.runtime, new_shards, agreed_step if have_opt else 0.0)
+            load_shards(self.runtime, new_shards, agreed.optimizer_steps if agreed.moments else 0.0)
         # no closing barrier: a rank that is ready waits in its first message of the new epoch,
         # and a peer still resharding has already received all it needs from it (the executor
         # returns only once its sends completed); reshard and pipeline messages differ by tag
@@ -408,7 +405,7 @@ class LiveReconfigurer:
         report = ReconfigReport(
             epoch=epoch, role="member" if self.runtime is not None else "spare", regroup_s=t1 - t0,
             reshard_s=t2 - t1, rebuild_s=t3 - t2, bytes_moved=rplan.bytes_moved, bytes_local=rplan.bytes_local,
-            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep, next_step=max(next_steps),
+            downtime_s=t3 - t0, reshard=rplan, groups_kept=len(kept), world_kept=keep, next_step=agreed.next_step,
         )
         self.history.append(report)
         if log.isEnabledFor(logging.INFO):  # the summary walks every transfer

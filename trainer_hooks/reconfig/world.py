@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -176,3 +176,20 @@ def parse_arrival_word(word: str) -> tuple[bool, bool, float, int]:
     except ValueError:
         raise SpecError(f"reconfigure: a member's arrival at the switch reads {word!r}, not 'KEEP MOMENTS STEPS "
                         f"NEXT': are two versions of resihp in one job?") from None
+
+
+class SwitchAgreement(NamedTuple):
+    """What the members' words agree on: every rank keeps the groups or none does; the
+    optimizer's moments move only if every old holder has them; the largest step count and
+    training step win (a readmitted spare learns them)."""
+
+    keep_groups: bool
+    moments: bool
+    optimizer_steps: float
+    next_step: int
+
+
+def agree(words: Iterable[str]) -> SwitchAgreement:
+    """The agreement of ``await_arrivals``'s words (order-free: the same on every rank)."""
+    keep, moments, steps, step = zip(*(parse_arrival_word(w) for w in words))
+    return SwitchAgreement(all(keep), all(moments), max(steps), max(step))

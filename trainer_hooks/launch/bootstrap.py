@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
+from resihp.trainer_hooks.launch.backends import runs_nccl, world_backend
 from resihp.trainer_hooks.launch.rank_env import loopback_ifname
 from resihp.trainer_hooks.launch.store_client import AuthStore, credential_from_env
 from resihp.trainer_hooks.launch.store_server import CREDENTIAL_ENV, StoreServer
@@ -174,11 +175,12 @@ class Bootstrap:
             self.adopted = False
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-        if self.backend == "gloo" and len(set(self.nodes)) == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo runs under NCCL too, for CPU tensors (launch/backends.py)
+        if len(set(self.nodes)) == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname()
         store = PrefixStore(f"resihp/epoch{epoch}/", self._store)
         dist.init_process_group(
-            self.backend, store=store, rank=self.rank, world_size=self.world_size,
+            world_backend(self.backend), store=store, rank=self.rank, world_size=self.world_size,
             timeout=_dt.timedelta(seconds=self.timeout_s),
         )
         self.epoch = epoch
@@ -194,7 +196,7 @@ class Bootstrap:
                 f"{self.world_size}; under `resihp launch` take RANK / WORLD_SIZE from the environment it sets"
             )
         backend = str(dist.get_backend()).lower()
-        self.backend = "nccl" if "nccl" in backend else "gloo"
+        self.backend = "nccl" if runs_nccl(backend) else "gloo"
         self.adopted = True
         self.epoch = epoch
         log.info("rank %d reuses the script's process group (%s, %d ranks)", rank, backend, world)

@@ -44,6 +44,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.launch.backends import group_carries_cpu
 from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
@@ -354,8 +355,9 @@ class LiveReconfigurer:
         step_count = optimizer_steps(self.runtime) if adam_steps is None else adam_steps
         # a planned switch among the same members may keep the world and the groups both plans
         # need (world.kept_groups); whether to try is alike on every rank, whether it can is agreed
+        # (a script's own NCCL-only world cannot carry the switch's CPU buffers: it is replaced)
         may_keep = (self.keep_groups and members is None and alive is None and old_shards is None
-                    and dist.is_initialized() and dist.get_world_size() == len(self.members))
+                    and group_carries_cpu() and dist.get_world_size() == len(self.members))
         mine = kept_groups(self.plan, new_plan, self.pg_rank_of(), self.layout,
                            self.runtime.groups if self.runtime is not None else None) if may_keep else None
         # what every rank must know before state moves comes with the arrivals, not in a gloo

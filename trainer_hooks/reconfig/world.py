@@ -29,6 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
+from resihp.trainer_hooks.launch.backends import world_backend
 from resihp.trainer_hooks.reporting.deaths import DEATHS, DeathNotices, PeerDeclaredDead
 from resihp.trainer_hooks.runtime.groups import EpochGroups, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import ModelLayout
@@ -81,7 +82,9 @@ def connect_store(store_addr: str, timeout_s: float) -> Any:
 def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: float, backend: str = "gloo") -> None:
     """(Re)create the default process group of ``size`` ranks under ``resihp/epoch{epoch}/``.
 
-    ``store``: a client of the job's store, or its ``host:port`` (then a new client is made)."""
+    ``store``: a client of the job's store, or its ``host:port`` (then a new client is made).
+    ``backend``: the job's (gloo | nccl); under NCCL the group also carries gloo for the
+    switch's CPU buffers (launch/backends.py)."""
     if dist.is_initialized():
         # the old group's destructor waits ~20 ms for its threads and peers: hold the last
         # reference past destroy_process_group and let it go on the retire thread
@@ -92,7 +95,7 @@ def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: fl
     if isinstance(store, str):
         store = connect_store(store, timeout_s)
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"resihp/epoch{epoch}/", store),  # type: ignore[attr-defined]
+        world_backend(backend), store=dist.PrefixStore(f"resihp/epoch{epoch}/", store),  # type: ignore[attr-defined]
         rank=rank, world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )

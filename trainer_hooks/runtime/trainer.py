@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import ModelSpec, SpecError
+from resihp.trainer_hooks.launch.backends import group_runs_nccl
 from resihp.trainer_hooks.reporting.deaths import DeathWatch
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
 from resihp.trainer_hooks.runtime.abort_on_death import AbortOnDeath
@@ -109,7 +110,7 @@ class StepResult:
 
 def _default_device() -> torch.device:
     """CUDA under NCCL (one device per local rank, set by the bootstrap), else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if group_runs_nccl():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -245,7 +246,7 @@ class Runtime:
         # this epoch's communicators from the hook's thread (gloo fails by itself)
         groups = self.groups
         self._abort_on_death = AbortOnDeath(rank, plan.ranks(), epoch, lambda: communicators(groups)) \
-            if self.device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "nccl" else None
+            if self.device.type == "cuda" and group_runs_nccl() else None
 
     @property
     def epoch(self) -> int:

@@ -254,12 +254,22 @@ def test_a_member_killed_after_arriving_at_a_switch_leaves_no_peer_waiting_out_a
         second_failure_run: tuple[dict[int, Any], str]) -> None:
     # rank 6 dies once every member arrived at the planned switch: its peers learn it from the
     # failure itself (its sockets, ULFM), not by waiting out a collective's 5 s gloo timeout,
-    # which a vote on the default group there made them do. (Rank 2's death in the first
-    # recovery's transfers does leave its peers in a store wait for its groups, 5 s: with no
-    # coordinator in this script, no death notice ends that wait; under resihp launch one does)
+    # which a vote on the default group there made them do
     reports, log = second_failure_run
     assert set(reports) == set(SF_SURVIVORS)
     assert "Timed out waiting" not in log, [x for x in log.splitlines() if "Timed out waiting" in x][:4]
+
+
+def test_a_member_killed_while_its_peers_wait_in_the_store_ends_the_wait_on_mpis_word(
+        second_failure_run: tuple[dict[int, Any], str]) -> None:
+    # rank 2 dies as the first recovery's transfers start, while its peers wait in the store for
+    # its groups' rendezvous. There is no coordinator in this script, so no death notice; MPI's
+    # own word (ulfm.failed_processes) ends the wait instead of its 5 s timeout ("wait timeout
+    # after 5000ms" in every survivor's log before)
+    _, log = second_failure_run
+    assert "wait timeout after" not in log, [x for x in log.splitlines() if "wait timeout after" in x][:4]
+    cut = [x for x in log.splitlines() if "wait timeout cut short" in x]
+    assert all("MPI reports the processes of ranks [2] of epoch 2 failed" in x for x in cut), cut[:4]
 
 
 def test_second_failure_during_recovery_and_failure_during_planned_switch_are_survived(

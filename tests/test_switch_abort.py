@@ -13,7 +13,14 @@ from resihp.coordinator.model.plan import Plan
 from resihp.coordinator.model.spec import SpecError
 from resihp.coordinator.protocol import messages as m
 from resihp.trainer_hooks.reconfig.ulfm import is_peer_failure
-from resihp.trainer_hooks.reconfig.world import SwitchAgreement, agree, arrival_word, await_arrivals, parse_arrival_word
+from resihp.trainer_hooks.reconfig.world import (
+    SwitchAgreement,
+    agree,
+    arrival_word,
+    await_arrivals,
+    death_text,
+    parse_arrival_word,
+)
 from resihp.trainer_hooks.reporting.deaths import DeathNotices, DeathWatch, PeerDeclaredDead
 
 
@@ -51,7 +58,35 @@ def test_a_waiting_switch_ends_at_once_when_a_member_is_declared_dead() -> None:
     deaths.note(_cmd(2, Plan.uniform(1, 2, 1, 6, 4), "fail-stop of ranks [2]; full-replan"))
     t.join(30)
     assert not t.is_alive() and len(caught) == 1 and isinstance(caught[0], PeerDeclaredDead)
-    assert "declared ranks [2] dead" in str(caught[0]) and is_peer_failure(caught[0])
+    assert "the coordinator declared ranks [2] of epoch 1 dead" in str(caught[0]) and is_peer_failure(caught[0])
+
+
+def test_a_waiting_switch_without_a_coordinator_ends_on_mpis_word_that_a_member_failed() -> None:
+    """No death notice ever comes (no coordinator); MPI's list of failed processes
+    (``ulfm.failed_processes``, here a stand-in that learns of rank 2 on its third look) ends
+    the wait, by name, as a peer failure."""
+    store = HashStore()
+    store.set("resihp/arrive1/1", "1")  # rank 1 arrived; rank 2 never will
+    looks: list[int] = []
+
+    def failed() -> frozenset[int]:
+        looks.append(1)
+        return frozenset({2, 9}) if len(looks) >= 3 else frozenset()  # 9: not a member, not named
+
+    with pytest.raises(PeerDeclaredDead, match=r"rank 0: MPI reports the processes of ranks \[2\] of epoch 1 failed "
+                                               r"while epoch 1's switch waited for them") as caught:
+        await_arrivals(store, 1, 0, [0, 1, 2], timeout_s=60.0, deaths=DeathNotices(), failed=failed)
+    assert is_peer_failure(caught.value) and len(looks) == 3
+
+
+def test_the_coordinators_notice_is_named_before_mpis_word() -> None:
+    d = DeathNotices()
+    d.note(_cmd(3, Plan.uniform(1, 2, 1, 6, 4), "fail-stop of ranks [2]; full-replan"))
+    assert death_text([0, 1, 2], 3, d, lambda: frozenset({2})) == "the coordinator declared ranks [2] of epoch 3 dead"
+    assert death_text([0, 1, 2], 3, DeathNotices(), lambda: frozenset({2})) == (
+        "MPI reports the processes of ranks [2] of epoch 3 failed")
+    assert death_text([0, 1], 3, DeathNotices(), lambda: frozenset({2})) == ""
+    assert death_text([0, 1, 2], 3, DeathNotices(), None) == ""
 
 
 def test_every_member_arriving_ends_the_wait_and_a_missing_one_times_out_by_name() -> None:

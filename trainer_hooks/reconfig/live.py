@@ -49,11 +49,12 @@ from resihp.trainer_hooks.reconfig.rank_view import prepare_rank
 from resihp.trainer_hooks.reconfig.reshard import ReshardPlan, plan_reshard
 from resihp.trainer_hooks.reconfig.transfer import Shards, start_reshard
 from resihp.trainer_hooks.reconfig.world import (
+    FailedProcesses,
     agree,
     arrival_word,
     await_arrivals,
     connect_store,
-    dead_text,
+    death_text,
     group_timeout,
     init_world,
     kept_groups,
@@ -194,6 +195,10 @@ class LiveReconfigurer:
         # a planned switch among the same members keeps the world and the groups both plans need
         # (False: every switch builds them anew, as a recovery must)
         self.keep_groups = True
+        # MPI's word on failed processes (``ulfm.failed_processes`` of the current MPI world;
+        # set by the resilient loop): a switch's store waits end on it as on the coordinator's
+        # death notices, which a job run without a coordinator never gets
+        self.failed_processes: FailedProcesses | None = None
         self.runtime: Runtime | None = runtime
         self._data: Any = runtime.data if runtime is not None else None
         if runtime is None:
@@ -327,7 +332,7 @@ class LiveReconfigurer:
         # ends the wait now, a peer failure the caller recovers from, not at the timeout
         interruptible = hasattr(store, "interrupt")  # our AuthStore; a plain TCPStore (tests) is not
         if interruptible:
-            store.interrupt = lambda: dead_text(DEATHS.dead_among(joining, target - 1), target)
+            store.interrupt = lambda: death_text(joining, target, DEATHS, self.failed_processes)
         try:
             with paused():
                 return self._apply(new_plan, epoch, old_shards=old_shards, alive=alive, members=members,
@@ -367,7 +372,7 @@ class LiveReconfigurer:
         holder = self.plan.has_rank(self.rank) and (alive is None or self.rank in alive)
         moments = holds_all(shards, self.opt_states.tensors)
         agreed = agree(await_arrivals(self.store(), epoch, self.rank, new_members, self.timeout_s,
-                                      word=arrival_word(mine is not None, not holder or moments, step_count, next_step)))
+                                      failed=self.failed_processes, word=arrival_word(mine is not None, not holder or moments, step_count, next_step)))
         keep = may_keep and agreed.keep_groups
         kept_sets, kept = mine if keep and mine is not None else (frozenset(), {})
         self._release(kept_sets)

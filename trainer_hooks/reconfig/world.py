@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -34,6 +34,8 @@ from resihp.trainer_hooks.reporting.deaths import DEATHS, DeathNotices, PeerDecl
 from resihp.trainer_hooks.runtime.groups import EpochGroups, rank_sets, retire
 from resihp.trainer_hooks.runtime.layout import ModelLayout
 
+# the logical ranks whose processes MPI knows failed (``ulfm.failed_processes`` of the world)
+FailedProcesses = Callable[[], frozenset[int]]
 ARRIVAL_SLICE_S = 0.1  # a switch's wait for its members reads the death notices this often
 WORD_END = ";"  # ends each member's word in the switch's one key of words
 RankSet = tuple[int, ...]
@@ -102,7 +104,7 @@ def init_world(store: str | Any, epoch: int, rank: int, size: int, timeout_s: fl
 
 
 def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], timeout_s: float,
-                   deaths: DeathNotices = DEATHS, word: str = "1") -> list[str]:
+                   deaths: DeathNotices = DEATHS, word: str = "1", failed: FailedProcesses | None = None) -> list[str]:
     """Every member of epoch ``epoch`` has reached its switch, before any rank enters gloo's
     rendezvous (which can only wait out its timeout for a dead peer). Waiting here, a rank
     stops at once when the coordinator announces one of the members dead (``deaths``, heard
@@ -121,10 +123,9 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
     keys = [f"{prefix}{r}" for r in members]
     deadline = time.monotonic() + timeout_s
     while True:
-        dead = deaths.dead_among(members, epoch - 1)
-        if dead:
-            raise PeerDeclaredDead(f"rank {rank}: the coordinator declared ranks {dead} dead while epoch {epoch}'s "
-                                   f"switch waited for them")
+        why = death_text(members, epoch, deaths, failed)
+        if why:
+            raise PeerDeclaredDead(f"rank {rank}: {why} while epoch {epoch}'s switch waited for them")
         left = deadline - time.monotonic()
         if left <= 0:
             missing = [r for r in members if not store.check([f"{prefix}{r}"])]
@@ -142,6 +143,19 @@ def await_arrivals(store: Any, epoch: int, rank: int, members: Sequence[int], ti
 
 def dead_text(dead: Sequence[int], epoch: int) -> str:
     return f"the coordinator declared ranks {list(dead)} of epoch {epoch} dead" if dead else ""
+
+
+def death_text(members: Sequence[int], epoch: int, deaths: DeathNotices = DEATHS,
+               failed: FailedProcesses | None = None) -> str:
+    """Why a wait for ``members`` of epoch ``epoch`` should stop ("" while it should not): the
+    coordinator's death notice of one of them, or else MPI's own word (``failed``: the
+    logical ranks whose processes MPI knows failed, ``ulfm.failed_processes``), which is all
+    a job run without a coordinator has."""
+    why = dead_text(deaths.dead_among(members, epoch - 1), epoch)
+    if why or failed is None:
+        return why
+    gone = sorted(set(members) & failed())
+    return f"MPI reports the processes of ranks {gone} of epoch {epoch} failed" if gone else ""
 
 
 def kept_groups(old: Plan, new: Plan, numbering: Mapping[int, int], layout: ModelLayout | None,

@@ -12,6 +12,7 @@ it is split out only to keep modules small.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -34,7 +35,7 @@ from resihp.trainer_hooks.reconfig.live import LiveReconfigurer, ReconfigReport
 from resihp.trainer_hooks.reconfig.reshard import ReshardError
 from resihp.trainer_hooks.reconfig.timeouts import lengthen_timeouts
 from resihp.trainer_hooks.reconfig.transfer import Shards
-from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, is_peer_failure, shrink
+from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, RecoveryError, failed_processes, is_peer_failure, shrink
 from resihp.trainer_hooks.reporting.deaths import DEATHS, PeerDeathListener
 from resihp.trainer_hooks.runtime.gc_control import paused
 from resihp.trainer_hooks.runtime.groups import retire
@@ -187,6 +188,7 @@ class FailStopRecovery:
                 world = shrink(replace(world, epoch=max(self.rc.epoch, self._tried_epoch)), last)
                 lost |= set(world.failed)
                 shrunk = True
+                self.rc.failed_processes = functools.partial(failed_processes, world)
                 lap("shrink")
                 if shards is None:
                     shards, adam = self.guard.state_after(self.rc, world.agreed_step, self.last_done)

@@ -30,6 +30,7 @@ progress log in ``runtime.progress_log``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ from resihp.trainer_hooks.reconfig.agreement import BoundaryAgreement, Holding, 
 from resihp.trainer_hooks.reconfig.failstop import StepGuard
 from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
 from resihp.trainer_hooks.reconfig.timeouts import TimeoutRestore, restore_timeouts
-from resihp.trainer_hooks.reconfig.ulfm import MpiWorld
+from resihp.trainer_hooks.reconfig.ulfm import MpiWorld, failed_processes
 from resihp.trainer_hooks.reconfig.world import connect_store
 from resihp.trainer_hooks.reporting.deaths import DEATHS
 from resihp.trainer_hooks.reporting.opcursor import CURSOR
@@ -99,6 +100,9 @@ class Resilience(FailStopRecovery):
 
     def __post_init__(self) -> None:
         self._prepare_ahead = PrepareAhead(self.rc)  # held here: the notices hold it weakly
+        # a switch's store waits also end on MPI's word that a member's process failed (a job
+        # without a coordinator gets no death notice); the recovery points it at each new world
+        self.rc.failed_processes = functools.partial(failed_processes, self.world)
         self._base_timeouts = (self.rc.timeout_s, self.rc.group_timeout_s)
         self._restore = TimeoutRestore(self._group_timeout_s())
         if self.agreement is None:

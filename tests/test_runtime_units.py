@@ -15,7 +15,14 @@ from resihp.trainer_hooks.env_settings import parse_throttle_env
 from resihp.trainer_hooks.hooks import Job
 from resihp.trainer_hooks.reporting.reporter import MemoryTransport
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream, split_documents
-from resihp.trainer_hooks.runtime.groups import param_names, pipeline_peers, place_of, rank_sets, shard_holders
+from resihp.trainer_hooks.runtime.groups import (
+    mixed_tp_names,
+    param_names,
+    pipeline_peers,
+    place_of,
+    rank_sets,
+    shard_holders,
+)
 from resihp.trainer_hooks.runtime.model import Block, GPTStage, PackedMeta, init_full_tensor, loss_sum
 from resihp.trainer_hooks.runtime.pipeline import schedule_1f1b
 from resihp.trainer_hooks.runtime.throttle import Throttle
@@ -142,10 +149,19 @@ def test_dp_buckets_follow_the_shard_holders_even_with_uneven_layer_splits() -> 
     assert "layers.3.ln1.weight" in param_names(place_of(plan, 3))
 
 
-def test_replicas_must_agree_on_a_layers_tp_size() -> None:
-    plan = Plan(replicas=(PipelinePlan(((0, 1),), (4,), 1), PipelinePlan(((2,),), (4,), 1)))
-    with pytest.raises(SpecError, match="different TP sizes"):
-        shard_holders(plan)
+def test_a_layer_split_over_different_tp_sizes_is_summed_over_all_its_holders() -> None:
+    # replica 0 runs layers 0-1 on TP2 (ranks 0, 1) and 2-3 on TP1 (rank 2); replica 1 all
+    # on TP1 (ranks 3, 4): layers 0-1 are mixed, layers 2-3 are not
+    plan = Plan(replicas=(PipelinePlan(((0, 1), (2,)), (2, 2), 1), PipelinePlan(((3,), (4,)), (2, 2), 1)))
+    mixed = mixed_tp_names(plan)
+    assert "layers.0.attn.qkv.weight" in mixed and "embed.weight" in mixed
+    assert not any(n.startswith(("layers.2.", "layers.3.", "lm_head", "final_norm")) for n in mixed), sorted(mixed)
+    holders = shard_holders(plan)
+    # every holder of a mixed parameter sums it, under each of its keys
+    assert holders[("layers.0.attn.qkv.weight", 1, 2)] == holders[("layers.0.attn.qkv.weight", 0, 1)] == (0, 1, 3)
+    assert holders[("layers.2.attn.qkv.weight", 0, 1)] == (2, 4)
+    uniform = Plan.uniform(2, 2, 2, 4, 4)
+    assert mixed_tp_names(uniform) == frozenset()
 
 
 def test_throttle_stalls_factor_minus_one_times_the_chunk() -> None:

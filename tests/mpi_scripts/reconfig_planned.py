@@ -5,7 +5,8 @@
 Epoch 0: the reference, TP2×DP2 for STEPS steps, its full state gathered at every switch
 step. Then the same job from the same seed runs again and switches plan at the start of
 each step in SWITCHES (TP 2→4, TP 4→2 with PP2, PP (4,4)→(5,3), TP2×PP2 → PP2×DP2, DP
-shares (4,4)→(6,2), excluding rank 3 as a spare, readmitting it). The switches arrive as
+shares (4,4)→(6,2), excluding rank 3 as a spare, readmitting it, a TP2 replica beside a
+TP1 one). The switches arrive as
 ReconfigCommands through the hooks (``Job.step`` with a scripted agent transport) and are
 applied by ``LiveReconfigurer.on_reconfigure`` at their ``apply_at``; every rank acknowledges.
 Around every switch the full state is gathered before and after. Rank 0 writes DIR/planned.json.
@@ -26,7 +27,7 @@ from resihp.trainer_hooks.reconfig.live import LiveReconfigurer
 from resihp.trainer_hooks.runtime.groups import destroy_groups
 
 L = SPEC.num_layers
-STEPS = 56  # the issue asks for loss curves over >= 50 steps through the switches
+STEPS = 62  # the issue asks for loss curves over >= 50 steps through the switches
 
 
 def pp(stages: tuple[tuple[int, ...], ...], layers: tuple[int, ...], mbs: int) -> PipelinePlan:
@@ -43,6 +44,8 @@ SWITCHES: list[tuple[int, str, Plan]] = [
     (28, "dp_shares_44_to_62", Plan(replicas=(pp(((0,), (1,)), (4, 4), 6), pp(((2,), (3,)), (4, 4), 2)))),
     (34, "exclude_rank3", Plan(replicas=(pp(((0,), (1,)), (4, 4), 5), pp(((2,),), (8,), 3)), spares=(3,))),
     (40, "readmit_rank3", Plan(replicas=(pp(((0,), (1,)), (5, 3), 4), pp(((2,), (3,)), (5, 3), 4)))),
+    # replicas that split the same layers over different TP sizes (runtime/groups.mixed_tp_names)
+    (46, "pp2dp2_to_mixed_tp", Plan(replicas=(pp(((0, 1),), (8,), 4), pp(((2,), (3,)), (5, 3), 4)))),
 ]
 
 

@@ -113,30 +113,38 @@ def param_names(place: StagePlace, layout: ModelLayout | None = None) -> list[st
 
 
 def shard_holders(plan: Plan, layout: ModelLayout | None = None) -> dict[tuple[str, int, int], tuple[int, ...]]:
-    """(param name, tp_index, tp_size) → the ranks holding that shard (one per replica; a weight
-    tied between the first and last stage: both ends of every replica). Cached per layout
-    (callers must not modify it): a switch asks for it several times, and
+    """(param name, tp_index, tp_size) → the ranks whose gradients of that shard are summed:
+    one per replica (a weight tied between the first and last stage: both ends of every
+    replica). A parameter that replicas split over different TP sizes (``mixed_tp_names``) is
+    summed over every rank that holds any part of it, under each of its keys. Cached per
+    layout (callers must not modify it): a switch asks for it several times, and
     ``LiveReconfigurer.prepare`` asks ahead, under another epoch."""
-    return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks, layout)
+    return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks, layout)[0]
+
+
+def mixed_tp_names(plan: Plan, layout: ModelLayout | None = None) -> frozenset[str]:
+    """The parameters that ``plan``'s stages split over different TP sizes (a replica that lost
+    a device running a layer on TP4 where the others run TP8, or stages of one replica on
+    different TP sizes holding a tied weight). Their shards differ from holder to holder, so
+    their gradients are summed as whole tensors (``Runtime._sync_mixed``), not shard by shard."""
+    return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks, layout)[1]
 
 
 @functools.lru_cache(maxsize=16)
 def _shard_holders(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int, layout: ModelLayout | None
-                   ) -> dict[tuple[str, int, int], tuple[int, ...]]:
+                   ) -> tuple[dict[tuple[str, int, int], tuple[int, ...]], frozenset[str]]:
     plan = Plan(replicas, schedule, virtual_chunks)
     holders: dict[tuple[str, int, int], list[int]] = {}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, set[int]] = {}
+    everyone: dict[str, list[int]] = {}
     for rank in plan.ranks():
         place = place_of(plan, rank)
         for name in param_names(place, layout):
-            size = place.tp_size
-            if sizes.setdefault(name, size) != size:
-                raise SpecError(
-                    f"runtime: replicas hold {name} with different TP sizes ({sizes[name]} and {size}); "
-                    f"every replica must use the same TP size for a given layer"
-                )
-            holders.setdefault((name, place.tp_index, size), []).append(rank)
-    return {k: tuple(sorted(v)) for k, v in holders.items()}
+            sizes.setdefault(name, set()).add(place.tp_size)
+            everyone.setdefault(name, []).append(rank)
+            holders.setdefault((name, place.tp_index, place.tp_size), []).append(rank)
+    mixed = frozenset(name for name, seen in sizes.items() if len(seen) > 1)
+    return ({k: tuple(sorted(everyone[k[0]] if k[0] in mixed else v)) for k, v in holders.items()}, mixed)
 
 
 @dataclass
@@ -150,6 +158,8 @@ class EpochGroups:
     tp: TPContext
     # holder rank set → (group or None for a set of one, the parameter names it syncs)
     grad_buckets: list[tuple[tuple[int, ...], Any, list[str]]] = field(default_factory=list)
+    # the same for parameters split over different TP sizes (``mixed_tp_names``): whole tensors
+    mixed_buckets: list[tuple[tuple[int, ...], Any, list[str]]] = field(default_factory=list)
     loss_ranks: tuple[int, ...] = ()
     loss_group: Any = None
     # pipeline neighbour → its two-rank group; PipelineStep holds this very dict, so that
@@ -222,12 +232,14 @@ def build_groups(
         made = make_groups([plan, *cohabitants], rank, layout)
     loss_ranks = tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1]))
     tp = TPContext(group=made.get(tuple(sorted(place.tp_ranks))), index=place.tp_index, size=place.tp_size)
-    buckets: dict[tuple[int, ...], list[str]] = {}
+    mixed = mixed_tp_names(plan, layout)
+    buckets: dict[tuple[bool, tuple[int, ...]], list[str]] = {}
     for name in param_names(place, layout):
-        buckets.setdefault(holders[(name, place.tp_index, place.tp_size)], []).append(name)
+        buckets.setdefault((name in mixed, holders[(name, place.tp_index, place.tp_size)]), []).append(name)
     return EpochGroups(
         epoch=epoch, plan=plan, rank=rank, place=place, tp=tp,
-        grad_buckets=[(ranks, made.get(ranks), names) for ranks, names in sorted(buckets.items())],
+        grad_buckets=[(ranks, made.get(ranks), names) for (whole, ranks), names in sorted(buckets.items()) if not whole],
+        mixed_buckets=[(ranks, made.get(ranks), names) for (whole, ranks), names in sorted(buckets.items()) if whole],
         loss_ranks=loss_ranks, loss_group=made.get(loss_ranks) if rank in loss_ranks else None,
         peer_groups={peer: made[tuple(sorted((rank, peer)))] for peer in pipeline_peers(place)},
         _by_ranks=made,
@@ -245,7 +257,7 @@ def destroy_groups(groups: EpochGroups, keep: frozenset[tuple[int, ...]] = froze
 def communicators(groups: EpochGroups) -> list[Any]:
     """Every process group ``groups`` holds (a group may appear more than once)."""
     held = [g for g in groups._by_ranks.values() if g is not None]
-    held += [g for _, g, _ in groups.grad_buckets if g is not None]
+    held += [g for _, g, _ in groups.grad_buckets + groups.mixed_buckets if g is not None]
     held += [g for g in (groups.loss_group, groups.tp.group) if g is not None]
     return held + list(groups.peer_groups.values())
 
@@ -262,6 +274,7 @@ def sever(groups: EpochGroups, model: Any = None) -> list[Any]:
     groups._by_ranks.clear()
     groups.peer_groups.clear()
     groups.grad_buckets = [(ranks, None, names) for ranks, _, names in groups.grad_buckets]
+    groups.mixed_buckets = [(ranks, None, names) for ranks, _, names in groups.mixed_buckets]
     groups.loss_group = None
     groups.tp = pending_tp(groups.tp.index, groups.tp.size)
     if model is not None:

@@ -35,6 +35,7 @@ from resihp.trainer_hooks.runtime.groups import (
     destroy_groups,
     sever,
 )
+from resihp.trainer_hooks.runtime.layout import Index, TensorSpec, gpt_tensor_specs, tensors_of_rank
 from resihp.trainer_hooks.runtime.model import GPTStage
 from resihp.trainer_hooks.runtime.optim import OptimizerFactory, states_of
 from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
@@ -236,6 +237,13 @@ class Runtime:
         if init_weights:
             self.model.init_from_seed(config.seed)
         params = ahead.params if ahead is not None else stage_parameters(self.model)
+        # where this rank's shard of each parameter split over different TP sizes lies in the
+        # whole tensor (_sync_mixed); empty for a plan whose holders all split alike
+        mixed = {n for _, _, names in self.groups.mixed_buckets for n in names}
+        self._mixed_slices: dict[str, tuple[TensorSpec, Index]] = {
+            held.name: (held, index) for held, index in tensors_of_rank(
+                plan, rank, recipe.layout().tensor_specs() if recipe is not None else gpt_tensor_specs(spec, config.max_seq_len))
+            if held.name in mixed} if mixed else {}
         if any(p.device != self.device for p in params.values()):
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
         self.optimizer = ahead.optimizer if ahead is not None else new_optimizer(params, config, optimizer)
@@ -271,7 +279,36 @@ class Runtime:
                 n = p.numel()
                 g.copy_(flat[offset : offset + n].view_as(p))
                 offset += n
+        self._sync_mixed()
         log.add_marks("DP", -1, start, log.clock.mark())
+
+    def _sync_mixed(self) -> None:
+        """Sum the gradients of parameters that holders split over different TP sizes
+        (``groups.mixed_tp_names``): each holder writes its shard into a zero tensor of the
+        whole parameter (a TP-replicated one only from TP rank 0 of its group, whose peers
+        hold the same gradient), one all-reduce over every holder sums the whole gradients,
+        and each takes its own shard back. The bytes are the whole tensor's on every holder,
+        not its shard's: the price of running a layer on fewer devices in one replica."""
+        for _, group, names in self.groups.mixed_buckets:
+            wholes: list[torch.Tensor] = []
+            for name in names:
+                p = self._params[name]
+                spec, index = self._mixed_slices[name]
+                whole = torch.zeros(spec.shape, dtype=p.dtype, device=p.device)
+                if p.grad is not None and (spec.tp_dim is not None or self.groups.place.tp_index == 0):
+                    whole[index] = p.grad
+                wholes.append(whole)
+            if group is None:  # one holder (a tied weight on one rank): nothing to sum
+                continue
+            flat = torch.cat([w.reshape(-1) for w in wholes])
+            with CURSOR.op("collective", "DP all-reduce (mixed TP)"):
+                dist.all_reduce(flat, group=group)
+            offset = 0
+            for name, w in zip(names, wholes):
+                p = self._params[name]
+                w.copy_(flat[offset: offset + w.numel()].view_as(w))
+                offset += w.numel()
+                p.grad = w[self._mixed_slices[name][1]].contiguous()
 
     def _global_loss(self, local: torch.Tensor | None) -> float | None:
         if local is None:

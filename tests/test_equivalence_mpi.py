@@ -2,8 +2,8 @@
 
 One ``mpirun -n 8`` world runs, as successive plan epochs, TP2×PP2×DP2, then TP2×PP2 and
 PP4 side by side, then DP4 and a DP4 with unequal shares (3, 0, 4, 1) side by side, then
-replicas on different TP sizes side by side (a TP2 replica beside a TP1 one; a replica whose
-stages run TP2 and TP1 beside a PP2 one), 30
+replicas on different TP sizes (TP4 beside TP2, next to a PP2; a TP2 replica beside a TP1
+one, next to a replica whose stages run TP2 and TP1 beside a PP2 one), 30
 steps each from the same seed and data order; a single process runs the same job at the
 same time. Then two PP4 runs are traced — one healthy, one with a rank throttled 2× — and
 replayed through ``resihp detect``. Those two time compute in CPU time (a documented
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "mpi_scripts" / "equivalence.py"
 MPIRUN = Path(sys.executable).parent / "mpirun"
 STEPS = 30
-LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "dp4_unequal", "mixed_tp", "mixed_tp_stages")
+LAYOUTS = ("tp2pp2dp2", "tp2pp2", "pp4", "dp4", "dp4_unequal", "mixed_tp4_tp2", "pp2", "mixed_tp", "mixed_tp_stages")
 THROTTLED_TRACE_RANK = 2  # global rank 6 = rank 2 of the traced 4-rank job
 THROTTLE_AT = 12  # iteration the 2x throttle starts (tests/mpi_scripts/equivalence.py)
 

@@ -17,16 +17,18 @@ from resihp.trainer_hooks.reporting.reporter import MemoryTransport
 from resihp.trainer_hooks.runtime.data import GlobalBatches, PackedStream, split_documents
 from resihp.trainer_hooks.runtime.groups import (
     mixed_tp_names,
+    mixed_tp_sizes,
     param_names,
     pipeline_peers,
     place_of,
     rank_sets,
     shard_holders,
 )
+from resihp.trainer_hooks.runtime.layout import TensorSpec
 from resihp.trainer_hooks.runtime.model import Block, GPTStage, PackedMeta, init_full_tensor, loss_sum
 from resihp.trainer_hooks.runtime.pipeline import schedule_1f1b
 from resihp.trainer_hooks.runtime.throttle import Throttle
-from resihp.trainer_hooks.runtime.trainer import TrainConfig
+from resihp.trainer_hooks.runtime.trainer import TrainConfig, mixed_slices
 
 SPEC = ModelSpec("unit", num_layers=4, hidden=32, num_heads=4, ffn_hidden=64, vocab=256)
 
@@ -162,6 +164,26 @@ def test_a_layer_split_over_different_tp_sizes_is_summed_over_all_its_holders() 
     assert holders[("layers.2.attn.qkv.weight", 0, 1)] == (2, 4)
     uniform = Plan.uniform(2, 2, 2, 4, 4)
     assert mixed_tp_names(uniform) == frozenset()
+
+
+def test_tp4_beside_tp2_sums_each_half_over_the_ranks_that_hold_parts_of_it() -> None:
+    plan = Plan(replicas=(PipelinePlan(((0, 1, 2, 3),), (4,), 1), PipelinePlan(((4, 5),), (4,), 1)))
+    sizes = mixed_tp_sizes(plan)
+    assert sizes["layers.0.attn.qkv.weight"] == 2  # gcd(4, 2): halves
+    holders = shard_holders(plan)
+    for index, size, want in ((0, 4, (0, 1, 4)), (1, 4, (0, 1, 4)), (0, 2, (0, 1, 4)), (2, 4, (2, 3, 5)),
+                              (3, 4, (2, 3, 5)), (1, 2, (2, 3, 5))):
+        assert holders[("layers.0.attn.qkv.weight", index, size)] == want, (index, size)
+    # TP rank 1 of the TP4 group: its quarter is the second half of the first half; a
+    # TP-replicated weight is added by the first rank of each half only
+    split = TensorSpec("w", (8, 4), 0, "layer", 0)
+    whole = TensorSpec("b", (4,), 0, "layer", None)
+    got = mixed_slices({"w": 2, "b": 2}, place_of(plan, 1), [split, whole])
+    assert got["w"] == ((4, 4), (slice(2, 4), slice(0, 4)), True)
+    assert got["b"] == ((4,), (slice(0, 4),), False)
+    assert mixed_slices({"w": 2, "b": 2}, place_of(plan, 2), [split, whole])["b"][2] is True
+    assert mixed_slices({"w": 2, "b": 2}, place_of(plan, 5), [split, whole])["w"] == (
+        (4, 4), (slice(0, 4), slice(0, 4)), True)
 
 
 def test_throttle_stalls_factor_minus_one_times_the_chunk() -> None:

@@ -7,9 +7,10 @@ Phases (each a fresh plan epoch, so each gets fresh groups and store prefix):
   0: TP2×PP2×DP2 on ranks 0–7
   1: TP2×PP2 on ranks 0–3   |  PP4 on ranks 4–7
   2: DP4 on ranks 0–3       |  DP4 with unequal shares (3, 0, 4, 1) on ranks 4–7
-  3: TP2 and TP1 replicas on ranks 0–2 | TP2×PP2-stage replica (stage 1 on TP1) and PP2 on ranks 3–7
-  4: PP4 on ranks 0–3, traced to DIR/healthy.jsonl           (ranks 4–7 wait)
-  5: PP4 on ranks 4–7, traced to DIR/throttled.jsonl; rank 6 (trace rank 2, stage 2)
+  3: TP4 and TP2 replicas on ranks 0–5 | PP2 on ranks 6–7
+  4: TP2 and TP1 replicas on ranks 0–2 | TP2×PP2-stage replica (stage 1 on TP1) and PP2 on ranks 3–7
+  5: PP4 on ranks 0–3, traced to DIR/healthy.jsonl           (ranks 4–7 wait)
+  6: PP4 on ranks 4–7, traced to DIR/throttled.jsonl; rank 6 (trace rank 2, stage 2)
      is throttled ×THROTTLE from iteration THROTTLE_AT on      (ranks 0–3 wait)
 The last-stage, TP-rank-0 rank of replica 0 of each layout writes DIR/<layout>.json.
 Traces number ranks 0–3 (the sub-job's own ranks), as a 4-rank job's trace would.
@@ -62,7 +63,10 @@ def layouts_for(rank: int, world: int) -> list[tuple[str, Plan, list[Plan]]]:
         [("tp2pp2dp2", u(2, 2, 2, L, GLOBAL_MB))],
         [("tp2pp2", u(2, 2, 1, L, GLOBAL_MB, ranks=range(4))), ("pp4", u(1, 4, 1, L, GLOBAL_MB, ranks=range(4, 8)))],
         [("dp4", u(1, 1, 4, L, GLOBAL_MB, ranks=range(4))), ("dp4_unequal", unequal_dp([4, 5, 6, 7], [3, 0, 4, 1]))],
-        # replicas that split the same layers over different TP sizes (groups.mixed_tp_names)
+        # replicas that split the same layers over different TP sizes (groups.mixed_tp_sizes):
+        # halves summed over TP4 and TP2 holders; whole tensors over TP2 and TP1 ones
+        [("mixed_tp4_tp2", Plan(replicas=(PipelinePlan(((0, 1, 2, 3),), (L,), 4), PipelinePlan(((4, 5),), (L,), 4)))),
+         ("pp2", u(1, 2, 1, L, GLOBAL_MB, ranks=range(6, 8)))],
         [("mixed_tp", Plan(replicas=(PipelinePlan(((0, 1),), (L,), 4), PipelinePlan(((2,),), (L,), 4)))),
          ("mixed_tp_stages", Plan(replicas=(PipelinePlan(((3, 4), (5,)), (2, L - 2), 4),
                                             PipelinePlan(((6,), (7,)), (2, L - 2), 4))))],

@@ -25,6 +25,7 @@ one group.
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import threading
 from collections.abc import Sequence
@@ -115,36 +116,55 @@ def param_names(place: StagePlace, layout: ModelLayout | None = None) -> list[st
 def shard_holders(plan: Plan, layout: ModelLayout | None = None) -> dict[tuple[str, int, int], tuple[int, ...]]:
     """(param name, tp_index, tp_size) → the ranks whose gradients of that shard are summed:
     one per replica (a weight tied between the first and last stage: both ends of every
-    replica). A parameter that replicas split over different TP sizes (``mixed_tp_names``) is
-    summed over every rank that holds any part of it, under each of its keys. Cached per
-    layout (callers must not modify it): a switch asks for it several times, and
+    replica). A parameter that holders split over different TP sizes (``mixed_tp_sizes``) is
+    summed over every holder of the coarse shard its own shard lies in. Cached per layout
+    (callers must not modify it): a switch asks for it several times, and
     ``LiveReconfigurer.prepare`` asks ahead, under another epoch."""
     return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks, layout)[0]
 
 
-def mixed_tp_names(plan: Plan, layout: ModelLayout | None = None) -> frozenset[str]:
-    """The parameters that ``plan``'s stages split over different TP sizes (a replica that lost
-    a device running a layer on TP4 where the others run TP8, or stages of one replica on
-    different TP sizes holding a tied weight). Their shards differ from holder to holder, so
-    their gradients are summed as whole tensors (``Runtime._sync_mixed``), not shard by shard."""
+def mixed_tp_sizes(plan: Plan, layout: ModelLayout | None = None) -> dict[str, int]:
+    """The parameters that ``plan``'s holders split over different TP sizes (a replica that
+    lost a device running a layer on TP4 where the others run TP8, or stages of one replica on
+    different TP sizes holding a tied weight), each with the coarse TP size its gradient is
+    summed over: the sizes' greatest common divisor, whose shards hold whole shards of every
+    holder (TP8 and TP4: quarters, each summed over the two TP8 ranks and the one TP4 rank that
+    hold parts of it; TP2 and TP1: the whole tensor). Their shards differ from holder to
+    holder, so they are summed by coarse shard (``Runtime._sync_mixed``), not shard by shard.
+    Cached (callers must not modify it)."""
     return _shard_holders(plan.replicas, plan.schedule, plan.virtual_chunks, layout)[1]
+
+
+def mixed_tp_names(plan: Plan, layout: ModelLayout | None = None) -> frozenset[str]:
+    """The names of ``mixed_tp_sizes``."""
+    return frozenset(mixed_tp_sizes(plan, layout))
+
+
+def coarse_shard(tp_index: int, tp_size: int, coarse: int) -> int:
+    """Which of ``coarse`` even shards holds shard ``tp_index`` of ``tp_size`` (``coarse``
+    divides ``tp_size``)."""
+    return tp_index // (tp_size // coarse)
 
 
 @functools.lru_cache(maxsize=16)
 def _shard_holders(replicas: tuple[Any, ...], schedule: Schedule, virtual_chunks: int, layout: ModelLayout | None
-                   ) -> tuple[dict[tuple[str, int, int], tuple[int, ...]], frozenset[str]]:
+                   ) -> tuple[dict[tuple[str, int, int], tuple[int, ...]], dict[str, int]]:
     plan = Plan(replicas, schedule, virtual_chunks)
     holders: dict[tuple[str, int, int], list[int]] = {}
     sizes: dict[str, set[int]] = {}
-    everyone: dict[str, list[int]] = {}
     for rank in plan.ranks():
         place = place_of(plan, rank)
         for name in param_names(place, layout):
             sizes.setdefault(name, set()).add(place.tp_size)
-            everyone.setdefault(name, []).append(rank)
             holders.setdefault((name, place.tp_index, place.tp_size), []).append(rank)
-    mixed = frozenset(name for name, seen in sizes.items() if len(seen) > 1)
-    return ({k: tuple(sorted(everyone[k[0]] if k[0] in mixed else v)) for k, v in holders.items()}, mixed)
+    mixed = {name: math.gcd(*seen) for name, seen in sizes.items() if len(seen) > 1}
+    by_coarse: dict[tuple[str, int], list[int]] = {}
+    for (name, index, size), ranks in holders.items():
+        if name in mixed:
+            by_coarse.setdefault((name, coarse_shard(index, size, mixed[name])), []).extend(ranks)
+    return ({(name, index, size): tuple(sorted(
+        by_coarse[(name, coarse_shard(index, size, mixed[name]))] if name in mixed else ranks))
+        for (name, index, size), ranks in holders.items()}, mixed)
 
 
 @dataclass
@@ -158,7 +178,7 @@ class EpochGroups:
     tp: TPContext
     # holder rank set → (group or None for a set of one, the parameter names it syncs)
     grad_buckets: list[tuple[tuple[int, ...], Any, list[str]]] = field(default_factory=list)
-    # the same for parameters split over different TP sizes (``mixed_tp_names``): whole tensors
+    # the same for parameters split over different TP sizes (``mixed_tp_sizes``): by coarse shard
     mixed_buckets: list[tuple[tuple[int, ...], Any, list[str]]] = field(default_factory=list)
     loss_ranks: tuple[int, ...] = ()
     loss_group: Any = None
@@ -232,7 +252,7 @@ def build_groups(
         made = make_groups([plan, *cohabitants], rank, layout)
     loss_ranks = tuple(sorted(r for rep in plan.replicas for r in rep.stages[-1]))
     tp = TPContext(group=made.get(tuple(sorted(place.tp_ranks))), index=place.tp_index, size=place.tp_size)
-    mixed = mixed_tp_names(plan, layout)
+    mixed = mixed_tp_sizes(plan, layout)
     buckets: dict[tuple[bool, tuple[int, ...]], list[str]] = {}
     for name in param_names(place, layout):
         buckets.setdefault((name in mixed, holders[(name, place.tp_index, place.tp_size)]), []).append(name)

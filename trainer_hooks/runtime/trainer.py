@@ -31,11 +31,13 @@ from resihp.trainer_hooks.runtime.groups import (
     EpochGroups,
     StagePlace,
     build_groups,
+    coarse_shard,
     communicators,
     destroy_groups,
+    mixed_tp_sizes,
     sever,
 )
-from resihp.trainer_hooks.runtime.layout import Index, TensorSpec, gpt_tensor_specs, tensors_of_rank
+from resihp.trainer_hooks.runtime.layout import Index, TensorSpec, gpt_tensor_specs, shard_shape, shard_slice
 from resihp.trainer_hooks.runtime.model import GPTStage
 from resihp.trainer_hooks.runtime.optim import OptimizerFactory, states_of
 from resihp.trainer_hooks.runtime.pipeline import ChunkLog, PipelineStep
@@ -174,6 +176,27 @@ def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
     return StageAhead(model, params, tp_modules(model), new_optimizer(params, config, optimizer))
 
 
+def mixed_slices(coarse: dict[str, int], place: StagePlace, specs: Sequence[TensorSpec]
+                 ) -> dict[str, tuple[tuple[int, ...], Index, bool]]:
+    """For the parameters of ``coarse`` (name → the coarse TP size its gradient is summed over,
+    ``groups.mixed_tp_sizes``) this rank holds: the shape of the coarse shard its own shard
+    lies in, its shard's index within it, and whether it adds its gradient (a TP-split one
+    always; a TP-replicated one from the first rank of each coarse shard of its group)."""
+    out: dict[str, tuple[tuple[int, ...], Index, bool]] = {}
+    if not coarse:
+        return out
+    index, size = place.tp_index, place.tp_size
+    for spec in specs:
+        g = coarse.get(spec.name)
+        if g is None:
+            continue
+        mine = shard_slice(spec, index, size)
+        around = shard_slice(spec, coarse_shard(index, size, g), g)
+        local = tuple(slice(m.start - a.start, m.stop - a.start) for m, a in zip(mine, around))
+        out[spec.name] = (shard_shape(around), local, spec.tp_dim is not None or index % (size // g) == 0)
+    return out
+
+
 class Runtime:
     """One rank's share of the model under the current plan, and its optimizer."""
 
@@ -237,13 +260,13 @@ class Runtime:
         if init_weights:
             self.model.init_from_seed(config.seed)
         params = ahead.params if ahead is not None else stage_parameters(self.model)
-        # where this rank's shard of each parameter split over different TP sizes lies in the
-        # whole tensor (_sync_mixed); empty for a plan whose holders all split alike
-        mixed = {n for _, _, names in self.groups.mixed_buckets for n in names}
-        self._mixed_slices: dict[str, tuple[TensorSpec, Index]] = {
-            held.name: (held, index) for held, index in tensors_of_rank(
-                plan, rank, recipe.layout().tensor_specs() if recipe is not None else gpt_tensor_specs(spec, config.max_seq_len))
-            if held.name in mixed} if mixed else {}
+        # for each parameter split over different TP sizes (_sync_mixed): the shape of the
+        # coarse shard this rank's shard lies in, where in it, and whether this rank adds to it
+        sizes = mixed_tp_sizes(plan, recipe.layout() if recipe is not None else None)
+        mine = {n for _, _, names in self.groups.mixed_buckets for n in names}
+        self._mixed_slices = mixed_slices(
+            {n: g for n, g in sizes.items() if n in mine}, place,
+            recipe.layout().tensor_specs() if recipe is not None else gpt_tensor_specs(spec, config.max_seq_len))
         if any(p.device != self.device for p in params.values()):
             self.model.to(self.device)  # moves parameters in place: the table and AdamW still hold them
         self.optimizer = ahead.optimizer if ahead is not None else new_optimizer(params, config, optimizer)
@@ -284,31 +307,31 @@ class Runtime:
 
     def _sync_mixed(self) -> None:
         """Sum the gradients of parameters that holders split over different TP sizes
-        (``groups.mixed_tp_names``): each holder writes its shard into a zero tensor of the
-        whole parameter (a TP-replicated one only from TP rank 0 of its group, whose peers
-        hold the same gradient), one all-reduce over every holder sums the whole gradients,
-        and each takes its own shard back. The bytes are the whole tensor's on every holder,
-        not its shard's: the price of running a layer on fewer devices in one replica."""
+        (``groups.mixed_tp_sizes``) by coarse shard: each holder writes its shard's gradient
+        into a zero tensor of the coarse shard that holds it (TP8 beside TP4: a quarter; TP2
+        beside TP1: the whole parameter); a TP-replicated parameter, whose TP peers hold the
+        same gradient (after any TP sum the model declares), only from one rank per coarse
+        shard of its group. One all-reduce over the coarse shard's holders sums them and each
+        takes its part back. It moves the coarse shard where the alike case moves a shard."""
         for _, group, names in self.groups.mixed_buckets:
-            wholes: list[torch.Tensor] = []
+            coarse: list[torch.Tensor] = []
             for name in names:
                 p = self._params[name]
-                spec, index = self._mixed_slices[name]
-                whole = torch.zeros(spec.shape, dtype=p.dtype, device=p.device)
-                if p.grad is not None and (spec.tp_dim is not None or self.groups.place.tp_index == 0):
-                    whole[index] = p.grad
-                wholes.append(whole)
+                shape, local, gives = self._mixed_slices[name]
+                buf = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                if p.grad is not None and gives:
+                    buf[local] = p.grad
+                coarse.append(buf)
             if group is None:  # one holder (a tied weight on one rank): nothing to sum
                 continue
-            flat = torch.cat([w.reshape(-1) for w in wholes])
+            flat = torch.cat([b.reshape(-1) for b in coarse])
             with CURSOR.op("collective", "DP all-reduce (mixed TP)"):
                 dist.all_reduce(flat, group=group)
             offset = 0
-            for name, w in zip(names, wholes):
-                p = self._params[name]
-                w.copy_(flat[offset: offset + w.numel()].view_as(w))
-                offset += w.numel()
-                p.grad = w[self._mixed_slices[name][1]].contiguous()
+            for name, buf in zip(names, coarse):
+                buf.copy_(flat[offset: offset + buf.numel()].view_as(buf))
+                offset += buf.numel()
+                self._params[name].grad = buf[self._mixed_slices[name][1]].contiguous()
 
     def _global_loss(self, local: torch.Tensor | None) -> float | None:
         if local is None:

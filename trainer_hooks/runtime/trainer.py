@@ -176,6 +176,18 @@ def build_stage_ahead(spec: ModelSpec, config: TrainConfig, place: StagePlace,
     return StageAhead(model, params, tp_modules(model), new_optimizer(params, config, optimizer))
 
 
+def sum_in_place(tensors: Sequence[torch.Tensor], group: Any, what: str) -> None:
+    """All-reduce (SUM) ``tensors`` over ``group`` as one flat buffer (one collective, not one
+    per tensor); the sums are written back into them."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    with CURSOR.op("collective", what):
+        dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def mixed_slices(coarse: dict[str, int], place: StagePlace, specs: Sequence[TensorSpec]
                  ) -> dict[str, tuple[tuple[int, ...], Index, bool]]:
     """For the parameters of ``coarse`` (name → the coarse TP size its gradient is summed over,
@@ -292,16 +304,8 @@ class Runtime:
                 if p.grad is None:  # a replica with no micro-batches still joins the sum
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-            if group is None:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            with CURSOR.op("collective", "DP all-reduce"):
-                dist.all_reduce(flat, group=group)
-            offset = 0
-            for p, g in zip(params, grads):
-                n = p.numel()
-                g.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
+            if group is not None:
+                sum_in_place(grads, group, "DP all-reduce")
         self._sync_mixed()
         log.add_marks("DP", -1, start, log.clock.mark())
 
@@ -324,13 +328,8 @@ class Runtime:
                 coarse.append(buf)
             if group is None:  # one holder (a tied weight on one rank): nothing to sum
                 continue
-            flat = torch.cat([b.reshape(-1) for b in coarse])
-            with CURSOR.op("collective", "DP all-reduce (mixed TP)"):
-                dist.all_reduce(flat, group=group)
-            offset = 0
+            sum_in_place(coarse, group, "DP all-reduce (mixed TP)")
             for name, buf in zip(names, coarse):
-                buf.copy_(flat[offset: offset + buf.numel()].view_as(buf))
-                offset += buf.numel()
                 self._params[name].grad = buf[self._mixed_slices[name][1]].contiguous()
 
     def _global_loss(self, local: torch.Tensor | None) -> float | None:

@@ -136,7 +136,7 @@ def failed_processes(world: MpiWorld) -> frozenset[int]:
         return frozenset()
     try:
         group = comm.Get_failed()
-    except Exception:  # noqa: BLE001 - no ULFM in this MPI (NotImplementedError) or a freed communicator
+    except Exception:  # noqa: BLE001 - an MPI without ULFM raises here, as does a freed communicator
         return frozenset()
     try:
         n = group.Get_size()

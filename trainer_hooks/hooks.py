@@ -51,7 +51,7 @@ from resihp.trainer_hooks.reconfig.agreement import is_agreed_command
 from resihp.trainer_hooks.reconfig.agreement import is_due as agreed_due
 from resihp.trainer_hooks.reconfig.world import group_timeout
 from resihp.trainer_hooks.reporting.deaths import DEATHS
-from resihp.trainer_hooks.reporting.reporter import Transport, connect
+from resihp.trainer_hooks.reporting.reporter import NullTransport, Transport, connect
 from resihp.trainer_hooks.reporting.trace_writer import RankIteration, TraceCollector, make_header
 from resihp.trainer_hooks.runtime.autolayout import (
     LAYOUT_PROFILE_ENV,
@@ -467,8 +467,11 @@ def init(
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
                               timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend,
                               recipe=recipe, optimizer=optimizer)
+        # no node agent, so no coordinator can send a recovery plan: the survivors' rule decides
+        # at once instead of after the wait for one (20 s per failure under plain mpirun)
+        no_coordinator = {"plan_wait_s": 0.0} if isinstance(tx, NullTransport) else {}
         job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
-                                        checkpoint_root=checkpoint_dir or None,
+                                        checkpoint_root=checkpoint_dir or None, **no_coordinator,
                                         probe=ComputeProbe(info.device, throttle, seed=cfg.seed),
                                         probe_every_s=probe_every)
         DEATHS.on_own_death(boot.rank, lambda cmd: fenced_exit(boot.rank, cmd))  # a fenced rank that woke up

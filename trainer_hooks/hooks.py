@@ -467,13 +467,14 @@ def init(
         rc = LiveReconfigurer(spec, plan, boot.rank, cfg, info.store_addr, runtime=runtime, throttle=throttle,
                               timeout_s=failure_timeout_s, group_timeout_s=failure_timeout_s, backend=boot.backend,
                               recipe=recipe, optimizer=optimizer)
-        # no node agent, so no coordinator can send a recovery plan: the survivors' rule decides
-        # at once instead of after the wait for one (20 s per failure under plain mpirun)
-        no_coordinator = {"plan_wait_s": 0.0} if isinstance(tx, NullTransport) else {}
         job_obj.resilience = Resilience(job_obj, rc, ft_world(boot.comm, plan.epoch), progress=job_obj.progress,
-                                        checkpoint_root=checkpoint_dir or None, **no_coordinator,
+                                        checkpoint_root=checkpoint_dir or None,
                                         probe=ComputeProbe(info.device, throttle, seed=cfg.seed),
                                         probe_every_s=probe_every)
+        if isinstance(tx, NullTransport):
+            # no node agent, so no coordinator can send a recovery plan: the survivors' rule
+            # decides at once instead of after the wait for one (20 s per failure under plain mpirun)
+            job_obj.resilience.plan_wait_s = 0.0
         DEATHS.on_own_death(boot.rank, lambda cmd: fenced_exit(boot.rank, cmd))  # a fenced rank that woke up
         job_obj.on_reconfigure = job_obj.resilience.on_reconfigure
         job_obj.on_command_received = job_obj.resilience.on_command_received

@@ -323,9 +323,10 @@ def test_bad_inputs_raise_clear_errors(healthy: tuple[Cluster, Plan]) -> None:
 
 def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_replan() -> None:
     # The demo's CPU job (8 ranks TP2 x PP2 x DP2 of gpt-tiny, rank 2 found 1.96x slow): the
-    # unconstrained search's best mixed TP2 and TP1 replicas, which the runtime (one TP size
-    # per layer) cannot run, so the full re-plan was dropped and the decision fell back to
-    # dp-shares (0.441 s/iteration instead of 0.370; bench/e2e.py, 2026-12-01)
+    # unconstrained search's best is mixed TP2 and TP1 replicas (resihp's runtime runs them,
+    # tests/test_demo_mixed_tp.py); a runtime with one TP size per layer asks for uniform
+    # plans, and must still get a full re-plan, not a fall-back to dp-shares (0.441
+    # s/iteration instead of 0.370; bench/e2e.py, 2026-12-01, when resihp's was such a runtime)
     from resihp.coordinator.planner.decision import tp_uniform_per_layer
     from resihp.demo import CPU_CLUSTER
 
@@ -342,6 +343,22 @@ def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_repl
     finding = SimpleNamespace(kind="fail-slow", ranks=(2,), factor=1.96, cause="compute", time_s=0.0)
     d = decide(cluster, spec, GlobalBatch(8, 128), current, finding, 0.0, cfg)
     assert d.level == "full-replan" and d.plan.describe() == res.plan.describe(), d.reason
+
+
+@pytest.mark.parametrize("factor", [1.6, 1.75, 1.9])
+def test_the_demos_slow_rank_between_1_55_and_1_95x_runs_alone_as_a_tp1_replica(factor: float) -> None:
+    # tests/test_demo_mixed_tp.py throttles rank 2 1.75x and counts on this answer of the
+    # configured profile: the slow rank keeps working, alone, on one micro-batch of eight
+    from resihp.demo import CPU_CLUSTER
+
+    links = {k: v for k, v in CPU_CLUSTER.items() if k != "devices"}
+    spec = preset("gpt-tiny")
+    current = Plan.uniform(2, 2, 2, spec.num_layers, 8)
+    cluster = Cluster(devices=tuple(DeviceState(rank=r, node="node0", speed=1 / factor if r == 2 else 1.0)
+                                    for r in range(8)), **links)
+    plan = search(cluster, spec, GlobalBatch(8, 128), current, PlannerConfig()).plan
+    assert [(rep.stages, rep.microbatches) for rep in plan.replicas] == [
+        (((0, 1),), 2), (((2,),), 1), (((3, 4),), 2), (((5, 6),), 2), (((7,),), 1)], plan.describe()
 
 
 def test_a_re_plan_wins_back_at_most_what_the_finding_says_the_fault_costs(healthy: tuple[Cluster, Plan]) -> None:

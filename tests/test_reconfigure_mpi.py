@@ -69,10 +69,11 @@ def test_first_switch_equals_the_reference_bitwise(planned: dict[str, Any]) -> N
 
 def test_state_after_every_switch_matches_the_reference(planned: dict[str, Any]) -> None:
     # later layouts sum in another order (TP splits the matmuls): float rounding only, which
-    # AdamW carries on and grows step by step (measured: 5.7e-7 at step 10, 8.5e-6 at 40,
-    # 1.06e-5 at 46), so the bound is per step trained: 2.5e-7 each
+    # AdamW carries on and grows step by step, so the bound is per step trained. The rounding
+    # depends on the CPU's kernels: 1.06e-5 at step 46 on one machine (2.3e-7 a step), 1.42e-5
+    # on an AMD EPYC (3.1e-7 a step, both codes alike); 5e-7 a step leaves room for others
     worst = {s["name"]: (s["vs_ref_max_abs"], s["step"]) for s in planned["switches"]}
-    assert all(diff <= 2.5e-7 * step for diff, step in worst.values()), worst
+    assert all(diff <= 5e-7 * step for diff, step in worst.values()), repr(worst)
 
 
 def test_loss_curve_matches_the_reference_within_1e_5(planned: dict[str, Any]) -> None:
@@ -105,8 +106,9 @@ def test_a_planned_switch_keeps_the_world_and_the_groups_both_plans_need(planned
     # stages' TP pairs, and whose DP pairs the old pipeline pairs) need no new group
     for name in ("pp_44_to_53", "dp_shares_44_to_62", "tp2pp2_to_pp2dp2"):
         assert by_name[name]["kept"] == [[True, 2, 2]] * 4, (name, by_name[name]["kept"])
-    # TP4 on 4 ranks is the world: nothing of TP2xDP2 is kept, nothing else held
-    assert by_name["tp2dp2_to_tp4"]["kept"] == [[True, 0, 0]] * 4
+    # TP4 on 4 ranks is the world: nothing of TP2xDP2 is kept; its one group is its own, not
+    # the default group, so that a rank leaving a failed step can close it (make_groups)
+    assert by_name["tp2dp2_to_tp4"]["kept"] == [[True, 0, 1]] * 4
     # from TP4 every group of TP2xPP2 is new
     assert [k[1] for k in by_name["tp4_to_tp2pp2"]["kept"]] == [0] * 4
     # excluding rank 3: rank 0 keeps both its groups, ranks 1 and 2 the one without rank 3

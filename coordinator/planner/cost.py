@@ -59,8 +59,9 @@ class PlannerConfig:
     regroup_latency_s: float = 10.0  # rebuild communicators and restart the pipeline
     equal_speed_tolerance: float = 0.005  # plans within 0.5 % count as equally fast
     min_gain_fraction: float = 0.01  # gains below 1 % of the iteration are noise
-    # the runtime all-reduces a layer's gradient shards across replicas, so it needs every
-    # replica to split a given layer (and the embedding / head) over the same TP size
+    # for a runtime that all-reduces a layer's gradient shards across replicas shard by shard,
+    # which needs every replica to split a layer (and the embedding / head) over one TP size;
+    # resihp's sums by coarse shard (trainer_hooks/runtime/trainer.py, Runtime._sync_mixed)
     uniform_tp_per_layer: bool = False
     # DP shares cut by the packed document, not the micro-batch (docs/plan-inputs.md,
     # "Document shares"); the runtime's data path draws token shares (trainer_hooks/runtime/docsplit.py).

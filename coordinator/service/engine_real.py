@@ -268,8 +268,9 @@ class RealEngine:
             if raw is None:  # a finding the coordinator made itself (pid exit, its own heartbeat clock)
                 raw = Finding(finding.iteration, finding.kind, tuple(finding.ranks), finding.stage,  # type: ignore[arg-type]
                               finding.replica, None, finding.factor, finding.cause, finding.reason, {}, finding.time_s)
-        # the real runtime needs every replica to split a layer over the same TP size
-        config = pl.PlannerConfig(uniform_tp_per_layer=True, document_shares=self.document_shares) \
+        # the runtime sums a layer's gradients by coarse shard where replicas split it over
+        # different TP sizes (Runtime._sync_mixed), so mixed-TP plans are open to the planner
+        config = pl.PlannerConfig(document_shares=self.document_shares) \
             if hasattr(pl, "PlannerConfig") else None
         if config is not None and priced is not None and priced.hbm_bw_Bps:
             config = replace(config, hbm_bw_Bps=priced.hbm_bw_Bps)

@@ -222,14 +222,13 @@ def make_groups(plans: Sequence[Plan], rank: int, layout: ModelLayout | None = N
     wanted: set[tuple[int, ...]] = set()
     for plan in plans:
         wanted |= rank_sets(plan, layout)
-    world = dist.get_world_size()
     made: dict[tuple[int, ...], Any] = {}
     for ranks in sorted(wanted):
         if len(ranks) < 2 or ranks in existing:
             continue
-        if len(ranks) == world:
-            made[ranks] = dist.group.WORLD
-            continue
+        # a set spanning the whole world gets a group of its own too, not the default group:
+        # a rank that leaves a failed step closes its groups' connections to wake the peers
+        # blocked on it (``sever``), and the default group's never close (torch holds it)
         group = dist.new_group(list(ranks))
         if rank in ranks:
             made[ranks] = group

@@ -321,6 +321,18 @@ def test_bad_inputs_raise_clear_errors(healthy: tuple[Cluster, Plan]) -> None:
         GlobalBatch(0, 4096)
 
 
+def _demo_job_with_rank_2_slow(factor: float) -> tuple[Cluster, ModelSpec, Plan]:
+    """The demo's CPU job as the configured profile prices it: 8 ranks TP2 x PP2 x DP2 of
+    gpt-tiny on ``CPU_CLUSTER``'s links, rank 2 ``factor`` times slow."""
+    from resihp.demo import CPU_CLUSTER
+
+    links = {k: v for k, v in CPU_CLUSTER.items() if k != "devices"}
+    spec = preset("gpt-tiny")
+    cluster = Cluster(devices=tuple(DeviceState(rank=r, node="node0", speed=1 / factor if r == 2 else 1.0)
+                                    for r in range(8)), **links)
+    return cluster, spec, Plan.uniform(2, 2, 2, spec.num_layers, 8)
+
+
 def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_replan() -> None:
     # The demo's CPU job (8 ranks TP2 x PP2 x DP2 of gpt-tiny, rank 2 found 1.96x slow): the
     # unconstrained search's best is mixed TP2 and TP1 replicas (resihp's runtime runs them,
@@ -328,13 +340,8 @@ def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_repl
     # plans, and must still get a full re-plan, not a fall-back to dp-shares (0.441
     # s/iteration instead of 0.370; bench/e2e.py, 2026-12-01, when resihp's was such a runtime)
     from resihp.coordinator.planner.decision import tp_uniform_per_layer
-    from resihp.demo import CPU_CLUSTER
 
-    links = {k: v for k, v in CPU_CLUSTER.items() if k != "devices"}
-    spec = preset("gpt-tiny")
-    current = Plan.uniform(2, 2, 2, spec.num_layers, 8)
-    cluster = Cluster(devices=tuple(DeviceState(rank=r, node="node0", speed=1 / 1.96 if r == 2 else 1.0)
-                                    for r in range(8)), **links)
+    cluster, spec, current = _demo_job_with_rank_2_slow(1.96)
     free = search(cluster, spec, GlobalBatch(8, 128), current, PlannerConfig())
     assert not tp_uniform_per_layer(free.plan)  # what the search prefers without the constraint
     cfg = PlannerConfig(uniform_tp_per_layer=True)
@@ -349,13 +356,7 @@ def test_the_search_honours_uniform_tp_per_layer_so_the_runtime_gets_a_full_repl
 def test_the_demos_slow_rank_between_1_55_and_1_95x_runs_alone_as_a_tp1_replica(factor: float) -> None:
     # tests/test_demo_mixed_tp.py throttles rank 2 1.75x and counts on this answer of the
     # configured profile: the slow rank keeps working, alone, on one micro-batch of eight
-    from resihp.demo import CPU_CLUSTER
-
-    links = {k: v for k, v in CPU_CLUSTER.items() if k != "devices"}
-    spec = preset("gpt-tiny")
-    current = Plan.uniform(2, 2, 2, spec.num_layers, 8)
-    cluster = Cluster(devices=tuple(DeviceState(rank=r, node="node0", speed=1 / factor if r == 2 else 1.0)
-                                    for r in range(8)), **links)
+    cluster, spec, current = _demo_job_with_rank_2_slow(factor)
     plan = search(cluster, spec, GlobalBatch(8, 128), current, PlannerConfig()).plan
     assert [(rep.stages, rep.microbatches) for rep in plan.replicas] == [
         (((0, 1),), 2), (((2,),), 1), (((3, 4),), 2), (((5, 6),), 2), (((7,),), 1)], plan.describe()

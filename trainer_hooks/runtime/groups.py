@@ -268,7 +268,7 @@ def build_groups(
 def destroy_groups(groups: EpochGroups, keep: frozenset[tuple[int, ...]] = frozenset()) -> None:
     """Destroy this epoch's groups, except those of the rank sets in ``keep`` (the next plan's too)."""
     for ranks, group in groups._by_ranks.items():
-        if group is not None and group is not dist.group.WORLD and ranks not in keep:
+        if group is not None and ranks not in keep:
             dist.destroy_process_group(group)
     groups._by_ranks.clear()  # peer_groups stay: whoever lets go of the groups (sever, retire) drops them
 
